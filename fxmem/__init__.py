@@ -1,0 +1,16 @@
+"""fxmem: a torch.compile backend that makes fine-tuning fit in less memory.
+
+    model = torch.compile(model, backend="fxmem")                      # the 'exact' preset
+    model = torch.compile(model, backend=fxmem.backend(preset="exact"))
+    report = fxmem.inspect(model, **batch)                            # what is saved, and why
+"""
+
+__version__ = "0.1.0"
+
+from fxmem import measure
+from fxmem.backend import Backend, backend
+from fxmem.config import PRESETS, Config
+from fxmem.inspection import inspect
+from fxmem.report import Report
+
+__all__ = ["PRESETS", "Backend", "Config", "Report", "backend", "inspect", "measure", "__version__"]

@@ -1,0 +1,145 @@
+"""fxmem's configuration: one validated, immutable object and its named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+BITS_CHOICES = (1, 2, 4, 8)
+RUNLORA_CHOICES = ("off", "flops", "time")
+
+# Techniques whose switch exists but whose pass is not built yet, and the issue
+# that builds it. A config that turns one on is refused, never silently ignored.
+_NOT_BUILT = {
+    "bits": "quantized saved activations (issue: Quantized saved activations with outlier channels)",
+    "attn_sparsity": "attention-map sparsification (issue: Quantized saved activations with outlier channels)",
+    "lora_reorder": "LoRA reorder recompute (issue: LoRA reorder recompute and fused epilogues)",
+    "lowrank": "low-rank saved activations (issue: Low-rank saved activations (LoRAct))",
+    "runlora": "RunLoRA variant selection (issue: The cost model, RunLoRA variant selection, and fxmem whatif)",
+    "memory_budget": "memory-budget planning (issue: The cost model, RunLoRA variant selection, and fxmem whatif)",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every technique's switch. The defaults are the ``exact`` preset: nothing lossy.
+
+    bits: quantize saved activations to 1, 2, 4 or 8 bits; None keeps them as they are.
+    outlier_ratio: fraction of norm-input channels kept in full precision when quantizing.
+    attn_sparsity: fraction of attention probabilities kept (eager attention); None is off.
+    calibration_steps: training forwards that gather quantization statistics before freezing them.
+    lora_reorder: save quantized X W plus X A and rebuild the LoRA output in backward.
+    lowrank: low-rank saved activations, as a ratio of the last dimension in (0, 1)
+        or an integer rank >= 1; None is off.
+    runlora: how a LoRA linear's forward/backward order is chosen: "off" (as traced),
+        "flops" (cost model) or "time" (measured once at compile time).
+    memory_budget: cap on saved-activation bytes as a fraction in (0, 1] of the exact
+        plan's; None is no cap.
+    """
+
+    bits: int | None = None
+    outlier_ratio: float = 0.005
+    attn_sparsity: float | None = None
+    calibration_steps: int = 5
+    lora_reorder: bool = False
+    lowrank: float | int | None = None
+    runlora: str = "off"
+    memory_budget: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("bits", self.bits, BITS_CHOICES + (None,))
+        _check_fraction("outlier_ratio", self.outlier_ratio, low_open=False, high=0.5, high_open=True,
+                        allow_none=False)
+        _check_fraction("attn_sparsity", self.attn_sparsity, low_open=True, high=1.0, high_open=False,
+                        allow_none=True)
+        if _is_bool(self.calibration_steps) or not isinstance(self.calibration_steps, int) \
+                or self.calibration_steps < 1:
+            raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
+        if not isinstance(self.lora_reorder, bool):
+            raise ValueError(f"lora_reorder must be True or False; got {self.lora_reorder!r}")
+        _check_lowrank(self.lowrank)
+        _check_choice("runlora", self.runlora, RUNLORA_CHOICES)
+        _check_fraction("memory_budget", self.memory_budget, low_open=True, high=1.0, high_open=False,
+                        allow_none=True)
+
+    @classmethod
+    def from_preset(cls, preset: str = "exact", **overrides: Any) -> Config:
+        """The named preset with ``overrides`` applied (each validated)."""
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+        return PRESETS[preset].replace(**overrides)
+
+    def replace(self, **overrides: Any) -> Config:
+        """A copy with ``overrides`` applied; unknown names raise ValueError naming the valid ones."""
+        valid = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(overrides) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown fxmem option(s) {', '.join(unknown)}; valid options: "
+                             f"{', '.join(valid)} (and 'preset')")
+        return dataclasses.replace(self, **overrides)
+
+    def enabled_techniques(self) -> list[str]:
+        """Names of the fields whose technique this config turns on."""
+        on = {
+            "bits": self.bits is not None,
+            "attn_sparsity": self.attn_sparsity is not None,
+            "lora_reorder": self.lora_reorder,
+            "lowrank": self.lowrank is not None,
+            "runlora": self.runlora != "off",
+            "memory_budget": self.memory_budget is not None,
+        }
+        return [name for name, is_on in on.items() if is_on]
+
+    def require_built(self) -> None:
+        """Raise NotImplementedError if this config asks for a technique fxmem does not have yet."""
+        missing = [name for name in self.enabled_techniques() if name in _NOT_BUILT]
+        if missing:
+            topics = "; ".join(f"{name}: {_NOT_BUILT[name]}" for name in missing)
+            raise NotImplementedError(f"not built yet: {topics}. The 'exact' preset runs today.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if _is_bool(value) or value not in choices:
+        shown = ", ".join("None" if c is None else repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {shown}; got {value!r}")
+
+
+def _check_fraction(name: str, value: Any, *, low_open: bool, high: float, high_open: bool,
+                    allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    in_range = (isinstance(value, (int, float)) and not _is_bool(value)
+                and (0 < value if low_open else 0 <= value)
+                and (value < high if high_open else value <= high))
+    if not in_range:
+        interval = f"{'(' if low_open else '['}0, {high}{')' if high_open else ']'}"
+        suffix = " or None (off)" if allow_none else ""
+        raise ValueError(f"{name} must be a number in {interval}{suffix}; got {value!r}")
+
+
+def _check_lowrank(value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, int) and not _is_bool(value) and value >= 1:
+        return
+    if isinstance(value, float) and 0 < value < 1:
+        return
+    raise ValueError("lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1, "
+                     f"or None (off); got {value!r}")
+
+
+PRESETS: dict[str, Config] = {
+    "exact": Config(),
+    "hyclora-4bit": Config(bits=4, attn_sparsity=0.05),
+    "hyclora-2bit": Config(bits=2, attn_sparsity=0.05),
+    "loract": Config(lowrank=0.125),
+    "runlora": Config(runlora="flops"),
+}

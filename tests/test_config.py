@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+import fxmem
+from fxmem import PRESETS, Config
+from fxmem.backend import fxmem_backend
+
+
+def test_defaults_are_the_exact_preset():
+    assert Config() == PRESETS["exact"] == Config.from_preset("exact")
+    assert Config().enabled_techniques() == []
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("bits", 3, "bits must be one of 1, 2, 4, 8, None"),
+    ("bits", True, "bits must be one of 1, 2, 4, 8, None"),
+    ("outlier_ratio", -0.1, "outlier_ratio must be a number in [0, 0.5)"),
+    ("outlier_ratio", 0.5, "outlier_ratio must be a number in [0, 0.5)"),
+    ("attn_sparsity", 0.0, "attn_sparsity must be a number in (0, 1.0] or None (off)"),
+    ("attn_sparsity", 1.5, "attn_sparsity must be a number in (0, 1.0] or None (off)"),
+    ("calibration_steps", 0, "calibration_steps must be an integer >= 1"),
+    ("calibration_steps", 2.5, "calibration_steps must be an integer >= 1"),
+    ("lora_reorder", 1, "lora_reorder must be True or False"),
+    ("lowrank", 1.0, "lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1"),
+    ("lowrank", 0, "lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1"),
+    ("lowrank", True, "lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1"),
+    ("runlora", "fastest", "runlora must be one of 'off', 'flops', 'time'"),
+    ("memory_budget", 0.0, "memory_budget must be a number in (0, 1.0] or None (off)"),
+    ("memory_budget", 2, "memory_budget must be a number in (0, 1.0] or None (off)"),
+])
+def test_bad_values_name_the_valid_range(field, value, expected):
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        Config(**{field: value})
+    with pytest.raises(ValueError):
+        Config().replace(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("bits", 1), ("bits", 8), ("outlier_ratio", 0.0), ("attn_sparsity", 1.0), ("calibration_steps", 100),
+    ("lora_reorder", True), ("lowrank", 0.125), ("lowrank", 32), ("runlora", "time"), ("memory_budget", 0.5),
+])
+def test_good_values_are_accepted(field, value):
+    assert getattr(Config(**{field: value}), field) == value
+
+
+def test_unknown_preset_and_option_name_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown preset 'fast'; valid presets: exact, hyclora-4bit"):
+        Config.from_preset("fast")
+    with pytest.raises(ValueError, match=r"unknown fxmem option\(s\) bitz; valid options: bits, outlier_ratio"):
+        Config().replace(bitz=4)
+
+
+@pytest.mark.parametrize("overrides, topic", [
+    ({"bits": 4}, "Quantized saved activations with outlier channels"),
+    ({"attn_sparsity": 0.05}, "attention-map sparsification"),
+    ({"lora_reorder": True}, "LoRA reorder recompute and fused epilogues"),
+    ({"lowrank": 0.125}, "Low-rank saved activations"),
+    ({"runlora": "flops"}, "RunLoRA variant selection"),
+    ({"memory_budget": 0.5}, "memory-budget planning"),
+])
+def test_techniques_not_built_yet_are_refused_with_their_topic(overrides, topic):
+    config = Config(**overrides)  # valid: the field exists and validates
+    with pytest.raises(NotImplementedError, match=topic):
+        config.require_built()
+    with pytest.raises(NotImplementedError, match=topic):
+        fxmem.backend(**overrides)
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "exact"])
+def test_presets_of_later_issues_are_refused_not_ignored(preset):
+    with pytest.raises(NotImplementedError, match="not built yet"):
+        fxmem.backend(preset=preset)
+
+
+def test_backend_options_are_validated_before_compiling():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        fxmem_backend(gm, [torch.randn(1, 2)], options={"preset": "nope"})
+    with pytest.raises(ValueError, match="unknown fxmem option"):
+        fxmem_backend(gm, [torch.randn(1, 2)], options={"bitz": 2})
+    with pytest.raises(NotImplementedError, match="Quantized saved activations"):
+        fxmem_backend(gm, [torch.randn(1, 2)], options={"bits": 2})
+
+
+def test_backend_rejects_unknown_lowering():
+    with pytest.raises(ValueError, match="lowering must be one of inductor, eager"):
+        fxmem.Backend(lowering="tvm")
