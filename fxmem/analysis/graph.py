@@ -1,0 +1,175 @@
+"""Small read-only queries on aten FX graphs, shared by every analysis."""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch.fx import Node
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+# Ops that change only the dtype: a tensor seen through one is still "the same value".
+DTYPE_CASTS = frozenset({prims.convert_element_type.default, aten._to_copy.default})
+
+
+def is_view_op(target: object) -> bool:
+    """True for aten ops whose output aliases their first input (view, permute, slice, split...)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def is_view(node: Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        parent = node.args[0]
+        return isinstance(parent, Node) and parent.op == "call_function" and is_view_op(parent.target)
+    return is_view_op(node.target)
+
+
+def storage_base(node: Node) -> Node:
+    """The node that allocated the storage ``node`` looks at (itself unless it is a view)."""
+    while is_view(node):
+        node = node.args[0] if node.target is not operator.getitem else node.args[0].args[0]
+    return node
+
+
+def users_through_views(node: Node) -> list[Node]:
+    """Every non-view user of ``node`` or of a view of it (graph outputs excluded)."""
+    found: list[Node] = []
+    stack = [node]
+    seen: set[Node] = set()
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            if user in seen or user.op == "output":
+                continue
+            seen.add(user)
+            if is_view(user):
+                stack.append(user)
+            else:
+                found.append(user)
+    return found
+
+
+def strip(node: object, *, casts: bool = True) -> object:
+    """``node`` with views (and, by default, dtype casts) peeled off its front."""
+    while isinstance(node, Node) and (is_view(node) or (casts and node.target in DTYPE_CASTS)):
+        node = node.args[0] if node.target is not operator.getitem else node.args[0].args[0]
+    return node
+
+
+def tensor_args(node: Node) -> list[Node]:
+    return [a for a in node.args if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def original_op(node: Node) -> str:
+    """The aten op this node was decomposed from (or its own target), as a short name.
+
+    Inductor's decompositions split ops such as silu or native_layer_norm into
+    primitives; each primitive keeps the original op in ``meta["original_aten"]``.
+    """
+    target = node.meta.get("original_aten") or node.target
+    return op_name(target)
+
+
+def op_name(target: object) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    name = getattr(target, "__name__", None) or str(target)
+    # OpOverload.__name__ is like "silu.default"; drop the overload for readability.
+    name = str(getattr(target, "_opname", None) or name.split(".")[0])
+    return name
+
+
+def tensor_val(node: Node) -> torch.Tensor | None:
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def is_floating(val: torch.Tensor) -> bool:
+    return val.dtype.is_floating_point or val.dtype.is_complex
+
+
+def hint(value: int | torch.SymInt) -> int:
+    """A concrete int for a (possibly symbolic) size, without adding guards."""
+    if isinstance(value, torch.SymInt):
+        h = value.node.hint
+        if h is None:
+            raise ValueError(f"size {value} has no hint (data-dependent)")
+        return int(h)
+    return int(value)
+
+
+def shape_hint(val: torch.Tensor) -> tuple[int, ...]:
+    return tuple(hint(s) for s in val.shape)
+
+
+def shape_text(val: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in val.shape) + ")"
+
+
+def storage_bytes(val: torch.Tensor) -> int:
+    """Bytes of the storage a freshly allocated tensor with ``val``'s layout needs."""
+    if val.numel() == 0:
+        return 0
+    sizes = shape_hint(val)
+    strides = [hint(s) for s in val.stride()]
+    span = 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides) if size > 0)
+    return (span + hint(val.storage_offset())) * val.element_size()
+
+
+def is_reduced_shape(val: torch.Tensor) -> bool:
+    """A per-row statistic or a scalar: 0-d/1-d, or a trailing dimension of size 1."""
+    return val.dim() <= 1 or hint(val.shape[-1]) == 1
+
+
+_MODULE_PART = re.compile(r"\['([^']*)'\]|\.([^.\[\]]+)")
+
+
+def module_path(node: Node) -> str:
+    """Dotted path of the innermost module that produced ``node`` ('' at the top level)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path, _cls = list(stack.values())[-1]
+    return clean_module_path(str(path))
+
+
+def clean_module_path(raw: str) -> str:
+    """Turn dynamo's source string (L['self'].__dict__['_modules']['model'].layers.0) into model.layers.0."""
+    raw = raw.replace(".__dict__['_modules']", "").replace("._modules", "")
+    raw = re.sub(r"^L\['[^']*'\]", "", raw)  # the compiled callable's own name: L['self'], L['fn']
+    return ".".join(a or b for a, b in _MODULE_PART.findall(raw))
+
+
+def layer_of(module: str) -> str:
+    """The repeated block a module path belongs to ('model.layers.3' for '...layers.3.mlp'), or ''."""
+    match = re.match(r"^(.*?\.\d+)(?:\.|$)", module)
+    return match.group(1) if match else ""
+
+
+def walk_back(node: Node, through: Iterable[object] = (), depth: int = 8) -> Iterator[Node]:
+    """``node`` and its producers, following views, casts and the ops in ``through``."""
+    through = set(through)
+    frontier = [node]
+    for _ in range(depth):
+        next_frontier = []
+        for current in frontier:
+            yield current
+            if current.op != "call_function":
+                continue
+            if is_view(current) or current.target in DTYPE_CASTS or current.target in through \
+                    or original_op(current) in through:
+                next_frontier.extend(tensor_args(current)[:1] if is_view(current)
+                                     else tensor_args(current))
+        frontier = next_frontier
+        if not frontier:
+            return

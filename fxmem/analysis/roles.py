@@ -1,0 +1,368 @@
+"""Why a saved tensor is saved: its role, read from the aten graph alone.
+
+Each rule looks at the tensor's storage, what the forward does with it and what
+the backward uses it for (``original_aten`` names the op a primitive was
+decomposed from, so silu or layer_norm survive inductor's decompositions).
+Model-class names are never consulted, so the roles hold for any transformer.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch.fx import Node
+
+from fxmem.analysis.graph import (
+    DTYPE_CASTS,
+    aten,
+    is_floating,
+    is_reduced_shape,
+    module_path,
+    original_op,
+    storage_base,
+    strip,
+    tensor_args,
+    tensor_val,
+    users_through_views,
+    walk_back,
+)
+from fxmem.analysis.lora import MATMULS, LoraLinear, matmul_operands
+
+
+class Role(str, Enum):
+    LINEAR_INPUT = "linear_input"
+    LORA_INTERMEDIATE = "lora_intermediate"
+    NORM_INPUT = "norm_input"
+    ACT_INPUT = "act_input"
+    PRODUCT_INPUT = "product_input"
+    ATTN_QKV = "attn_qkv"
+    ATTN_PROBS = "attn_probs"
+    ATTN_OUT = "attn_out"
+    ATTN_MASK = "attn_mask"
+    ROPE_TABLE = "rope_table"
+    LOSS_INPUT = "loss_input"
+    DROPOUT_MASK = "dropout_mask"
+    SMALL = "small"
+    INDEX = "index"
+    INPUT_VIEW = "input_view"
+    PARAMETER = "parameter"
+    UNKNOWN = "unknown"
+
+
+ROLE_DESCRIPTIONS = {
+    Role.LINEAR_INPUT: "input of a linear layer, kept for its weight's (or LoRA A's) gradient",
+    Role.LORA_INTERMEDIATE: "x @ A of a LoRA linear (rank r), kept for B's gradient",
+    Role.NORM_INPUT: "input, or normalized input, of a LayerNorm/RMSNorm",
+    Role.ACT_INPUT: "input (or precomputed derivative) of an activation function",
+    Role.PRODUCT_INPUT: "operand of an elementwise product of two activations (SwiGLU's up * act(gate))",
+    Role.ATTN_QKV: "query, key or value of attention",
+    Role.ATTN_PROBS: "attention scores or probabilities (eager attention)",
+    Role.ATTN_OUT: "fused attention's output or log-sum-exp",
+    Role.ATTN_MASK: "mask or bias added to attention scores",
+    Role.ROPE_TABLE: "rotary-embedding cos/sin table",
+    Role.LOSS_INPUT: "logits kept for the log-softmax / cross-entropy backward",
+    Role.DROPOUT_MASK: "dropout keep-mask",
+    Role.SMALL: "per-row statistic or scalar (norm rstd, softmax max/sum, loss scale)",
+    Role.INDEX: "integer or boolean tensor (labels, masks, indices)",
+    Role.INPUT_VIEW: "a graph input or a view of one: compressing it frees nothing",
+    Role.PARAMETER: "a parameter or buffer, or a view of one: not an activation",
+    Role.UNKNOWN: "saved for a reason no rule recognises",
+}
+
+ACTIVATIONS = frozenset({
+    "silu", "gelu", "relu", "tanh", "sigmoid", "elu", "leaky_relu", "softplus", "mish", "hardswish",
+    "hardsigmoid", "hardtanh", "celu", "selu", "glu", "relu6", "threshold", "log_sigmoid_forward", "prelu",
+    "_prelu_kernel",
+})
+ACTIVATION_BACKWARDS = frozenset({f"{a}_backward" for a in ACTIVATIONS} | {"log_sigmoid_backward"})
+NORMS = frozenset({
+    "native_layer_norm", "layer_norm", "native_group_norm", "group_norm", "native_batch_norm", "batch_norm",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "_fused_rms_norm", "rms_norm",
+})
+NORM_BACKWARDS = frozenset({
+    "native_layer_norm_backward", "native_group_norm_backward", "native_batch_norm_backward",
+    "_fused_rms_norm_backward",
+})
+SOFTMAXES = frozenset({"_softmax", "softmax", "_safe_softmax"})
+LOG_SOFTMAXES = frozenset({"_log_softmax", "log_softmax"})
+# Pointwise ops that make a hand-written activation (GPT-2's tanh GELU, x * sigmoid(x)).
+NONLINEAR_POINTWISE = frozenset({"tanh", "exp", "sigmoid", "erf", "log1p", "expm1", "sin", "cos"})
+BATCHED_MATMULS = frozenset({aten.bmm.default, aten.baddbmm.default})
+
+
+def is_fused_attention(node: Node) -> bool:
+    name = original_op(node)
+    return node.op == "call_function" and "backward" not in name and (
+        "scaled_dot_product" in name or name in ("_flash_attention_forward", "_efficient_attention_forward"))
+
+
+@dataclass
+class TensorFacts:
+    node: Node  # the saved forward node
+    base: Node  # the node that allocated its storage
+    fw_users: list[Node]  # forward users of the storage, through views
+    bw_users: list[Node]  # backward users of the saved tensor, through views
+    params: frozenset[Node]
+    inputs: frozenset[Node]
+    lora_by_xa: dict[Node, LoraLinear]
+    fw_nodes: dict[str, Node]  # forward nodes by name: min-cut gives a recomputed node its forward name
+
+    @property
+    def val(self) -> torch.Tensor:
+        return tensor_val(self.node)
+
+    def fw_ops(self) -> set[str]:
+        return {original_op(u) for u in self.fw_users}
+
+    def bw_ops(self) -> set[str]:
+        return {original_op(u) for u in self.bw_users}
+
+
+Match = tuple[Role, str]
+
+
+def _parameter(f: TensorFacts) -> Match | None:
+    if f.base in f.params:
+        return Role.PARAMETER, f.base.name
+    if f.base in f.inputs:
+        return Role.INPUT_VIEW, f.base.name
+    return None
+
+
+def _dropout_mask(f: TensorFacts) -> Match | None:
+    if f.val.dtype == torch.bool and (original_op(f.base) == "native_dropout"
+                                     or "native_dropout_backward" in f.bw_ops()):
+        return Role.DROPOUT_MASK, ""
+    return None
+
+
+def _fused_attention(f: TensorFacts) -> Match | None:
+    base = f.base
+    if base.target is operator.getitem:
+        parent = base.args[0]
+        if isinstance(parent, Node) and is_fused_attention(parent):
+            index = base.args[1]
+            if index == 0:
+                return Role.ATTN_OUT, "output"
+            if index == 1:
+                return Role.ATTN_OUT, "log-sum-exp"
+            return Role.SMALL, f"attention state #{index}"
+    for user in f.fw_users:
+        if is_fused_attention(user):
+            operands = list(user.args) + list(user.kwargs.values())
+            for position, arg in enumerate(operands):
+                if isinstance(arg, Node) and storage_base(arg) is base:
+                    return (Role.ATTN_QKV, "qkv"[position]) if position < 3 else (Role.ATTN_MASK, "")
+    return None
+
+
+def _eager_attention(f: TensorFacts) -> Match | None:
+    """q/k/v and probabilities of attention written as matmul + softmax + matmul."""
+    if is_reduced_shape(f.val):
+        return None
+    if _from_softmax(f.base):
+        return Role.ATTN_PROBS, "probabilities"
+    if _feeds(f.base, SOFTMAXES):
+        return Role.ATTN_PROBS, "scores (softmax input)"
+    for user in f.fw_users:
+        if user.target not in BATCHED_MATMULS:
+            continue
+        lhs, rhs = matmul_operands(user)
+        if _from_softmax(lhs) and storage_base(rhs) is f.base:
+            return Role.ATTN_QKV, "v"
+        if _feeds(user, SOFTMAXES):
+            return Role.ATTN_QKV, "q" if storage_base(lhs) is f.base else "k"
+    return None
+
+
+def _lora_intermediate(f: TensorFacts) -> Match | None:
+    lora = f.lora_by_xa.get(f.base)
+    if lora is not None:
+        return Role.LORA_INTERMEDIATE, f"x@A, r={lora.rank}"
+    return None
+
+
+def _norm(f: TensorFacts) -> Match | None:
+    # Fed into a norm, or used by a norm's backward; a norm's output read by a linear is not a norm role.
+    norm_ops = (f.fw_ops() & NORMS) | (f.bw_ops() & NORM_BACKWARDS)
+    if norm_ops:
+        name = sorted(norm_ops)[0].removeprefix("native_").removesuffix("_backward")
+        if is_reduced_shape(f.val):
+            return Role.SMALL, f"{name} statistics"
+        if original_op(f.base) in NORMS:
+            return Role.NORM_INPUT, f"normalized x̂ ({name})"
+        return Role.NORM_INPUT, name
+    if _is_rms_input(f.base):
+        return Role.NORM_INPUT, "input (RMSNorm)"
+    if f.base.target is aten.mul.Tensor and any(_is_rms_input(strip(a)) for a in tensor_args(f.base)):
+        return Role.NORM_INPUT, "normalized x̂ (RMSNorm)"
+    if is_reduced_shape(f.val) and _is_rms_stat(f.base):
+        return Role.SMALL, "RMSNorm statistics"
+    return None
+
+
+def _activation(f: TensorFacts) -> Match | None:
+    found = f.fw_ops() & ACTIVATIONS
+    if found:
+        return Role.ACT_INPUT, sorted(found)[0]
+    found = f.bw_ops() & ACTIVATION_BACKWARDS
+    if found:
+        name = sorted(found)[0].removesuffix("_backward")
+        derived = original_op(f.base) in ACTIVATION_BACKWARDS
+        return Role.ACT_INPUT, f"{name} derivative" if derived else name
+    for user in f.fw_users + [u for c in f.fw_users if c.target in DTYPE_CASTS for u in users_through_views(c)]:
+        if original_op(user) in NONLINEAR_POINTWISE or _is_odd_power(user):
+            return Role.ACT_INPUT, "hand-written pointwise"
+    return None
+
+
+def _loss_input(f: TensorFacts) -> Match | None:
+    if not is_reduced_shape(f.val) and _feeds(f.base, LOG_SOFTMAXES, depth=2):
+        return Role.LOSS_INPUT, "logits"
+    return None
+
+
+def _rope_table(f: TensorFacts) -> Match | None:
+    trig = _rope_trig(f.base)
+    return (Role.ROPE_TABLE, trig) if trig else None
+
+
+def _product(f: TensorFacts) -> Match | None:
+    for user in f.fw_users:
+        if user.target is not aten.mul.Tensor or original_op(user) != "mul":
+            continue
+        operands = tensor_args(user)
+        if len(operands) != 2:
+            continue
+        other = operands[1] if storage_base(operands[0]) is f.base else operands[0]
+        other_val = tensor_val(other)
+        if strip(other) in f.params or other_val is None or other_val.numel() != f.val.numel():
+            continue
+        if _rope_trig(storage_base(other)) is None:
+            return Role.PRODUCT_INPUT, "x in x*y"
+    return None
+
+
+def _linear_input(f: TensorFacts) -> Match | None:
+    readers = []
+    for user in f.fw_users:
+        if user.target in MATMULS or user.target in BATCHED_MATMULS:
+            if any(strip(o) in f.params for o in matmul_operands(user) if storage_base(o) is not f.base):
+                readers.append(_short_module(module_path(user)))
+    if readers:
+        return Role.LINEAR_INPUT, ", ".join(dict.fromkeys(r for r in readers if r))
+    return None
+
+
+def _recompute_source(f: TensorFacts) -> Match | None:
+    """Saved only so that backward can recompute a forward value: take that value's role."""
+    for user in f.bw_users:
+        twin = f.fw_nodes.get(user.name)
+        if twin is None or twin.target != user.target or twin is f.base or tensor_val(twin) is None:
+            continue  # not a recomputation, or a multi-output op (its getitems are what gets classified)
+        twin_facts = TensorFacts(node=twin, base=storage_base(twin), fw_users=users_through_views(twin),
+                                 bw_users=users_through_views(user), params=f.params, inputs=f.inputs,
+                                 lora_by_xa=f.lora_by_xa, fw_nodes={})  # no fw_nodes: one level deep
+        role, detail = classify(twin_facts)[0]
+        if role is not Role.UNKNOWN:
+            return role, f"recomputes {twin.name}: {detail}" if detail else f"recomputes {twin.name}"
+    return None
+
+
+def _small_or_index(f: TensorFacts) -> Match | None:
+    if not is_floating(f.val):
+        return Role.INDEX, original_op(f.base)
+    if is_reduced_shape(f.val):
+        return Role.SMALL, original_op(f.base)
+    return None
+
+
+RULES: tuple[Callable[[TensorFacts], Match | None], ...] = (
+    _parameter, _dropout_mask, _fused_attention, _lora_intermediate, _eager_attention, _norm, _activation,
+    _loss_input, _rope_table, _product, _linear_input, _small_or_index, _recompute_source,
+)
+
+
+def classify(facts: TensorFacts) -> list[Match]:
+    """Every role the tensor matches, most specific first; [(UNKNOWN, producer)] if none."""
+    matches = [m for m in (rule(facts) for rule in RULES) if m is not None]
+    if not matches:
+        return [(Role.UNKNOWN, original_op(facts.base))]
+    if matches[0][0] in (Role.PARAMETER, Role.INPUT_VIEW):
+        return matches[:1]
+    return matches
+
+
+# Pointwise ops that carry attention scores from the matmul to the softmax (scale, mask, bias).
+_SCORE_PASSTHROUGH = frozenset({"add", "sub", "mul", "div", "where", "masked_fill"})
+
+
+def _feeds(node: Node, ops: frozenset[str], depth: int = 4) -> bool:
+    """Does ``node``'s value reach an op in ``ops`` through views, casts and scale/mask pointwise ops?"""
+    frontier = [node]
+    for _ in range(depth):
+        next_frontier = []
+        for current in frontier:
+            for user in users_through_views(current):
+                name = original_op(user)
+                if name in ops:
+                    return True
+                if user.target in DTYPE_CASTS or name in _SCORE_PASSTHROUGH:
+                    next_frontier.append(user)
+        frontier = next_frontier
+    return False
+
+
+def _from_softmax(node: object) -> bool:
+    if not isinstance(node, Node):
+        return False
+    return any(original_op(p) in SOFTMAXES for p in walk_back(node, through=("native_dropout",), depth=6))
+
+
+def _is_rms_input(node: object) -> bool:
+    """x in x * rsqrt(mean(x**2, -1) + eps), possibly through a dtype cast."""
+    if not isinstance(node, Node):
+        return False
+    candidates = [node] + [u for u in node.users if u.target in DTYPE_CASTS]
+    for x in candidates:
+        for square in x.users:
+            is_square = (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2) or \
+                        (square.target is aten.mul.Tensor and square.args[0] is x and square.args[1] is x)
+            if is_square and any(u.target in (aten.mean.dim, aten.sum.dim_IntList) for u in square.users):
+                return True
+    return False
+
+
+def _is_rms_stat(node: Node) -> bool:
+    """rsqrt(mean(x**2, -1) + eps) of an RMSNorm input x."""
+    for producer in walk_back(node, through=("add", "rsqrt", "sqrt", "reciprocal"), depth=4):
+        if producer.target in (aten.mean.dim, aten.sum.dim_IntList):
+            square = producer.args[0]
+            if isinstance(square, Node) and square.args and _is_rms_input(strip(square.args[0])):
+                return True
+    return False
+
+
+def _rope_trig(node: Node) -> str | None:
+    """'cos' or 'sin' if ``node`` is a rotary table: cos/sin of positions, maybe scaled, cast, expanded."""
+    for producer in walk_back(node, through=("mul", "cat", "clone", "expand", "unsqueeze"), depth=6):
+        if original_op(producer) in ("cos", "sin"):
+            return original_op(producer)
+    return None
+
+
+def _is_odd_power(node: Node) -> bool:
+    return node.target is aten.pow.Tensor_Scalar and node.args[1] not in (1, 2)
+
+
+_PEFT_WRAPPERS = frozenset({"base_layer", "lora_A", "lora_B", "default"})
+
+
+def _short_module(path: str) -> str:
+    """The linear's own name ('q_proj' for '...self_attn.q_proj.base_layer'), for a readable detail."""
+    parts = [p for p in path.split(".") if p not in _PEFT_WRAPPERS]
+    return parts[-1] if parts else ""

@@ -1,0 +1,114 @@
+"""Find every tensor a partitioned forward keeps for backward, and describe it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.fx import GraphModule, Node
+
+from fxmem.analysis.graph import (
+    layer_of,
+    module_path,
+    original_op,
+    shape_hint,
+    shape_text,
+    storage_base,
+    storage_bytes,
+    tensor_val,
+    users_through_views,
+)
+from fxmem.analysis.lora import LoraLinear, find_lora_linears
+from fxmem.analysis.roles import Role, TensorFacts, classify
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor held from forward to backward, as the report shows it."""
+
+    index: int  # position among the saved tensors (the backward's placeholder order)
+    name: str  # forward graph node
+    role: Role
+    detail: str
+    also: tuple[Role, ...]  # other roles the tensor matches (it is saved once, for all of them)
+    producer: str  # aten op (before decomposition) that computed its storage
+    backward_consumers: tuple[str, ...]
+    module: str  # module path that produced it
+    layer: str  # repeated block it belongs to, '' outside blocks
+    shape: tuple[int, ...]  # sizes at the compile-time example (hints for dynamic sizes)
+    shape_text: str  # sizes as traced, symbolic where dynamic
+    dtype: str
+    nbytes: int  # bytes this record accounts for: 0 when it frees nothing or shares a storage
+    storage: str  # node that allocated its storage
+    shares_storage_with: str | None
+
+    @property
+    def frees_memory(self) -> bool:
+        return self.role not in (Role.PARAMETER, Role.INPUT_VIEW)
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["role"] = self.role.value
+        data["also"] = [r.value for r in self.also]
+        return data
+
+
+@dataclass
+class Analysis:
+    """The saved tensors of one partitioned region plus the graph facts passes need."""
+
+    saved: list[SavedTensor]
+    nodes: dict[str, Node]  # forward node of each saved tensor, by name
+    loras: list[LoraLinear]
+
+
+def saved_tensor_nodes(fw: GraphModule, num_fwd_outputs: int) -> list[Node]:
+    """The forward's outputs that backward receives as tensors (SymInts and opaque objects left out)."""
+    outputs = fw.graph.find_nodes(op="output")[0].args[0]
+    return [n for n in outputs[num_fwd_outputs:] if isinstance(n, Node) and tensor_val(n) is not None]
+
+
+def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
+            static_input_indices: Sequence[int] | None) -> Analysis:
+    """Classify every saved tensor of a partitioned region.
+
+    ``static_input_indices`` are the forward inputs with static lifetime
+    (parameters and buffers, as AOTAutograd reports them); other inputs are
+    user inputs. Either kind frees nothing when compressed.
+    """
+    placeholders = list(fw.graph.find_nodes(op="placeholder"))
+    params = frozenset(placeholders[i] for i in (static_input_indices or ()) if i < len(placeholders))
+    inputs = frozenset(placeholders) - params
+    loras = find_lora_linears(fw.graph, params)
+    lora_by_xa = {lora.xa: lora for lora in loras}
+    bw_placeholders = {p.name: p for p in bw.graph.find_nodes(op="placeholder")}
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+
+    saved_nodes = saved_tensor_nodes(fw, num_fwd_outputs)
+    records: list[SavedTensor] = []
+    first_by_storage: dict[Node, str] = {}
+    for index, node in enumerate(saved_nodes):
+        base = storage_base(node)
+        bw_node = bw_placeholders.get(node.name)
+        bw_users = users_through_views(bw_node) if bw_node is not None else []
+        facts = TensorFacts(node=node, base=base, fw_users=users_through_views(base), bw_users=bw_users,
+                            params=params, inputs=inputs, lora_by_xa=lora_by_xa, fw_nodes=fw_nodes)
+        roles = classify(facts)
+        role, detail = roles[0]
+        val = tensor_val(node)
+        frees = role not in (Role.PARAMETER, Role.INPUT_VIEW)
+        shared_with = first_by_storage.get(base) if frees else None
+        if frees and shared_with is None:
+            first_by_storage[base] = node.name
+        nbytes = storage_bytes(tensor_val(base)) if frees and shared_with is None else 0
+        records.append(SavedTensor(
+            index=index, name=node.name, role=role, detail=detail,
+            also=tuple(dict.fromkeys(r for r, _ in roles[1:] if r is not role)),
+            producer=original_op(base) if base.op == "call_function" else base.op,
+            backward_consumers=tuple(dict.fromkeys(original_op(u) for u in bw_users)),
+            module=module_path(base), layer=layer_of(module_path(base)),
+            shape=shape_hint(val), shape_text=shape_text(val), dtype=str(val.dtype).removeprefix("torch."),
+            nbytes=nbytes, storage=base.name, shares_storage_with=shared_with))
+    return Analysis(saved=records, nodes={n.name: n for n in saved_nodes}, loras=loras)
+
