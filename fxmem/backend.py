@@ -1,0 +1,134 @@
+"""The torch.compile backend: inductor's own pipeline with fxmem at the partition step.
+
+Inductor runs as usual (pre-grad passes, AOTAutograd with its decompositions,
+joint-graph passes, lowering); fxmem replaces only the partitioner, through
+inductor's ``custom_partitioner_fn`` hook, with: joint rewrites -> torch's
+min-cut partition -> saved-tensor analysis -> plan -> forward/backward rewrites.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.fx import GraphModule
+
+from fxmem.analysis import analyze
+from fxmem.config import Config
+from fxmem.passes import PassManager, PipelineState
+from fxmem.policy import plan_region
+from fxmem.region import Region
+from fxmem.report import Report
+
+Lowering = Literal["inductor", "eager"]
+LOWERINGS = ("inductor", "eager")
+
+
+class _Partitioner(CustomPartitionerFn):
+    def __init__(self, region: Region, passes: PassManager) -> None:
+        self.region = region
+        self.passes = passes
+
+    def __call__(self, joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
+                 ) -> tuple[GraphModule, GraphModule]:
+        region = self.region
+        region.kind = "training"
+        state = PipelineState(config=region.config, joint=joint, joint_inputs=joint_inputs)
+        region.passes += self.passes.run("joint", state)
+        fw, bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
+        try:
+            state.analysis = analyze(fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices"))
+        except Exception as error:  # an unforeseen graph: compile it exactly as inductor would
+            note = (f"saved-tensor analysis failed ({type(error).__name__}: {error}); "
+                    "this region compiles as plain inductor")
+            region.notes.append(note)
+            warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
+            return fw, bw
+        state.fw, state.bw = fw, bw
+        state.plans = plan_region(state.analysis, region.config)
+        region.passes += self.passes.run("partitioned", state)
+        region.saved, region.plans = state.analysis.saved, state.plans
+        return state.fw, state.bw
+
+    def uuid(self) -> str:
+        # Enters inductor's cache key: fxmem's code and this region's config decide the graphs.
+        return f"{_source_hash()}:{self.region.config!r}"
+
+
+@functools.cache
+def _source_hash() -> str:
+    files = sorted(str(p) for p in pathlib.Path(__file__).parent.rglob("*.py"))
+    return get_hash_for_files(tuple(files)).hex()
+
+
+def _run_eagerly(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+    """Lowering for inspection: run the partitioned aten graphs as they are, no code generation."""
+    return make_boxed_func(gm.forward)
+
+
+class Backend:
+    """A torch.compile backend with its own configuration; ``regions`` holds one record per compiled graph."""
+
+    def __init__(self, config: Config | None = None, *, lowering: Lowering = "inductor",
+                 passes: PassManager | None = None) -> None:
+        if lowering not in LOWERINGS:
+            raise ValueError(f"lowering must be one of {', '.join(LOWERINGS)}; got {lowering!r}")
+        self.config = config or Config()
+        self.config.require_built()
+        self.lowering = lowering
+        self.passes = passes or PassManager()
+        self.regions: list[Region] = []
+
+    def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], *,
+                 options: dict[str, Any] | None = None, mode: str | None = None) -> Callable:
+        config = _config_with_options(self.config, options)
+        region = Region(index=len(self.regions), config=config)
+        self.regions.append(region)
+        patches: dict[str, Any] = {"custom_partitioner_fn": _Partitioner(region, self.passes)}
+        if mode is not None:
+            patches.update(torch._inductor.list_mode_options(mode))
+        inner = compile_fx_inner if self.lowering == "inductor" else _run_eagerly
+        start = time.perf_counter()
+        # AOTAutograd's cache would skip the partitioner on a hit, and with it fxmem's analysis and rewrites.
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        region.compile_seconds = time.perf_counter() - start
+        if region.kind == "compiling":
+            region.kind = "inference"
+        return compiled
+
+    def report(self) -> Report:
+        return Report(self.regions)
+
+
+def _config_with_options(config: Config, options: dict[str, Any] | None) -> Config:
+    if not options:
+        return config
+    options = dict(options)
+    preset = options.pop("preset", None)
+    config = Config.from_preset(preset, **options) if preset is not None else config.replace(**options)
+    config.require_built()
+    return config
+
+
+def backend(preset: str = "exact", **overrides: Any) -> Backend:
+    """A backend for ``torch.compile(model, backend=fxmem.backend(preset=..., **overrides))``."""
+    return Backend(Config.from_preset(preset, **overrides))
+
+
+_DEFAULT = Backend()
+
+
+def fxmem_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
+                  mode: str | None = None) -> Callable:
+    """What ``torch.compile(model, backend="fxmem")`` calls (registered by entry point, never at import)."""
+    return _DEFAULT(gm, example_inputs, options=options, mode=mode)

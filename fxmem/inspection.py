@@ -1,0 +1,32 @@
+"""fxmem.inspect: what a model saves for backward and what the config would do to it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fxmem.backend import Backend
+from fxmem.config import Config
+from fxmem.report import Report
+
+
+def inspect(model: torch.nn.Module, *example_args: Any, config: Config | None = None,
+            **example_kwargs: Any) -> Report:
+    """Trace ``model`` on the example inputs as fxmem's backend would and report every saved tensor.
+
+    The graphs go through the same dynamo, AOTAutograd, decomposition and
+    partition steps as a real compile, but run as plain aten graphs instead of
+    generated code, so this takes seconds. One forward runs (with grad enabled);
+    no backward and no optimizer step. The model's train/eval mode is respected.
+    """
+    backend = Backend(config or Config(), lowering="eager")
+    compiled = torch.compile(model, backend=backend)
+    with torch.enable_grad():
+        compiled(*example_args, **example_kwargs)
+    if not backend.regions:
+        raise RuntimeError(
+            "dynamo compiled nothing for this model, so there is nothing to inspect: it probably hit "
+            "torch._dynamo.config.recompile_limit for this model class and fell back to eager. "
+            "Call torch._dynamo.reset() before fxmem.inspect.")
+    return backend.report()

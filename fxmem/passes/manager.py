@@ -1,0 +1,111 @@
+"""Runs named graph passes in order, stage by stage, and records what each did.
+
+Two stages: "joint" passes rewrite the joint forward+backward graph before
+torch's min-cut partition; "partitioned" passes rewrite the forward and backward
+graphs after it, with the saved-tensor analysis and plan in hand. A pass that
+raises is recorded and its whole stage is rolled back, so the region compiles
+as inductor would have compiled it: a bug in a pass never breaks a training run.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from torch.fx import GraphModule
+
+from fxmem.analysis import Analysis
+from fxmem.config import Config
+from fxmem.policy import Plan
+
+Stage = Literal["joint", "partitioned"]
+STAGES: tuple[Stage, ...] = ("joint", "partitioned")
+
+
+@dataclass
+class PipelineState:
+    """What passes read and rewrite for one compiled region."""
+
+    config: Config
+    joint: GraphModule
+    joint_inputs: Sequence[Any]
+    fw: GraphModule | None = None
+    bw: GraphModule | None = None
+    analysis: Analysis | None = None
+    plans: list[Plan] = field(default_factory=list)
+
+    def graphs(self, stage: Stage) -> dict[str, GraphModule]:
+        return {"joint": self.joint} if stage == "joint" else {"fw": self.fw, "bw": self.bw}
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    stage: Stage
+    summary: str  # what the pass changed, '' if nothing
+    seconds: float
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "stage": self.stage, "summary": self.summary,
+                "seconds": round(self.seconds, 4), "error": self.error}
+
+
+class GraphPass(ABC):
+    """One rewrite. Subclasses set ``name`` and ``stage`` and implement ``run``."""
+
+    name: ClassVar[str]
+    stage: ClassVar[Stage]
+
+    def enabled(self, config: Config) -> bool:
+        return True
+
+    @abstractmethod
+    def run(self, state: PipelineState) -> str:
+        """Rewrite ``state``'s graphs in place; return a one-line summary ('' if nothing changed)."""
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    # Graph.__deepcopy__ copies nodes with shallow-copied meta: cheap, and fake tensors are shared. Copying
+    # its pytree codegen trips a deprecation inside torch that is not the user's concern.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(gm.graph)
+    return GraphModule(gm, graph, gm.__class__.__name__)
+
+
+class PassManager:
+    def __init__(self, passes: Sequence[GraphPass] = ()) -> None:
+        for p in passes:
+            if p.stage not in STAGES:
+                raise ValueError(f"pass {p.name!r} has stage {p.stage!r}; valid stages: {', '.join(STAGES)}")
+        self.passes = list(passes)
+
+    def run(self, stage: Stage, state: PipelineState) -> list[PassRecord]:
+        active = [p for p in self.passes if p.stage == stage and p.enabled(state.config)]
+        if not active:
+            return []
+        snapshot = {key: copy_graph_module(gm) for key, gm in state.graphs(stage).items()}
+        records: list[PassRecord] = []
+        for position, graph_pass in enumerate(active):
+            start = time.perf_counter()
+            try:
+                summary = graph_pass.run(state)
+                for gm in state.graphs(stage).values():
+                    gm.graph.lint()
+                    gm.recompile()
+            except Exception as error:  # roll the stage back: the region compiles as if fxmem did nothing here
+                for key, gm in snapshot.items():
+                    setattr(state, key, gm)
+                records.append(PassRecord(graph_pass.name, stage, "", time.perf_counter() - start,
+                                          error=f"{type(error).__name__}: {error}"))
+                records.extend(PassRecord(p.name, stage, "not run: an earlier pass of this stage failed", 0.0)
+                               for p in active[position + 1:])
+                return records
+            records.append(PassRecord(graph_pass.name, stage, summary, time.perf_counter() - start))
+        return records

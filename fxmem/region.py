@@ -1,0 +1,25 @@
+"""The record of one compiled region: what fxmem found, planned and did there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fxmem.analysis import SavedTensor
+from fxmem.config import Config
+from fxmem.passes import PassRecord
+from fxmem.policy import Plan
+
+
+@dataclass
+class Region:
+    """One graph dynamo handed to the backend, and everything fxmem decided for it."""
+
+    index: int
+    config: Config
+    kind: Literal["compiling", "training", "inference"] = "compiling"
+    saved: list[SavedTensor] = field(default_factory=list)
+    plans: list[Plan] = field(default_factory=list)
+    passes: list[PassRecord] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    compile_seconds: float = 0.0

@@ -1,0 +1,156 @@
+"""What fxmem found and decided, per saved tensor, role, layer and region: tables and JSON."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+
+from fxmem import __version__
+from fxmem.analysis import ROLE_DESCRIPTIONS, Role, SavedTensor
+from fxmem.cost_model import planned_bytes
+from fxmem.policy import Plan
+from fxmem.region import Region
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class Report:
+    """The saved tensors of every compiled region, with their plans and byte counts."""
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        self.regions = list(regions)
+
+    def rows(self) -> list[tuple[Region, SavedTensor, Plan]]:
+        return [(r, s, p) for r in self.regions for s, p in zip(r.saved, r.plans, strict=True)]
+
+    @property
+    def activation_bytes(self) -> int:
+        """Saved-activation bytes before fxmem's rewrites (parameters and inputs excluded)."""
+        return sum(s.nbytes for _, s, _ in self.rows())
+
+    @property
+    def planned_bytes(self) -> int:
+        """Saved-activation bytes after the planned rewrites."""
+        return sum(planned_bytes(s, p) for _, s, p in self.rows())
+
+    def _totals(self, key, activations_only: bool = False) -> dict[str, dict[str, int]]:
+        totals: dict[str, dict[str, int]] = {}
+        for _, saved, plan in self.rows():
+            if activations_only and not saved.frees_memory:
+                continue
+            entry = totals.setdefault(key(saved), {"count": 0, "bytes": 0, "planned_bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += saved.nbytes
+            entry["planned_bytes"] += planned_bytes(saved, plan)
+        return totals
+
+    def by_role(self) -> dict[str, dict[str, int]]:
+        return self._totals(lambda s: s.role.value)
+
+    def by_layer(self) -> dict[str, dict[str, int]]:
+        """Activation bytes per repeated block (parameters and inputs left out)."""
+        return self._totals(lambda s: s.layer or "(outside blocks)", activations_only=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fxmem_version": __version__,
+            "torch_version": torch.__version__,
+            "activation_bytes": self.activation_bytes,
+            "planned_bytes": self.planned_bytes,
+            "by_role": self.by_role(),
+            "by_layer": self.by_layer(),
+            "regions": [{
+                "index": r.index,
+                "kind": r.kind,
+                "config": r.config.to_dict(),
+                "compile_seconds": round(r.compile_seconds, 3),
+                "notes": r.notes,
+                "passes": [p.to_dict() for p in r.passes],
+                "saved": [dict(s.to_dict(), plan=p.to_dict(), planned_bytes=planned_bytes(s, p))
+                          for s, p in zip(r.saved, r.plans, strict=True)],
+            } for r in self.regions],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def renderables(self, include_all: bool = False) -> list[RenderableType]:
+        """Rich tables; parameters and inputs (they free nothing) are listed only with ``include_all``."""
+        prefix = _common_prefix([s.module for _, s, _ in self.rows()])
+        tensors = Table(title="Tensors saved for backward", title_justify="left")
+        for column in ("region", "#", "tensor", "role", "detail", "module", "shape", "dtype"):
+            tensors.add_column(column)
+        for column in ("bytes", "plan", "after"):
+            tensors.add_column(column, justify="right" if column != "plan" else "left")
+        hidden = 0
+        for region, saved, plan in self.rows():
+            if not (saved.frees_memory or include_all):
+                hidden += 1
+                continue
+            shown = "—" if not saved.frees_memory else (
+                f"(= {saved.shares_storage_with})" if saved.shares_storage_with else format_bytes(saved.nbytes))
+            tensors.add_row(str(region.index), str(saved.index), saved.name, saved.role.value, saved.detail,
+                            saved.module.removeprefix(prefix).lstrip(".") or "(top)", saved.shape_text,
+                            saved.dtype, shown, plan.action, format_bytes(planned_bytes(saved, plan)))
+        parts: list[RenderableType] = [tensors,
+                                       _totals_table("By role", "role", self.by_role(), describe_roles=True),
+                                       _totals_table("By layer", "layer", self.by_layer())]
+        if hidden:
+            parts.append(f"{hidden} saved parameters/inputs free nothing and are not listed (include_all / --all)")
+        kinds = [r.kind for r in self.regions]
+        before, after = self.activation_bytes, self.planned_bytes
+        ratio = f" ({before / after:.2f}x smaller)" if after and after != before else ""
+        parts.append(f"regions: {len(kinds)} ({kinds.count('training')} training, {kinds.count('inference')} "
+                     f"inference); saved activations: {format_bytes(before)} before, {format_bytes(after)} "
+                     f"after the plan{ratio}")
+        for region in self.regions:
+            parts += [f"region {region.index}: {note}" for note in region.notes]
+            parts += [f"region {region.index}: pass {p.name} ({p.stage}): {p.error or p.summary or 'no change'}"
+                      for p in region.passes]
+        return parts
+
+    def table(self, width: int = 160, include_all: bool = False) -> str:
+        """The report as plain text."""
+        console = Console(file=io.StringIO(), width=width, color_system=None)
+        console.print(Group(*self.renderables(include_all)))
+        return console.file.getvalue()
+
+
+def _totals_table(title: str, key_name: str, totals: dict[str, dict[str, int]],
+                  describe_roles: bool = False) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column(key_name)
+    for column in ("tensors", "bytes", "after"):
+        table.add_column(column, justify="right")
+    if describe_roles:
+        table.add_column("what it is")
+    for key, entry in sorted(totals.items(), key=lambda kv: -kv[1]["bytes"]):
+        row = [key, str(entry["count"]), format_bytes(entry["bytes"]), format_bytes(entry["planned_bytes"])]
+        if describe_roles:
+            row.append(ROLE_DESCRIPTIONS[Role(key)])
+        table.add_row(*row)
+    return table
+
+
+def _common_prefix(paths: list[str]) -> str:
+    split = [p.split(".") for p in paths if p]
+    if len(split) < 2:
+        return ""
+    common = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
