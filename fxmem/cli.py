@@ -1,0 +1,213 @@
+"""The `fxmem` command: inspect | bench | finetune."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import shlex
+import sys
+import warnings
+from collections.abc import Sequence
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fxmem.config import PRESETS, Config
+from fxmem.report import format_bytes
+from fxmem.workloads import WORKLOADS, get_workload
+
+console = Console()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fxmem", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    inspect = commands.add_parser("inspect", help="every tensor a model saves for backward, its role and plan")
+    inspect.add_argument("model", help=f"a workload ({', '.join(WORKLOADS)}) or a HuggingFace config.json "
+                                       "(file or directory)")
+    inspect.add_argument("--batch", type=int, help="batch size (default: the workload's, else 4)")
+    inspect.add_argument("--seq", type=int, help="sequence length (default: the workload's, else 512)")
+    inspect.add_argument("--lora-rank", type=int, default=16, help="LoRA rank; 0 for full fine-tuning")
+    inspect.add_argument("--preset", default="exact", choices=list(PRESETS))
+    inspect.add_argument("--device", default="cpu")
+    inspect.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the report as JSON")
+    inspect.add_argument("--all", action="store_true", help="also list parameters and inputs (they free nothing)")
+
+    bench = commands.add_parser("bench", help="fxmem vs the four baselines on the benchmark workloads")
+    bench.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
+                       help="default: llama-tiny and llama-small, plus llama-7b-shape on a GPU")
+    bench.add_argument("--preset", default="exact", choices=list(PRESETS))
+    bench.add_argument("--steps", type=int, default=5, help="timed steps per method (median reported)")
+    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    bench.add_argument("--json", type=pathlib.Path, metavar="PATH")
+    bench.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
+
+    finetune = commands.add_parser("finetune", help="a short LoRA fine-tune with and without fxmem, side by side")
+    finetune.add_argument("--workload", default="llama-tiny", choices=list(WORKLOADS))
+    finetune.add_argument("--steps", type=int, default=40)
+    finetune.add_argument("--lr", type=float, default=1e-3)
+    finetune.add_argument("--preset", default="exact", choices=list(PRESETS))
+    finetune.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.command_line = "fxmem " + " ".join(shlex.quote(a) for a in argv)
+    if not console.is_terminal:  # piped or captured: wide rows instead of columns wrapped at 80
+        console.width = max(console.width, 200)
+    # transformers warns about its own deprecations on every traced forward; they are not the user's concern here.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    try:
+        Config.from_preset(args.preset).require_built()
+    except NotImplementedError as error:
+        console.print(f"[red]{error}[/red]")
+        return 2
+    return {"inspect": _inspect, "bench": _bench, "finetune": _finetune}[args.command](args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import fxmem
+    if args.model in WORKLOADS:
+        workload = get_workload(args.model)
+        workload = dataclasses.replace(workload, batch=args.batch or workload.batch, seq=args.seq or workload.seq)
+        setup = workload.build(device=args.device, lora_rank=args.lora_rank)
+        model, batch = setup.model, next(setup.batches)
+    else:
+        model, batch = _model_from_config(pathlib.Path(args.model), args.batch or 4, args.seq or 512,
+                                          args.lora_rank, torch.device(args.device))
+    report = fxmem.inspect(model, config=Config.from_preset(args.preset), **batch)
+    console.print(*report.renderables(include_all=args.all))
+    if args.json:
+        args.json.write_text(report.to_json())
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _model_from_config(path: pathlib.Path, batch: int, seq: int, lora_rank: int, device: torch.device
+                       ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """Random-weight model of a HuggingFace config, LoRA on all linears, and a random token batch."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    if not path.exists():
+        raise SystemExit(f"{path}: neither a workload ({', '.join(WORKLOADS)}) nor an existing config.json")
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+    torch.manual_seed(0)
+    model = (AutoModelForCausalLM if causal else AutoModel).from_config(config).to(device)
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules="all-linear"))
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    return model, ({"input_ids": ids, "labels": ids} if causal else {"input_ids": ids})
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from fxmem.bench import METHOD_DESCRIPTIONS, bench_metadata, run_workload
+    device = torch.device(args.device)
+    names = args.workloads or ["llama-tiny", "llama-small"] + (["llama-7b-shape"] if device.type == "cuda" else [])
+    metadata = bench_metadata(args.command_line, device, args.preset)
+    results = []
+    with console.status("benchmarking") as status:
+        for name in names:
+            results += run_workload(get_workload(name), preset=args.preset, device=device, steps=args.steps,
+                                    progress=lambda message: status.update(message))
+    rows = _bench_rows(results)
+    console.print(_bench_table(rows, device))
+    console.print(f"{metadata['date']}, {metadata['machine']}; preset {args.preset}; "
+                  f"median of {args.steps} steps")
+    for method, description in METHOD_DESCRIPTIONS.items():
+        console.print(f"  {method}: {description}")
+    if args.json:
+        args.json.write_text(json.dumps({**metadata, "results": [r.to_dict() for r in results]}, indent=2))
+        console.print(f"wrote {args.json}")
+    if args.markdown:
+        args.markdown.write_text(_markdown(rows, metadata, device))
+        console.print(f"wrote {args.markdown}")
+    return 0
+
+
+BENCH_COLUMNS = ("workload", "method", "saved activations", "reduction vs eager", "peak", "step time", "vs eager",
+                 "vs compile", "min grad cos", "median grad rel err", "compile s")
+
+
+def _bench_rows(results: list) -> list[list[str]]:
+    by_key = {(r.workload, r.method): r for r in results}
+    rows = []
+    for r in results:
+        eager, compiled = by_key.get((r.workload, "eager")), by_key.get((r.workload, "compile"))
+        rows.append([
+            r.workload, r.method if r.budget is None else f"{r.method} ({r.budget:.3f})", format_bytes(r.saved_bytes),
+            f"{eager.saved_bytes / r.saved_bytes:.2f}x" if eager and r.saved_bytes else "—",
+            format_bytes(r.peak_bytes), f"{r.step_seconds:.3f} s",
+            f"{r.step_seconds / eager.step_seconds:.2f}" if eager else "—",
+            f"{r.step_seconds / compiled.step_seconds:.2f}" if compiled else "—",
+            f"{r.fidelity.min_cosine:.6f}" if r.fidelity else "(reference)",
+            f"{r.fidelity.median_relative_error:.1e}" if r.fidelity else "—",
+            f"{r.compile_seconds:.1f}" if r.compile_seconds else "—"])
+    return rows
+
+
+def _peak_title(device: torch.device) -> str:
+    return "peak memory" if device.type == "cuda" else "peak above step start (CPU)"
+
+
+def _bench_table(rows: list[list[str]], device: torch.device) -> Table:
+    table = Table(title="fxmem bench", title_justify="left")
+    for column in BENCH_COLUMNS:
+        table.add_column(_peak_title(device) if column == "peak" else column,
+                         justify="left" if column in ("workload", "method") else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _markdown(rows: list[list[str]], metadata: dict, device: torch.device) -> str:
+    header = [_peak_title(device) if c == "peak" else c for c in BENCH_COLUMNS]
+    lines = [f"Date: {metadata['date']}. Machine: {metadata['machine']}. Preset: `{metadata['preset']}`.",
+             f"Command: `{metadata['command']}`", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    from fxmem.finetune import FINETUNE_METHODS, finetune
+    workload = get_workload(args.workload)
+    console.print(f"LoRA fine-tune of {workload.name} ({workload.description}), batch {workload.batch} x "
+                  f"{workload.seq} tokens of Python standard-library source, {args.steps} steps, AdamW lr {args.lr}")
+    results = []
+    columns = (TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        for method in FINETUNE_METHODS:
+            label = f"fxmem ({args.preset})" if method == "fxmem" else method
+            task = progress.add_task(label, total=args.steps, loss="—")
+            results.append(finetune(workload, method, steps=args.steps, lr=args.lr, preset=args.preset,
+                                    device=args.device,
+                                    on_step=lambda step, loss, task=task: progress.update(
+                                        task, completed=step, loss=f"{loss:.4f}")))
+    eager = results[0]
+    table = Table(title=f"{workload.name}: {args.steps} steps", title_justify="left")
+    for column in ("method", "saved activations", "vs eager", "peak above start" if args.device == "cpu"
+                   else "peak memory", "step time", "vs eager", "first step", "final loss"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for r in results:
+        table.add_row(f"fxmem ({args.preset})" if r.method == "fxmem" else r.method, format_bytes(r.saved_bytes),
+                      f"{eager.saved_bytes / r.saved_bytes:.2f}x smaller" if r is not eager else "—",
+                      format_bytes(r.peak_bytes), f"{r.step_seconds * 1000:.0f} ms",
+                      f"{r.step_seconds / eager.step_seconds:.2f}x" if r is not eager else "—",
+                      f"{r.first_step_seconds:.1f} s", f"{r.final_loss:.4f}")
+    console.print(table)
+    console.print("final loss: mean of the last 5 steps. first step includes compilation. "
+                  "saved activations: bytes held from forward to backward, parameters and inputs excluded.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
