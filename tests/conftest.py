@@ -1,0 +1,64 @@
+import pytest
+import torch
+
+from fxmem.workloads import LlamaShape, Workload
+
+TINY_LLAMA = Workload("test-llama", "llama", 2, 32, "tiny Llama for tests", LlamaShape(64, 172, 2, 4, 256))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    # Each test compiles new models of the same classes: without a reset they would pile up
+    # against dynamo's recompile limit and silently fall back to eager.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def tiny_model(family: str, *, lora: bool, attn: str = "sdpa", seed: int = 0, lora_dropout: float = 0.0,
+               layers: int = 2):
+    """A small transformers model (random weights) and a batch for it."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, 256, (2, 16), generator=generator)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(
+            hidden_size=64, intermediate_size=172, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=256, attn_implementation=attn, use_cache=False))
+        batch, targets = {"input_ids": ids, "labels": ids}, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj"]
+    elif family == "bert":
+        model = BertForSequenceClassification(BertConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, vocab_size=256))
+        batch = {"input_ids": ids, "labels": torch.randint(0, 2, (2,), generator=generator)}
+        targets = ["query", "key", "value", "dense"]
+    elif family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=256, use_cache=False,
+                                           bos_token_id=0, eos_token_id=0))
+        model.loss_type = "ForCausalLM"  # avoids the graph break on a warning_once in the loss lookup
+        batch, targets = {"input_ids": ids, "labels": ids}, ["c_attn", "c_proj", "c_fc"]
+    else:
+        raise ValueError(family)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, target_modules=targets,
+                                                 lora_dropout=lora_dropout, fan_in_fan_out=family == "gpt2"))
+    model.train()
+    return model, batch
+
+
+def loss_and_grads(forward, model, batch, seed: int = 0):
+    torch.manual_seed(seed)  # the same dropout draws for every run
+    loss = forward(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads

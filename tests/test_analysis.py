@@ -1,0 +1,186 @@
+import collections
+import importlib
+import json
+
+import pytest
+import torch
+
+import fxmem
+from fxmem.analysis import Role, find_lora_linears
+from fxmem.analysis.graph import clean_module_path, layer_of
+from fxmem.measure import model_tensors, saved_activation_bytes
+from tests.conftest import tiny_model
+
+LAYERS = 2
+
+
+def saved_of(report):
+    return [s for r in report.regions for s in r.saved if s.frees_memory]
+
+
+def details(report, role):
+    return collections.Counter(s.detail for s in saved_of(report) if s.role is role)
+
+
+def test_llama_lora_sdpa_roles():
+    model, batch = tiny_model("llama", lora=True)
+    report = fxmem.inspect(model, **batch)
+    saved = saved_of(report)
+    assert [s for s in saved if s.role is Role.UNKNOWN] == []
+    roles = collections.Counter(s.role for s in saved)
+    assert roles[Role.LORA_INTERMEDIATE] == 7 * LAYERS  # x@A of q,k,v,o,gate,up,down
+    assert details(report, Role.ATTN_QKV) == {"q": LAYERS, "k": LAYERS, "v": LAYERS}
+    assert details(report, Role.ATTN_OUT) == {"output": LAYERS, "log-sum-exp": LAYERS}
+    assert details(report, Role.ACT_INPUT) == {"silu": LAYERS}
+    assert roles[Role.PRODUCT_INPUT] == LAYERS  # up_proj's output in silu(gate) * up
+    assert details(report, Role.NORM_INPUT)["input (RMSNorm)"] == 2 * LAYERS
+    assert roles[Role.LOSS_INPUT] == 1 and roles[Role.ATTN_MASK] == 1
+    # q/k/v share one input, gate/up another: each saved once; down_proj's input too. o_proj's input is the
+    # attention output, saved once for both backward uses.
+    assert roles[Role.LINEAR_INPUT] == 3 * LAYERS
+    assert {s.detail for s in saved if s.role is Role.LINEAR_INPUT} == {"q_proj, k_proj, v_proj",
+                                                                        "gate_proj, up_proj", "down_proj"}
+    assert all(Role.LINEAR_INPUT in s.also for s in saved if s.detail == "output")
+    assert {s.role for _, s, _ in report.rows() if not s.frees_memory} == {Role.PARAMETER}  # embedding is frozen
+
+
+def test_llama_eager_attention_roles():
+    model, batch = tiny_model("llama", lora=True, attn="eager")
+    report = fxmem.inspect(model, **batch)
+    assert [s for s in saved_of(report) if s.role is Role.UNKNOWN] == []
+    assert details(report, Role.ATTN_PROBS) == {"probabilities": LAYERS}
+    assert details(report, Role.ATTN_QKV) == {"q": LAYERS, "k": LAYERS, "v": LAYERS}
+
+
+def test_bert_roles_with_dropout_and_layer_norm():
+    model, batch = tiny_model("bert", lora=True)
+    report = fxmem.inspect(model, **batch)
+    saved = saved_of(report)
+    assert [s for s in saved if s.role is Role.UNKNOWN] == []
+    roles = collections.Counter(s.role for s in saved)
+    assert roles[Role.DROPOUT_MASK] >= 3 * LAYERS  # attention probs, attention output, FFN output
+    assert details(report, Role.NORM_INPUT)["normalized x̂ (layer_norm)"] == 2 * LAYERS
+    assert details(report, Role.ACT_INPUT)["gelu derivative"] == LAYERS
+    assert roles[Role.ATTN_PROBS] >= LAYERS
+    assert roles[Role.LORA_INTERMEDIATE] == 6 * LAYERS + 1  # 6 per layer, and the classifier's narrow head
+
+
+def test_gpt2_hand_written_gelu_is_an_activation_input():
+    model, batch = tiny_model("gpt2", lora=True)
+    report = fxmem.inspect(model, **batch)
+    assert [s for s in saved_of(report) if s.role is Role.UNKNOWN] == []
+    assert details(report, Role.ACT_INPUT) == {"hand-written pointwise": LAYERS}
+
+
+def test_tensor_saved_to_recompute_takes_the_recomputed_role():
+    # Full fine-tuning: min-cut keeps o_proj's output and recomputes the residual sum, the RMSNorm input.
+    model, batch = tiny_model("llama", lora=False)
+    report = fxmem.inspect(model, **batch)
+    recomputing = [s for s in saved_of(report) if s.detail.startswith("recomputes")]
+    assert recomputing and all(s.role is Role.NORM_INPUT for s in recomputing)
+    assert [s for s in saved_of(report) if s.role is Role.UNKNOWN] == []
+
+
+@pytest.mark.parametrize("family", ["llama", "bert", "gpt2"])
+def test_predicted_bytes_equal_measured_compiled_bytes(family):
+    model, batch = tiny_model(family, lora=True)
+    predicted = fxmem.inspect(model, **batch).activation_bytes
+    torch._dynamo.reset()
+    backend = fxmem.backend()
+    compiled = torch.compile(model, backend=backend)
+    measured, loss = saved_activation_bytes(lambda: compiled(**batch).loss,
+                                            exclude=model_tensors(model) + list(batch.values()))
+    loss.backward()
+    assert backend.report().activation_bytes == predicted
+    assert abs(measured - predicted) <= 0.01 * measured
+
+
+def _fw_graph_and_params(monkeypatch, model, batch):
+    """The partitioned forward graph and its parameter placeholders, as fxmem's analysis receives them."""
+    captured = {}
+    backend_module = importlib.import_module("fxmem.backend")
+    analyze = backend_module.analyze
+
+    def capture(fw, bw, num_fwd_outputs, static_input_indices):
+        placeholders = list(fw.graph.find_nodes(op="placeholder"))
+        captured["graph"] = fw.graph
+        captured["params"] = frozenset(placeholders[i] for i in static_input_indices)
+        return analyze(fw, bw, num_fwd_outputs, static_input_indices)
+
+    monkeypatch.setattr(backend_module, "analyze", capture)
+    fxmem.inspect(model, **batch)
+    return captured["graph"], captured["params"]
+
+
+def test_lora_matcher_finds_peft_linears_with_their_scaling(monkeypatch):
+    model, batch = tiny_model("llama", lora=True)  # r=8, alpha=32
+    loras = find_lora_linears(*_fw_graph_and_params(monkeypatch, model, batch))
+    assert len(loras) == 7 * LAYERS
+    assert {(lora.rank, lora.scaling, lora.dropout) for lora in loras} == {(8, 4.0, False)}
+    assert {lora.module.rsplit(".", 1)[-1] for lora in loras} == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                   "gate_proj", "up_proj", "down_proj"}
+
+
+def test_lora_matcher_sees_the_dropout_branch(monkeypatch):
+    model, batch = tiny_model("llama", lora=True, lora_dropout=0.1)
+    loras = find_lora_linears(*_fw_graph_and_params(monkeypatch, model, batch))
+    assert len(loras) == 7 * LAYERS and all(lora.dropout for lora in loras)
+
+
+class HandWrittenLora(torch.nn.Module):
+    """LoRA written by hand, no PEFT: the matcher works on structure, not on module names."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = torch.nn.Linear(32, 48)
+        self.frozen.requires_grad_(False)
+        self.down = torch.nn.Parameter(torch.randn(4, 32) / 8)
+        self.up = torch.nn.Parameter(torch.randn(48, 4) / 8)
+
+    def forward(self, x):
+        y = self.frozen(x) + 0.5 * ((x @ self.down.T) @ self.up.T)
+        return torch.nn.functional.gelu(y).square().mean()
+
+
+def test_lora_matcher_finds_a_hand_written_lora(monkeypatch):
+    torch.manual_seed(0)
+    graph, params = _fw_graph_and_params(monkeypatch, HandWrittenLora(), {"x": torch.randn(3, 5, 32)})
+    [lora] = find_lora_linears(graph, params)
+    assert (lora.rank, lora.scaling, lora.dropout) == (4, 0.5, False)
+
+
+def test_plain_matmul_chain_is_not_a_lora(monkeypatch):
+    class TwoLinears(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 4), torch.nn.Linear(4, 32)
+
+        def forward(self, x):
+            return torch.tanh(self.b(self.a(x))).sum()
+
+    graph, params = _fw_graph_and_params(monkeypatch, TwoLinears(), {"x": torch.randn(6, 32)})
+    assert find_lora_linears(graph, params) == []
+
+
+def test_report_totals_and_json_agree():
+    model, batch = tiny_model("llama", lora=True)
+    report = fxmem.inspect(model, **batch)
+    data = json.loads(report.to_json())
+    assert data["activation_bytes"] == report.activation_bytes == report.planned_bytes > 0
+    assert sum(e["bytes"] for e in data["by_role"].values()) == report.activation_bytes
+    assert sum(e["bytes"] for e in data["by_layer"].values()) == report.activation_bytes
+    assert {f"base_model.model.model.layers.{i}" for i in range(LAYERS)} <= set(data["by_layer"])
+    saved = data["regions"][0]["saved"]
+    assert all(s["plan"]["action"] == "keep" and s["planned_bytes"] == s["nbytes"] for s in saved)
+    assert {"role", "producer", "backward_consumers", "module", "shape", "dtype", "nbytes"} <= set(saved[0])
+    text = report.table()
+    assert "lora_intermediate" in text and "By role" in text and "By layer" in text
+    assert "parameter" not in text.split("By role")[0]  # parameters are listed only with include_all
+    assert "primals" in report.table(include_all=True).split("By role")[0]
+
+
+def test_module_paths_are_cleaned():
+    raw = "L['self'].__dict__['_modules']['base_model'].__dict__['_modules']['model'].model.layers.3.mlp.up_proj"
+    assert clean_module_path(raw) == "base_model.model.model.layers.3.mlp.up_proj"
+    assert layer_of("base_model.model.model.layers.3.mlp.up_proj") == "base_model.model.model.layers.3"
+    assert layer_of("model.norm") == ""

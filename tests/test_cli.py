@@ -1,0 +1,89 @@
+import json
+
+import pytest
+
+from fxmem import cli
+from fxmem.bench import run_workload
+from fxmem.finetune import finetune
+from tests.conftest import TINY_LLAMA
+
+
+@pytest.fixture
+def tiny_workloads(monkeypatch):
+    """Every workload name the CLI accepts runs the tiny Llama instead (the commands, not the sizes, are tested)."""
+    monkeypatch.setattr(cli, "get_workload", lambda name: TINY_LLAMA)
+
+
+def test_inspect_a_config_json(tmp_path, capsys):
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 172, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "report.json"
+    assert cli.main(["inspect", str(tmp_path / "config.json"), "--batch", "2", "--seq", "16",
+                     "--lora-rank", "4", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "lora_intermediate" in printed and "x@A, r=4" in printed and "By layer" in printed
+    report = json.loads(out.read_text())
+    roles = {s["role"] for s in report["regions"][0]["saved"]}
+    assert "unknown" not in roles and {"lora_intermediate", "attn_qkv", "norm_input"} <= roles
+
+
+def test_inspect_a_workload_with_overridden_shape(capsys):
+    assert cli.main(["inspect", "llama-tiny", "--batch", "1", "--seq", "32", "--lora-rank", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "(1, 32, 4096)" in printed  # the logits at the overridden shape
+    assert "lora_intermediate" not in printed  # --lora-rank 0: full fine-tuning
+
+
+def test_inspect_refuses_a_preset_not_built_yet(capsys):
+    assert cli.main(["inspect", "llama-tiny", "--preset", "hyclora-2bit"]) == 2
+    assert "not built yet" in capsys.readouterr().out
+
+
+def test_inspect_names_a_missing_model(tmp_path):
+    with pytest.raises(SystemExit, match="neither a workload"):
+        cli.main(["inspect", str(tmp_path / "nope.json")])
+
+
+def test_finetune_learns_and_exact_fxmem_matches_compile():
+    runs = {m: finetune(TINY_LLAMA, m, steps=10, lr=1e-2) for m in ("compile", "fxmem")}
+    compiled, ours = runs["compile"], runs["fxmem"]
+    assert ours.losses == pytest.approx(compiled.losses, rel=1e-5)
+    assert ours.saved_bytes == compiled.saved_bytes > 0
+    assert ours.final_loss < 0.95 * ours.losses[0]  # it really trains
+
+
+def test_finetune_command_prints_the_side_by_side_table(tiny_workloads, capsys):
+    assert cli.main(["finetune", "--steps", "3"]) == 0
+    printed = capsys.readouterr().out
+    for expected in ("eager", "compile", "fxmem (exact)", "saved activations", "peak above start", "final loss"):
+        assert expected in printed
+
+
+def test_bench_runs_every_baseline_and_writes_json_and_markdown(tiny_workloads, tmp_path, capsys):
+    json_path, markdown_path = tmp_path / "bench.json", tmp_path / "bench.md"
+    assert cli.main(["bench", "--workloads", "llama-tiny", "--steps", "1", "--json", str(json_path),
+                     "--markdown", str(markdown_path)]) == 0
+    results = {r["method"]: r for r in json.loads(json_path.read_text())["results"]}
+    assert set(results) == {"eager", "compile", "compile-budget", "hf-checkpointing", "fxmem"}
+    assert results["eager"]["fidelity"] is None  # the reference
+    assert results["fxmem"]["fidelity"]["min_cosine"] > 0.99999
+    assert results["fxmem"]["saved_bytes"] == results["compile"]["saved_bytes"]
+    assert results["compile-budget"]["budget"] == 1.0  # exact saves what inductor saves: no budget needed
+    assert results["hf-checkpointing"]["saved_bytes"] < results["eager"]["saved_bytes"]
+    markdown = markdown_path.read_text()
+    assert "| workload | method | saved activations |" in markdown and "Command: `fxmem bench" in markdown
+
+
+def test_budget_search_finds_a_budget_below_one_for_a_smaller_target():
+    from fxmem.bench import budget_matching, saved_bytes_at_budget
+    full = saved_bytes_at_budget(TINY_LLAMA, 1.0, "cpu", 16)
+    budget = budget_matching(TINY_LLAMA, full // 2, "cpu", 16, iterations=4)
+    assert 0.0 <= budget < 1.0
+    assert saved_bytes_at_budget(TINY_LLAMA, budget, "cpu", 16) <= full // 2
+
+
+def test_run_workload_rejects_unknown_methods():
+    with pytest.raises(ValueError, match="unknown method.*valid methods: eager, compile"):
+        run_workload(TINY_LLAMA, methods=["eager", "deepspeed"])

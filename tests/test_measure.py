@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from fxmem.measure import gradient_fidelity, peak_memory, saved_activation_bytes, step_times
+
+
+def test_saved_bytes_count_each_storage_once_and_skip_excluded():
+    x = torch.randn(64, 32, requires_grad=True)
+    weight = torch.randn(32, 16, requires_grad=True)
+    # sin saves its input (x * 2: 64*32 floats); mm saves sin's output and the weight (excluded).
+    saved, out = saved_activation_bytes(lambda: ((x * 2).sin() @ weight).sum(), exclude=[x, weight])
+    assert saved == 2 * 64 * 32 * 4
+    out.backward()
+    # x.sin() saves x itself: an excluded input, so nothing is counted.
+    saved, _ = saved_activation_bytes(lambda: x.sin().sum(), exclude=[x])
+    assert saved == 0
+
+
+def test_saved_bytes_count_a_storage_once_through_views():
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def forward():
+        y = x.exp()  # exp saves its output y
+        return (y.view(16, 8).sin() + y.t().cos().t().reshape(16, 8)).sum()  # sin/cos save views of y
+
+    saved, _ = saved_activation_bytes(forward, exclude=[x])
+    assert saved == 8 * 16 * 4
+
+
+def test_cpu_peak_sees_a_transient_allocation():
+    size = 4 << 20
+
+    def step():
+        buffer = torch.empty(size, dtype=torch.uint8)
+        buffer.fill_(1)
+        del buffer
+
+    peak = peak_memory(step, "cpu")
+    assert size <= peak < size + (1 << 20)
+
+
+def test_step_times_returns_one_sample_per_step():
+    calls = []
+    times = step_times(lambda: calls.append(1), steps=3, warmup=2)
+    assert len(times) == 3 and len(calls) == 5 and all(t >= 0 for t in times)
+
+
+def test_gradient_fidelity():
+    reference = {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.0, 2.0]), "c": torch.zeros(2)}
+    same = gradient_fidelity(reference, {k: v.clone() for k, v in reference.items()})
+    assert same.min_cosine == pytest.approx(1.0) and same.median_relative_error == 0.0
+    scaled = gradient_fidelity(reference, {"a": reference["a"] * 1.1, "b": reference["b"], "c": torch.zeros(2)})
+    assert scaled.min_cosine == pytest.approx(1.0) and scaled.median_relative_error == 0.0
+    rotated = gradient_fidelity(reference, {"a": torch.tensor([0.0, 1.0]), "b": reference["b"], "c": torch.zeros(2)})
+    assert rotated.min_cosine == pytest.approx(0.0) and rotated.worst_parameter == "a"
+    with pytest.raises(ValueError, match="candidate has no gradient for b"):
+        gradient_fidelity(reference, {"a": reference["a"], "c": reference["c"]})

@@ -1,0 +1,97 @@
+import pytest
+import torch
+
+from fxmem import Backend, Config
+from fxmem.passes import GraphPass, PassManager, PipelineState
+
+
+class CountSavedTensors(GraphPass):
+    """Reads the analysis, rewrites nothing."""
+    name, stage = "count-saved", "partitioned"
+
+    def run(self, state: PipelineState) -> str:
+        return f"{len(state.analysis.saved)} saved"
+
+
+class NegateTwice(GraphPass):
+    """A real joint rewrite that keeps the math: x -> neg(neg(x)) on the first matmul's output."""
+    name, stage = "negate-twice", "joint"
+
+    def run(self, state: PipelineState) -> str:
+        graph = state.joint.graph
+        mm = next(n for n in graph.nodes if n.target is torch.ops.aten.mm.default)
+        with graph.inserting_after(mm):
+            first = graph.call_function(torch.ops.aten.neg.default, (mm,))
+        with graph.inserting_after(first):
+            second = graph.call_function(torch.ops.aten.neg.default, (first,))
+        mm.replace_all_uses_with(second, delete_user_cb=lambda user: user is not first)
+        for node in (first, second):
+            node.meta = dict(mm.meta)
+        return "inserted 2 nodes"
+
+
+class Breaks(GraphPass):
+    name, stage = "breaks", "joint"
+
+    def run(self, state: PipelineState) -> str:
+        graph = state.joint.graph
+        graph.erase_node(next(n for n in graph.nodes if n.op == "output"))  # leaves a broken graph behind
+        raise RuntimeError("synthetic pass bug")
+
+
+class NeverEnabled(GraphPass):
+    name, stage = "never", "joint"
+
+    def enabled(self, config: Config) -> bool:
+        return False
+
+    def run(self, state: PipelineState) -> str:
+        raise AssertionError("a disabled pass must not run")
+
+
+def _model_and_reference():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    expected = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+    return model, x, expected
+
+
+def _run(backend, model, x, expected):
+    got = torch.autograd.grad(torch.compile(model, backend=backend)(x).square().mean(), list(model.parameters()))
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_passes_run_in_order_and_are_recorded():
+    model, x, expected = _model_and_reference()
+    backend = Backend(passes=PassManager([NeverEnabled(), NegateTwice(), CountSavedTensors()]))
+    _run(backend, model, x, expected)
+    records = backend.regions[0].passes
+    assert [(r.name, r.stage, r.error) for r in records] == [("negate-twice", "joint", None),
+                                                              ("count-saved", "partitioned", None)]
+    assert records[0].summary == "inserted 2 nodes"
+    assert records[1].summary == f"{len(backend.regions[0].saved)} saved"
+    assert "pass negate-twice (joint): inserted 2 nodes" in backend.report().table()
+
+
+def test_a_failing_pass_rolls_its_stage_back_and_is_reported():
+    model, x, expected = _model_and_reference()
+    backend = Backend(passes=PassManager([NegateTwice(), Breaks(), CountSavedTensors()]))
+    _run(backend, model, x, expected)  # compiles and is correct despite the broken pass
+    records = {r.name: r for r in backend.regions[0].passes}
+    assert records["breaks"].error == "RuntimeError: synthetic pass bug"
+    assert records["negate-twice"].summary == "inserted 2 nodes"  # ran, then rolled back with its stage
+    assert records["count-saved"].error is None  # the next stage still runs
+    assert "synthetic pass bug" in backend.report().table()
+
+
+def test_a_pass_with_an_unknown_stage_is_refused():
+    class Wrong(GraphPass):
+        name, stage = "wrong", "lowering"
+
+        def run(self, state):
+            return ""
+
+    with pytest.raises(ValueError, match="pass 'wrong' has stage 'lowering'; valid stages: joint, partitioned"):
+        PassManager([Wrong()])
