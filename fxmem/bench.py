@@ -18,10 +18,12 @@ from fxmem.config import Config
 from fxmem.measure import (
     Fidelity,
     gradient_fidelity,
+    interleaved_step_times,
     median,
     model_tensors,
     peak_memory,
     saved_activation_bytes,
+    static_bytes,
     step_times,
     trainable_gradients,
 )
@@ -42,17 +44,21 @@ class MethodResult:
     workload: str
     method: str
     saved_bytes: int
-    peak_bytes: int
-    step_seconds: float  # median
+    peak_bytes: int  # a full step's peak above its start
+    static_bytes: int  # weights, buffers and optimizer state
     compile_seconds: float  # first step minus a warm step (0 for eager methods)
     first_loss: float
     fidelity: Fidelity | None = None  # vs eager, on the first batch
     budget: float | None = None  # activation_memory_budget, for compile-budget
     step_samples: list[float] = field(default_factory=list)
 
+    @property
+    def step_seconds(self) -> float:
+        return median(self.step_samples)
+
     def to_dict(self) -> dict[str, Any]:
         return {"workload": self.workload, "method": self.method, "saved_bytes": self.saved_bytes,
-                "peak_bytes": self.peak_bytes, "step_seconds": self.step_seconds,
+                "peak_bytes": self.peak_bytes, "static_bytes": self.static_bytes, "step_seconds": self.step_seconds,
                 "step_samples": self.step_samples, "compile_seconds": self.compile_seconds,
                 "first_loss": self.first_loss, "budget": self.budget,
                 "fidelity": self.fidelity.to_dict() if self.fidelity else None}
@@ -80,40 +86,48 @@ def _forward_for(method: str, model: torch.nn.Module, config: Config, budget: fl
     raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
 
 
-def saved_bytes_at_budget(workload: Workload, budget: float, device: torch.device, lora_rank: int) -> int:
-    """Bytes inductor's min-cut would save at ``budget``, from fxmem's analysis (no code generation)."""
+def planned_bytes(workload: Workload, config: Config, device: torch.device, lora_rank: int,
+                  budget: float = 1.0) -> int:
+    """Saved-activation bytes of ``config``'s plan when min-cut runs at ``budget``; no code generation."""
     torch._dynamo.reset()
     setup = workload.build(device=device, lora_rank=lora_rank)
-    batch = next(setup.batches)
-    backend = Backend(Config(), lowering="eager")
+    backend = Backend(config, lowering="eager")
     with torch._functorch.config.patch(activation_memory_budget=budget):
-        setup.loss(torch.compile(setup.model, backend=backend), batch)
-    return backend.report().activation_bytes
+        setup.loss(torch.compile(setup.model, backend=backend), next(setup.batches))
+    torch._dynamo.reset()
+    return backend.report().planned_bytes
 
 
 def budget_matching(workload: Workload, target_bytes: int, device: torch.device, lora_rank: int,
                     iterations: int = 7) -> float:
-    """The largest activation_memory_budget whose saved bytes do not exceed ``target_bytes`` (bisection)."""
-    if saved_bytes_at_budget(workload, 1.0, device, lora_rank) <= target_bytes:
+    """The largest activation_memory_budget at which inductor saves at most ``target_bytes`` (bisection)."""
+    exact = Config()
+    if planned_bytes(workload, exact, device, lora_rank) <= target_bytes:
         return 1.0
     low, high = 0.0, 1.0
     for _ in range(iterations):
         middle = (low + high) / 2
-        if saved_bytes_at_budget(workload, middle, device, lora_rank) <= target_bytes:
+        if planned_bytes(workload, exact, device, lora_rank, budget=middle) <= target_bytes:
             low = middle
         else:
             high = middle
     return low
 
 
-def run_method(workload: Workload, method: str, *, config: Config, device: torch.device, steps: int,
-               lora_rank: int, budget: float | None = None,
-               reference_grads: dict[str, torch.Tensor] | None = None) -> tuple[MethodResult, dict]:
-    torch._dynamo.reset()
+@dataclass
+class _Prepared:
+    result: MethodResult
+    grads: dict[str, torch.Tensor]
+    step: Callable[[], None]
+
+
+def _prepare(workload: Workload, method: str, *, config: Config, device: torch.device, lora_rank: int,
+             budget: float | None, reference_grads: dict[str, torch.Tensor] | None) -> _Prepared:
+    """Build and compile one method, and measure everything but its step time."""
     setup: Setup = workload.build(device=device, lora_rank=lora_rank)
     forward = _forward_for(method, setup.model, config, budget)
     optimizer = torch.optim.AdamW([p for p in setup.model.parameters() if p.requires_grad], lr=1e-4)
-    first_batch = next(setup.batches)
+    first_batch, batch = next(setup.batches), next(setup.batches)
     first_losses: list[float] = []
 
     def first_batch_backward() -> None:
@@ -122,7 +136,7 @@ def run_method(workload: Workload, method: str, *, config: Config, device: torch
         loss.backward()
         first_losses.append(loss.item())
 
-    def step(batch: dict[str, torch.Tensor]) -> None:
+    def step() -> None:
         setup.loss(forward, batch).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -131,51 +145,54 @@ def run_method(workload: Workload, method: str, *, config: Config, device: torch
     cold, warm = (step_times(first_batch_backward, steps=1, warmup=0, device=device)[0] for _ in range(2))
     grads = trainable_gradients(setup.model)
     optimizer.zero_grad(set_to_none=True)
-
-    batch = next(setup.batches)
-    exclude = model_tensors(setup.model) + list(batch.values())
-    saved, loss = saved_activation_bytes(lambda: setup.loss(forward, batch), exclude=exclude)
+    saved, loss = saved_activation_bytes(lambda: setup.loss(forward, batch),
+                                         exclude=model_tensors(setup.model) + list(batch.values()))
     loss.backward()
     optimizer.zero_grad(set_to_none=True)
-    peak = peak_memory(lambda: step(batch), device)
-    samples = step_times(lambda: step(batch), steps=steps, warmup=1, device=device)
+    step()  # creates the optimizer state, so that the peak below is a steady step's
     result = MethodResult(
-        workload=workload.name, method=method, saved_bytes=saved, peak_bytes=peak, step_seconds=median(samples),
-        step_samples=samples, compile_seconds=max(cold - warm, 0.0), first_loss=first_losses[0],
-        fidelity=gradient_fidelity(reference_grads, grads) if reference_grads is not None else None,
-        budget=budget)
-    return result, grads
+        workload=workload.name, method=method, saved_bytes=saved, peak_bytes=peak_memory(step, device),
+        static_bytes=static_bytes(setup.model, optimizer), compile_seconds=max(cold - warm, 0.0),
+        first_loss=first_losses[0], budget=budget,
+        fidelity=gradient_fidelity(reference_grads, grads) if reference_grads is not None else None)
+    return _Prepared(result=result, grads=grads, step=step)
 
 
 def run_workload(workload: Workload, *, preset: str = "exact", device: torch.device | str = "cpu", steps: int = 5,
                  lora_rank: int = 16, methods: Sequence[str] = METHODS,
                  progress: Callable[[str], None] = lambda message: None) -> list[MethodResult]:
-    """Every method on one workload; fidelity is measured against eager's gradients on the same batch."""
+    """Every method on one workload, all kept alive so that their steps are timed interleaved.
+
+    Fidelity is measured against eager's gradients on the same batch and weights.
+    """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; valid methods: {', '.join(METHODS)}")
     config = Config.from_preset(preset)
     device = torch.device(device)
-    # eager first (the fidelity reference), fxmem before compile-budget (whose budget matches fxmem's bytes)
-    order = [m for m in ("eager", "fxmem", "compile", "compile-budget", "hf-checkpointing") if m in methods]
-    results: dict[str, MethodResult] = {}
-    reference = None
-    for method in order:
-        budget = None
-        if method == "compile-budget":
-            target = results["fxmem"].saved_bytes if "fxmem" in results else None
-            if target is None:
-                raise ValueError("compile-budget needs the fxmem method in the same run (its budget matches fxmem)")
-            progress(f"{workload.name}: searching the activation_memory_budget that matches fxmem's bytes")
-            budget = budget_matching(workload, target, device, lora_rank)
-        progress(f"{workload.name}: {method}")
-        result, grads = run_method(workload, method, config=config, device=device, steps=steps,
-                                   lora_rank=lora_rank, budget=budget, reference_grads=reference)
-        if method == "eager":
-            reference = grads
-        results[method] = result
+    budget = None
+    if "compile-budget" in methods:
+        progress(f"{workload.name}: searching the activation_memory_budget that matches fxmem's bytes")
+        budget = budget_matching(workload, planned_bytes(workload, config, device, lora_rank), device, lora_rank)
     torch._dynamo.reset()
-    return [results[m] for m in METHODS if m in results]
+    prepared: dict[str, _Prepared] = {}
+    reference = None
+    # Every method compiles cold: a cache warmed by an earlier run (or method) would make compile times incomparable.
+    with torch.compiler.config.patch(force_disable_caches=True):
+        for method in sorted(methods, key=lambda m: m != "eager"):  # eager first: the fidelity reference
+            progress(f"{workload.name}: {method}")
+            prepared[method] = _prepare(workload, method, config=config, device=device, lora_rank=lora_rank,
+                                        budget=budget if method == "compile-budget" else None,
+                                        reference_grads=reference)
+            if method == "eager":
+                reference = prepared[method].grads
+    progress(f"{workload.name}: timing {steps} interleaved steps")
+    samples = interleaved_step_times({m: p.step for m, p in prepared.items()}, steps=steps, warmup=1,
+                                     device=device)
+    for method, p in prepared.items():
+        p.result.step_samples = samples[method]
+    torch._dynamo.reset()
+    return [prepared[m].result for m in METHODS if m in prepared]
 
 
 def machine_description(device: torch.device | str) -> str:

@@ -118,22 +118,30 @@ def _bench(args: argparse.Namespace) -> int:
             results += run_workload(get_workload(name), preset=args.preset, device=device, steps=args.steps,
                                     progress=lambda message: status.update(message))
     rows = _bench_rows(results)
-    console.print(_bench_table(rows, device))
-    console.print(f"{metadata['date']}, {metadata['machine']}; preset {args.preset}; "
-                  f"median of {args.steps} steps")
-    for method, description in METHOD_DESCRIPTIONS.items():
-        console.print(f"  {method}: {description}")
+    console.print(_bench_table(rows))
+    console.print(f"{metadata['date']}, {metadata['machine']}; preset {args.preset}; {args.steps} timed steps")
+    for name, meaning in {**METHOD_DESCRIPTIONS, **BENCH_LEGEND}.items():
+        console.print(f"  {name}: {meaning}")
     if args.json:
         args.json.write_text(json.dumps({**metadata, "results": [r.to_dict() for r in results]}, indent=2))
         console.print(f"wrote {args.json}")
     if args.markdown:
-        args.markdown.write_text(_markdown(rows, metadata, device))
+        args.markdown.write_text(_markdown(rows, metadata))
         console.print(f"wrote {args.markdown}")
     return 0
 
 
-BENCH_COLUMNS = ("workload", "method", "saved activations", "reduction vs eager", "peak", "step time", "vs eager",
-                 "vs compile", "min grad cos", "median grad rel err", "compile s")
+BENCH_COLUMNS = ("workload", "method", "saved activations", "reduction vs eager", "step peak", "static",
+                 "peak incl. static", "step time", "vs eager", "vs compile", "min grad cos", "median grad rel err",
+                 "compile s")
+BENCH_LEGEND = {
+    "step peak": "a full training step's peak allocation above what was allocated when it began "
+                 "(CPU: profiler allocation events; CUDA: allocator statistics)",
+    "static": "weights, buffers and optimizer state",
+    "step time": "median of the timed steps, methods timed interleaved in one process",
+    "min grad cos / median grad rel err": "trainable gradients vs eager's on the same batch and weights",
+    "compile s": "first step minus a warm step, every method compiled with inductor's caches off",
+}
 
 
 def _bench_rows(results: list) -> list[list[str]]:
@@ -144,7 +152,8 @@ def _bench_rows(results: list) -> list[list[str]]:
         rows.append([
             r.workload, r.method if r.budget is None else f"{r.method} ({r.budget:.3f})", format_bytes(r.saved_bytes),
             f"{eager.saved_bytes / r.saved_bytes:.2f}x" if eager and r.saved_bytes else "—",
-            format_bytes(r.peak_bytes), f"{r.step_seconds:.3f} s",
+            format_bytes(r.peak_bytes), format_bytes(r.static_bytes), format_bytes(r.peak_bytes + r.static_bytes),
+            f"{r.step_seconds:.3f} s",
             f"{r.step_seconds / eager.step_seconds:.2f}" if eager else "—",
             f"{r.step_seconds / compiled.step_seconds:.2f}" if compiled else "—",
             f"{r.fidelity.min_cosine:.6f}" if r.fidelity else "(reference)",
@@ -153,26 +162,22 @@ def _bench_rows(results: list) -> list[list[str]]:
     return rows
 
 
-def _peak_title(device: torch.device) -> str:
-    return "peak memory" if device.type == "cuda" else "peak above step start (CPU)"
-
-
-def _bench_table(rows: list[list[str]], device: torch.device) -> Table:
+def _bench_table(rows: list[list[str]]) -> Table:
     table = Table(title="fxmem bench", title_justify="left")
     for column in BENCH_COLUMNS:
-        table.add_column(_peak_title(device) if column == "peak" else column,
-                         justify="left" if column in ("workload", "method") else "right")
+        table.add_column(column, justify="left" if column in ("workload", "method") else "right")
     for row in rows:
         table.add_row(*row)
     return table
 
 
-def _markdown(rows: list[list[str]], metadata: dict, device: torch.device) -> str:
-    header = [_peak_title(device) if c == "peak" else c for c in BENCH_COLUMNS]
+def _markdown(rows: list[list[str]], metadata: dict) -> str:
+    header = list(BENCH_COLUMNS)
     lines = [f"Date: {metadata['date']}. Machine: {metadata['machine']}. Preset: `{metadata['preset']}`.",
              f"Command: `{metadata['command']}`", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += [""] + [f"- {name}: {meaning}" for name, meaning in BENCH_LEGEND.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -194,8 +199,8 @@ def _finetune(args: argparse.Namespace) -> int:
                                         task, completed=step, loss=f"{loss:.4f}")))
     eager = results[0]
     table = Table(title=f"{workload.name}: {args.steps} steps", title_justify="left")
-    for column in ("method", "saved activations", "vs eager", "peak above start" if args.device == "cpu"
-                   else "peak memory", "step time", "vs eager", "first step", "final loss"):
+    for column in ("method", "saved activations", "vs eager", "step peak", "step time", "vs eager", "first step",
+                   "final loss"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for r in results:
         table.add_row(f"fxmem ({args.preset})" if r.method == "fxmem" else r.method, format_bytes(r.saved_bytes),
@@ -204,8 +209,9 @@ def _finetune(args: argparse.Namespace) -> int:
                       f"{r.step_seconds / eager.step_seconds:.2f}x" if r is not eager else "—",
                       f"{r.first_step_seconds:.1f} s", f"{r.final_loss:.4f}")
     console.print(table)
-    console.print("final loss: mean of the last 5 steps. first step includes compilation. "
-                  "saved activations: bytes held from forward to backward, parameters and inputs excluded.")
+    console.print("saved activations: bytes held from forward to backward, parameters and inputs excluded. "
+                  f"step peak: {BENCH_LEGEND['step peak']}. first step includes compilation. "
+                  "final loss: mean of the last 5 steps.")
     return 0
 
 

@@ -48,19 +48,21 @@ def saved_activation_bytes(forward: Callable[[], T], exclude: Iterable[torch.Ten
 
 
 def peak_memory(step: Callable[[], object], device: torch.device | str) -> int:
-    """Peak bytes allocated while ``step`` runs.
+    """Peak bytes allocated while ``step`` runs, above what was allocated when it began.
 
-    CUDA: ``torch.cuda.max_memory_allocated`` (absolute: weights and optimizer
-    state included). CPU: the running sum of the profiler's allocation events,
-    so the peak *above* what was allocated when the step began.
+    Relative on both devices, so that it stays the step's own cost when other
+    models share the device (add ``static_bytes`` for the whole footprint).
+    CUDA: ``torch.cuda`` allocator statistics. CPU: the running sum of the
+    profiler's allocation events (``torch.cpu`` keeps no statistics).
     """
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         step()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
+        return torch.cuda.max_memory_allocated(device) - start
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     allocations: list[tuple[int, int]] = []
@@ -78,6 +80,14 @@ def peak_memory(step: Callable[[], object], device: torch.device | str) -> int:
     return peak
 
 
+def static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes that live across steps: parameters, buffers and optimizer state, each storage once."""
+    tensors = model_tensors(model)
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def step_times(step: Callable[[], object], *, steps: int, warmup: int = 1,
                device: torch.device | str = "cpu") -> list[float]:
     """Wall time of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones."""
@@ -93,6 +103,24 @@ def step_times(step: Callable[[], object], *, steps: int, warmup: int = 1,
         sync()
         times.append(time.perf_counter() - start)
     return times
+
+
+def interleaved_step_times(steps_by_name: Mapping[str, Callable[[], object]], *, steps: int, warmup: int = 1,
+                           device: torch.device | str = "cpu") -> dict[str, list[float]]:
+    """``step_times`` for several candidates, taken in rotating round-robin order.
+
+    On a shared machine the speed drifts over minutes; timing the candidates
+    one after another would put that drift into their ratios.
+    """
+    names = list(steps_by_name)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(warmup + steps):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            [seconds] = step_times(steps_by_name[name], steps=1, warmup=0, device=device)
+            if round_index >= warmup:
+                samples[name].append(seconds)
+    return samples
 
 
 def median(values: Iterable[float]) -> float:

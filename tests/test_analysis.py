@@ -22,12 +22,17 @@ def details(report, role):
     return collections.Counter(s.detail for s in saved_of(report) if s.role is role)
 
 
-def test_llama_lora_sdpa_roles():
-    model, batch = tiny_model("llama", lora=True)
+def inspect_tiny(family, **model_options):
+    """Inspect a tiny model; every tensor that frees memory must have a role. Returns report, saved, role counts."""
+    model, batch = tiny_model(family, **model_options)
     report = fxmem.inspect(model, **batch)
     saved = saved_of(report)
     assert [s for s in saved if s.role is Role.UNKNOWN] == []
-    roles = collections.Counter(s.role for s in saved)
+    return report, saved, collections.Counter(s.role for s in saved)
+
+
+def test_llama_lora_sdpa_roles():
+    report, saved, roles = inspect_tiny("llama", lora=True)
     assert roles[Role.LORA_INTERMEDIATE] == 7 * LAYERS  # x@A of q,k,v,o,gate,up,down
     assert details(report, Role.ATTN_QKV) == {"q": LAYERS, "k": LAYERS, "v": LAYERS}
     assert details(report, Role.ATTN_OUT) == {"output": LAYERS, "log-sum-exp": LAYERS}
@@ -45,19 +50,13 @@ def test_llama_lora_sdpa_roles():
 
 
 def test_llama_eager_attention_roles():
-    model, batch = tiny_model("llama", lora=True, attn="eager")
-    report = fxmem.inspect(model, **batch)
-    assert [s for s in saved_of(report) if s.role is Role.UNKNOWN] == []
+    report, _, _ = inspect_tiny("llama", lora=True, attn="eager")
     assert details(report, Role.ATTN_PROBS) == {"probabilities": LAYERS}
     assert details(report, Role.ATTN_QKV) == {"q": LAYERS, "k": LAYERS, "v": LAYERS}
 
 
 def test_bert_roles_with_dropout_and_layer_norm():
-    model, batch = tiny_model("bert", lora=True)
-    report = fxmem.inspect(model, **batch)
-    saved = saved_of(report)
-    assert [s for s in saved if s.role is Role.UNKNOWN] == []
-    roles = collections.Counter(s.role for s in saved)
+    report, _, roles = inspect_tiny("bert", lora=True)
     assert roles[Role.DROPOUT_MASK] >= 3 * LAYERS  # attention probs, attention output, FFN output
     assert details(report, Role.NORM_INPUT)["normalized x̂ (layer_norm)"] == 2 * LAYERS
     assert details(report, Role.ACT_INPUT)["gelu derivative"] == LAYERS
@@ -66,19 +65,15 @@ def test_bert_roles_with_dropout_and_layer_norm():
 
 
 def test_gpt2_hand_written_gelu_is_an_activation_input():
-    model, batch = tiny_model("gpt2", lora=True)
-    report = fxmem.inspect(model, **batch)
-    assert [s for s in saved_of(report) if s.role is Role.UNKNOWN] == []
+    report, _, _ = inspect_tiny("gpt2", lora=True)
     assert details(report, Role.ACT_INPUT) == {"hand-written pointwise": LAYERS}
 
 
 def test_tensor_saved_to_recompute_takes_the_recomputed_role():
     # Full fine-tuning: min-cut keeps o_proj's output and recomputes the residual sum, the RMSNorm input.
-    model, batch = tiny_model("llama", lora=False)
-    report = fxmem.inspect(model, **batch)
-    recomputing = [s for s in saved_of(report) if s.detail.startswith("recomputes")]
+    _, saved, _ = inspect_tiny("llama", lora=False)
+    recomputing = [s for s in saved if s.detail.startswith("recomputes")]
     assert recomputing and all(s.role is Role.NORM_INPUT for s in recomputing)
-    assert [s for s in saved_of(report) if s.role is Role.UNKNOWN] == []
 
 
 @pytest.mark.parametrize("family", ["llama", "bert", "gpt2"])

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from fxmem import cli
-from fxmem.bench import run_workload
+from fxmem import Config, cli
+from fxmem.bench import budget_matching, planned_bytes, run_workload
 from fxmem.finetune import finetune
 from tests.conftest import TINY_LLAMA
 
@@ -57,7 +57,7 @@ def test_finetune_learns_and_exact_fxmem_matches_compile():
 def test_finetune_command_prints_the_side_by_side_table(tiny_workloads, capsys):
     assert cli.main(["finetune", "--steps", "3"]) == 0
     printed = capsys.readouterr().out
-    for expected in ("eager", "compile", "fxmem (exact)", "saved activations", "peak above start", "final loss"):
+    for expected in ("eager", "compile", "fxmem (exact)", "saved activations", "step peak", "final loss"):
         assert expected in printed
 
 
@@ -72,16 +72,18 @@ def test_bench_runs_every_baseline_and_writes_json_and_markdown(tiny_workloads, 
     assert results["fxmem"]["saved_bytes"] == results["compile"]["saved_bytes"]
     assert results["compile-budget"]["budget"] == 1.0  # exact saves what inductor saves: no budget needed
     assert results["hf-checkpointing"]["saved_bytes"] < results["eager"]["saved_bytes"]
+    assert all(len(r["step_samples"]) == 1 and r["static_bytes"] > 0 and r["peak_bytes"] > 0
+               for r in results.values())
     markdown = markdown_path.read_text()
     assert "| workload | method | saved activations |" in markdown and "Command: `fxmem bench" in markdown
+    assert "- step peak: " in markdown
 
 
 def test_budget_search_finds_a_budget_below_one_for_a_smaller_target():
-    from fxmem.bench import budget_matching, saved_bytes_at_budget
-    full = saved_bytes_at_budget(TINY_LLAMA, 1.0, "cpu", 16)
+    full = planned_bytes(TINY_LLAMA, Config(), "cpu", 16)
     budget = budget_matching(TINY_LLAMA, full // 2, "cpu", 16, iterations=4)
     assert 0.0 <= budget < 1.0
-    assert saved_bytes_at_budget(TINY_LLAMA, budget, "cpu", 16) <= full // 2
+    assert planned_bytes(TINY_LLAMA, Config(), "cpu", 16, budget=budget) <= full // 2
 
 
 def test_run_workload_rejects_unknown_methods():

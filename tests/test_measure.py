@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from fxmem.measure import gradient_fidelity, peak_memory, saved_activation_bytes, step_times
+from fxmem.measure import (
+    gradient_fidelity,
+    interleaved_step_times,
+    peak_memory,
+    saved_activation_bytes,
+    static_bytes,
+    step_times,
+)
 
 
 def test_saved_bytes_count_each_storage_once_and_skip_excluded():
@@ -55,3 +62,21 @@ def test_gradient_fidelity():
     assert rotated.min_cosine == pytest.approx(0.0) and rotated.worst_parameter == "a"
     with pytest.raises(ValueError, match="candidate has no gradient for b"):
         gradient_fidelity(reference, {"a": reference["a"], "c": reference["c"]})
+
+
+def test_static_bytes_count_weights_and_optimizer_state_once():
+    model = torch.nn.Linear(10, 20)  # 220 parameters
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert static_bytes(model) == 220 * 4
+    model(torch.randn(3, 10)).sum().backward()
+    optimizer.step()
+    # AdamW adds exp_avg and exp_avg_sq per parameter, and a step counter per parameter tensor
+    assert static_bytes(model, optimizer) == 220 * 4 * 3 + 2 * 4
+
+
+def test_interleaved_step_times_rotate_the_order():
+    calls = []
+    samples = interleaved_step_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                     steps=2, warmup=1)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert {name: len(times) for name, times in samples.items()} == {"a": 2, "b": 2}
