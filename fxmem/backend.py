@@ -56,7 +56,9 @@ class _Partitioner(CustomPartitionerFn):
         state.fw, state.bw = fw, bw
         state.plans = plan_region(state.analysis, region.config)
         region.passes += self.passes.run("partitioned", state)
-        region.saved, region.plans = state.analysis.saved, state.plans
+        # Appended: inductor may partition nested subgraphs of the region through this same hook.
+        region.saved += state.analysis.saved
+        region.plans += state.plans
         return state.fw, state.bw
 
     def uuid(self) -> str:

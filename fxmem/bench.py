@@ -26,6 +26,7 @@ from fxmem.measure import (
     static_bytes,
     step_times,
     trainable_gradients,
+    warm_up_compiler,
 )
 from fxmem.workloads import Setup, Workload
 
@@ -175,6 +176,7 @@ def run_workload(workload: Workload, *, preset: str = "exact", device: torch.dev
         progress(f"{workload.name}: searching the activation_memory_budget that matches fxmem's bytes")
         budget = budget_matching(workload, planned_bytes(workload, config, device, lora_rank), device, lora_rank)
     torch._dynamo.reset()
+    warm_up_compiler()
     prepared: dict[str, _Prepared] = {}
     reference = None
     # Every method compiles cold: a cache warmed by an earlier run (or method) would make compile times incomparable.

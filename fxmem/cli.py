@@ -61,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.width = max(console.width, 200)
     # transformers warns about its own deprecations on every traced forward; they are not the user's concern here.
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    # bench and finetune compile with caches off on purpose; torch says so once per compile.
+    warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
     try:
         Config.from_preset(args.preset).require_built()
     except NotImplementedError as error:
@@ -186,17 +188,14 @@ def _finetune(args: argparse.Namespace) -> int:
     workload = get_workload(args.workload)
     console.print(f"LoRA fine-tune of {workload.name} ({workload.description}), batch {workload.batch} x "
                   f"{workload.seq} tokens of Python standard-library source, {args.steps} steps, AdamW lr {args.lr}")
-    results = []
-    columns = (TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-               TimeElapsedColumn())
+    columns = (TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        for method in FINETUNE_METHODS:
-            label = f"fxmem ({args.preset})" if method == "fxmem" else method
-            task = progress.add_task(label, total=args.steps, loss="—")
-            results.append(finetune(workload, method, steps=args.steps, lr=args.lr, preset=args.preset,
-                                    device=args.device,
-                                    on_step=lambda step, loss, task=task: progress.update(
-                                        task, completed=step, loss=f"{loss:.4f}")))
+        tasks = {m: progress.add_task(f"fxmem ({args.preset})" if m == "fxmem" else m, total=args.steps, loss="—")
+                 for m in FINETUNE_METHODS}
+        results = finetune(workload, FINETUNE_METHODS, steps=args.steps, lr=args.lr, preset=args.preset,
+                           device=args.device, on_step=lambda method, step, loss: progress.update(
+                               tasks[method], completed=step, loss=f"{loss:.4f}"))
     eager = results[0]
     table = Table(title=f"{workload.name}: {args.steps} steps", title_justify="left")
     for column in ("method", "saved activations", "vs eager", "step peak", "step time", "vs eager", "first step",
@@ -210,7 +209,7 @@ def _finetune(args: argparse.Namespace) -> int:
                       f"{r.first_step_seconds:.1f} s", f"{r.final_loss:.4f}")
     console.print(table)
     console.print("saved activations: bytes held from forward to backward, parameters and inputs excluded. "
-                  f"step peak: {BENCH_LEGEND['step peak']}. first step includes compilation. "
+                  f"step peak: {BENCH_LEGEND['step peak']}. first step includes compilation (caches off). "
                   "final loss: mean of the last 5 steps.")
     return 0
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fxmem.backend import Backend
 from fxmem.config import Config
-from fxmem.measure import median, model_tensors, peak_memory, saved_activation_bytes, step_times
+from fxmem.measure import median, model_tensors, peak_memory, saved_activation_bytes, warm_up_compiler
 from fxmem.workloads import Workload
 
 FINETUNE_METHODS = ("eager", "compile", "fxmem")
@@ -20,8 +21,8 @@ class FinetuneResult:
     method: str
     losses: list[float]
     saved_bytes: int  # measured on the first step
-    peak_bytes: int  # measured on the second step
-    first_step_seconds: float  # includes compilation
+    peak_bytes: int  # the second step's peak above its start
+    first_step_seconds: float  # includes compilation, with inductor's caches off
     step_seconds: float  # median of the steps after the second
 
     @property
@@ -31,44 +32,83 @@ class FinetuneResult:
         return sum(tail) / len(tail)
 
 
-def finetune(workload: Workload, method: str, *, steps: int, lr: float = 1e-3, preset: str = "exact",
-             device: torch.device | str = "cpu", lora_rank: int = 16,
-             on_step: Callable[[int, float], None] = lambda step, loss: None) -> FinetuneResult:
-    """Train ``workload`` for ``steps`` optimizer steps with ``method``; the same seed and batches for every method."""
-    if method not in FINETUNE_METHODS:
-        raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(FINETUNE_METHODS)}")
+def check_methods(methods: Sequence[str]) -> None:
+    unknown = [m for m in methods if m not in FINETUNE_METHODS]
+    if unknown:
+        raise ValueError(f"unknown method {', '.join(map(repr, unknown))}; valid methods: "
+                         f"{', '.join(FINETUNE_METHODS)}")
+
+
+class FinetuneRun:
+    """One method's training loop, advanced a step at a time: the first step also measures the saved bytes,
+    the second the peak memory, the others are timed."""
+
+    def __init__(self, workload: Workload, method: str, *, lr: float = 1e-3, preset: str = "exact",
+                 device: torch.device | str = "cpu", lora_rank: int = 16) -> None:
+        check_methods([method])
+        self.method = method
+        self.device = torch.device(device)
+        self.setup = workload.build(device=device, lora_rank=lora_rank)
+        model = self.setup.model
+        self.forward = {"eager": lambda: model, "compile": lambda: torch.compile(model),
+                        "fxmem": lambda: torch.compile(model, backend=Backend(Config.from_preset(preset)))}[method]()
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+        self.losses: list[float] = []
+        self.saved_bytes = self.peak_bytes = 0
+        self.seconds: list[float] = []
+
+    def _train_step(self, measure_saved: bool) -> None:
+        batch = next(self.setup.batches)
+        if measure_saved:
+            exclude = model_tensors(self.setup.model) + list(batch.values())
+            self.saved_bytes, loss = saved_activation_bytes(lambda: self.setup.loss(self.forward, batch), exclude)
+        else:
+            loss = self.setup.loss(self.forward, batch)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(loss.item())
+
+    def step(self) -> float:
+        """One optimizer step; returns its loss."""
+        if len(self.losses) == 1:
+            self.peak_bytes = peak_memory(lambda: self._train_step(False), self.device)
+            return self.losses[-1]
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        if self.losses:
+            self._train_step(False)
+        else:  # compiles cold, as in the benchmark: kernels another method cached would skew first steps
+            with torch.compiler.config.patch(force_disable_caches=True):
+                self._train_step(True)
+        sync()
+        self.seconds.append(time.perf_counter() - start)
+        return self.losses[-1]
+
+    def result(self) -> FinetuneResult:
+        if len(self.losses) < 3:
+            raise ValueError(f"{self.method}: a result needs at least 3 steps (got {len(self.losses)})")
+        return FinetuneResult(method=self.method, losses=self.losses, saved_bytes=self.saved_bytes,
+                              peak_bytes=self.peak_bytes, first_step_seconds=self.seconds[0],
+                              step_seconds=median(self.seconds[1:]))
+
+
+def finetune(workload: Workload, methods: Sequence[str] = FINETUNE_METHODS, *, steps: int, lr: float = 1e-3,
+             preset: str = "exact", device: torch.device | str = "cpu", lora_rank: int = 16,
+             on_step: Callable[[str, int, float], None] = lambda method, step, loss: None
+             ) -> list[FinetuneResult]:
+    """Train ``workload`` with each method on the same seed and batches, their steps interleaved round-robin
+    so that the machine's drift does not enter the time ratios."""
+    check_methods(methods)
     if steps < 3:
         raise ValueError(f"steps must be >= 3 (first step: saved bytes, second: peak memory); got {steps}")
     torch._dynamo.reset()
-    setup = workload.build(device=device, lora_rank=lora_rank)
-    forward = {"eager": lambda: setup.model, "compile": lambda: torch.compile(setup.model),
-               "fxmem": lambda: torch.compile(setup.model, backend=Backend(Config.from_preset(preset)))}[method]()
-    optimizer = torch.optim.AdamW([p for p in setup.model.parameters() if p.requires_grad], lr=lr)
-    losses: list[float] = []
-
-    def train_step(loss_of: Callable[[dict], torch.Tensor]) -> None:
-        batch = next(setup.batches)
-        loss = loss_of(batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        on_step(len(losses), losses[-1])
-
-    saved_box: list[int] = []
-
-    def measured_loss(batch: dict) -> torch.Tensor:
-        saved, loss = saved_activation_bytes(lambda: setup.loss(forward, batch),
-                                             exclude=model_tensors(setup.model) + list(batch.values()))
-        saved_box.append(saved)
-        return loss
-
-    def plain_loss(batch: dict) -> torch.Tensor:
-        return setup.loss(forward, batch)
-
-    first = step_times(lambda: train_step(measured_loss), steps=1, warmup=0, device=device)[0]
-    peak = peak_memory(lambda: train_step(plain_loss), device)
-    times = step_times(lambda: train_step(plain_loss), steps=steps - 2, warmup=0, device=device)
+    warm_up_compiler()
+    runs = [FinetuneRun(workload, m, lr=lr, preset=preset, device=device, lora_rank=lora_rank) for m in methods]
+    for step in range(steps):
+        shift = step % len(runs)
+        for run in runs[shift:] + runs[:shift]:
+            on_step(run.method, step + 1, run.step())
     torch._dynamo.reset()
-    return FinetuneResult(method=method, losses=losses, saved_bytes=saved_box[0], peak_bytes=peak,
-                          first_step_seconds=first, step_seconds=median(times))
+    return [run.result() for run in runs]

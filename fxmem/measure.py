@@ -123,6 +123,13 @@ def interleaved_step_times(steps_by_name: Mapping[str, Callable[[], object]], *,
     return samples
 
 
+def warm_up_compiler() -> None:
+    """Compile something trivial, so that inductor's one-time start-up (its compile workers) is charged to no
+    candidate whose compile time is measured."""
+    with torch.compiler.config.patch(force_disable_caches=True):
+        torch.compile(lambda x: (x * 2).sin())(torch.randn(8))
+
+
 def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 

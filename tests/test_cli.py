@@ -47,8 +47,7 @@ def test_inspect_names_a_missing_model(tmp_path):
 
 
 def test_finetune_learns_and_exact_fxmem_matches_compile():
-    runs = {m: finetune(TINY_LLAMA, m, steps=10, lr=1e-2) for m in ("compile", "fxmem")}
-    compiled, ours = runs["compile"], runs["fxmem"]
+    compiled, ours = finetune(TINY_LLAMA, ("compile", "fxmem"), steps=10, lr=1e-2)
     assert ours.losses == pytest.approx(compiled.losses, rel=1e-5)
     assert ours.saved_bytes == compiled.saved_bytes > 0
     assert ours.final_loss < 0.95 * ours.losses[0]  # it really trains
@@ -84,6 +83,13 @@ def test_budget_search_finds_a_budget_below_one_for_a_smaller_target():
     budget = budget_matching(TINY_LLAMA, full // 2, "cpu", 16, iterations=4)
     assert 0.0 <= budget < 1.0
     assert planned_bytes(TINY_LLAMA, Config(), "cpu", 16, budget=budget) <= full // 2
+
+
+def test_finetune_rejects_unknown_methods_and_too_few_steps():
+    with pytest.raises(ValueError, match="unknown method 'deepspeed'; valid methods: eager, compile, fxmem"):
+        finetune(TINY_LLAMA, ("eager", "deepspeed"), steps=3)
+    with pytest.raises(ValueError, match="steps must be >= 3"):
+        finetune(TINY_LLAMA, steps=2)
 
 
 def test_run_workload_rejects_unknown_methods():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from collections.abc import Iterable, Iterator
@@ -116,11 +117,15 @@ def shape_text(val: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in val.shape) + ")"
 
 
+def numel_hint(val: torch.Tensor) -> int:
+    return math.prod(shape_hint(val))
+
+
 def storage_bytes(val: torch.Tensor) -> int:
     """Bytes of the storage a freshly allocated tensor with ``val``'s layout needs."""
-    if val.numel() == 0:
+    sizes = shape_hint(val)  # hints, never symbolic comparisons: those would add guards after dynamo is done
+    if 0 in sizes:
         return 0
-    sizes = shape_hint(val)
     strides = [hint(s) for s in val.stride()]
     span = 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides) if size > 0)
     return (span + hint(val.storage_offset())) * val.element_size()

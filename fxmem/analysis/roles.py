@@ -22,6 +22,7 @@ from fxmem.analysis.graph import (
     is_floating,
     is_reduced_shape,
     module_path,
+    numel_hint,
     original_op,
     storage_base,
     strip,
@@ -240,7 +241,7 @@ def _product(f: TensorFacts) -> Match | None:
             continue
         other = operands[1] if storage_base(operands[0]) is f.base else operands[0]
         other_val = tensor_val(other)
-        if strip(other) in f.params or other_val is None or other_val.numel() != f.val.numel():
+        if strip(other) in f.params or other_val is None or numel_hint(other_val) != numel_hint(f.val):
             continue
         if _rope_trig(storage_base(other)) is None:
             return Role.PRODUCT_INPUT, "x in x*y"
