@@ -72,7 +72,9 @@ def _budget_backend(budget: float) -> Callable:
     return compile_with_budget
 
 
-def _forward_for(method: str, model: torch.nn.Module, config: Config, budget: float | None) -> Callable:
+def forward_for_method(method: str, model: torch.nn.Module, config: Config, budget: float | None = None
+                       ) -> Callable:
+    """What the training step calls under ``method``: the model itself, or a compiled wrapper of it."""
     if method == "eager":
         return model
     if method == "hf-checkpointing":
@@ -126,7 +128,7 @@ def _prepare(workload: Workload, method: str, *, config: Config, device: torch.d
              budget: float | None, reference_grads: dict[str, torch.Tensor] | None) -> _Prepared:
     """Build and compile one method, and measure everything but its step time."""
     setup: Setup = workload.build(device=device, lora_rank=lora_rank)
-    forward = _forward_for(method, setup.model, config, budget)
+    forward = forward_for_method(method, setup.model, config, budget)
     optimizer = torch.optim.AdamW([p for p in setup.model.parameters() if p.requires_grad], lr=1e-4)
     first_batch, batch = next(setup.batches), next(setup.batches)
     first_losses: list[float] = []

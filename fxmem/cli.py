@@ -17,10 +17,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fxmem.config import PRESETS, Config
+from fxmem.inspection import inspect as inspect_model
 from fxmem.report import format_bytes
 from fxmem.workloads import WORKLOADS, get_workload
 
 console = Console()
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {value}")
+        return value
+    return parse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        "(file or directory)")
     inspect.add_argument("--batch", type=int, help="batch size (default: the workload's, else 4)")
     inspect.add_argument("--seq", type=int, help="sequence length (default: the workload's, else 512)")
-    inspect.add_argument("--lora-rank", type=int, default=16, help="LoRA rank; 0 for full fine-tuning")
+    inspect.add_argument("--lora-rank", type=_int_at_least(0), default=16, help="LoRA rank; 0 for full fine-tuning")
     inspect.add_argument("--preset", default="exact", choices=list(PRESETS))
     inspect.add_argument("--device", default="cpu")
     inspect.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the report as JSON")
@@ -42,14 +52,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
                        help="default: llama-tiny and llama-small, plus llama-7b-shape on a GPU")
     bench.add_argument("--preset", default="exact", choices=list(PRESETS))
-    bench.add_argument("--steps", type=int, default=5, help="timed steps per method (median reported)")
+    bench.add_argument("--steps", type=_int_at_least(1), default=5, help="timed steps per method (median reported)")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     bench.add_argument("--json", type=pathlib.Path, metavar="PATH")
     bench.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
 
     finetune = commands.add_parser("finetune", help="a short LoRA fine-tune with and without fxmem, side by side")
     finetune.add_argument("--workload", default="llama-tiny", choices=list(WORKLOADS))
-    finetune.add_argument("--steps", type=int, default=40)
+    finetune.add_argument("--steps", type=_int_at_least(3), default=40,
+                          help="optimizer steps per method (>= 3: the first measures saved bytes, the second peak)")
     finetune.add_argument("--lr", type=float, default=1e-3)
     finetune.add_argument("--preset", default="exact", choices=list(PRESETS))
     finetune.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -72,7 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    import fxmem
     if args.model in WORKLOADS:
         workload = get_workload(args.model)
         workload = dataclasses.replace(workload, batch=args.batch or workload.batch, seq=args.seq or workload.seq)
@@ -81,7 +91,7 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         model, batch = _model_from_config(pathlib.Path(args.model), args.batch or 4, args.seq or 512,
                                           args.lora_rank, torch.device(args.device))
-    report = fxmem.inspect(model, config=Config.from_preset(args.preset), **batch)
+    report = inspect_model(model, config=Config.from_preset(args.preset), **batch)
     console.print(*report.renderables(include_all=args.all))
     if args.json:
         args.json.write_text(report.to_json())

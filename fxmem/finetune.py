@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxmem.backend import Backend
+from fxmem.bench import forward_for_method
 from fxmem.config import Config
 from fxmem.measure import median, model_tensors, peak_memory, saved_activation_bytes, warm_up_compiler
 from fxmem.workloads import Workload
@@ -49,10 +49,8 @@ class FinetuneRun:
         self.method = method
         self.device = torch.device(device)
         self.setup = workload.build(device=device, lora_rank=lora_rank)
-        model = self.setup.model
-        self.forward = {"eager": lambda: model, "compile": lambda: torch.compile(model),
-                        "fxmem": lambda: torch.compile(model, backend=Backend(Config.from_preset(preset)))}[method]()
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+        self.forward = forward_for_method(method, self.setup.model, Config.from_preset(preset))
+        self.optimizer = torch.optim.AdamW([p for p in self.setup.model.parameters() if p.requires_grad], lr=lr)
         self.losses: list[float] = []
         self.saved_bytes = self.peak_bytes = 0
         self.seconds: list[float] = []

@@ -41,6 +41,12 @@ def test_inspect_refuses_a_preset_not_built_yet(capsys):
     assert "not built yet" in capsys.readouterr().out
 
 
+def test_bad_counts_are_usage_errors(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["finetune", "--steps", "2"])
+    assert "--steps: must be an integer >= 3; got 2" in capsys.readouterr().err
+
+
 def test_inspect_names_a_missing_model(tmp_path):
     with pytest.raises(SystemExit, match="neither a workload"):
         cli.main(["inspect", str(tmp_path / "nope.json")])
