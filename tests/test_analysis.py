@@ -179,3 +179,25 @@ def test_module_paths_are_cleaned():
     assert clean_module_path(raw) == "base_model.model.model.layers.3.mlp.up_proj"
     assert layer_of("base_model.model.model.layers.3.mlp.up_proj") == "base_model.model.model.layers.3"
     assert layer_of("model.norm") == ""
+
+
+def test_rope_tables_are_recognised_through_scale_cast_and_expand():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxmem.analysis.roles import _rope_trig
+
+    def rotary(positions, inv_freq, x):
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * 1.5).to(torch.float32).unsqueeze(0).expand(2, -1, -1)
+        sin = emb.sin().unsqueeze(0)
+        return x * cos + torch.tanh(x) * sin
+
+    graph = make_fx(rotary)(torch.arange(8.0), torch.rand(4), torch.randn(2, 8, 8)).graph
+    by_name = {n.name: n for n in graph.nodes}
+    multiplications = [n for n in graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    tables = {_rope_trig(n.args[1]) for n in multiplications if n.args[0].name.startswith("x")}
+    assert tables == {"cos"}
+    assert _rope_trig(by_name["tanh"]) is None
+    assert {_rope_trig(n.args[1]) for n in multiplications if n.args[0].target is torch.ops.aten.tanh.default} \
+        == {"sin"}
