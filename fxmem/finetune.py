@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -10,7 +9,7 @@ import torch
 
 from fxmem.bench import forward_for_method
 from fxmem.config import Config
-from fxmem.measure import median, model_tensors, peak_memory, saved_activation_bytes, warm_up_compiler
+from fxmem.measure import median, model_tensors, peak_memory, saved_activation_bytes, step_times, warm_up_compiler
 from fxmem.workloads import Workload
 
 FINETUNE_METHODS = ("eager", "compile", "fxmem")
@@ -72,16 +71,12 @@ class FinetuneRun:
         if len(self.losses) == 1:
             self.peak_bytes = peak_memory(lambda: self._train_step(False), self.device)
             return self.losses[-1]
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
-        start = time.perf_counter()
         if self.losses:
-            self._train_step(False)
+            [seconds] = step_times(lambda: self._train_step(False), steps=1, warmup=0, device=self.device)
         else:  # compiles cold, as in the benchmark: kernels another method cached would skew first steps
             with torch.compiler.config.patch(force_disable_caches=True):
-                self._train_step(True)
-        sync()
-        self.seconds.append(time.perf_counter() - start)
+                [seconds] = step_times(lambda: self._train_step(True), steps=1, warmup=0, device=self.device)
+        self.seconds.append(seconds)
         return self.losses[-1]
 
     def result(self) -> FinetuneResult:

@@ -35,10 +35,15 @@ def is_view(node: Node) -> bool:
     return is_view_op(node.target)
 
 
+def _view_source(node: Node) -> Node:
+    """What a view node looks at: its first argument, or for getitem of split/unbind, the split's input."""
+    return node.args[0].args[0] if node.target is operator.getitem else node.args[0]
+
+
 def storage_base(node: Node) -> Node:
     """The node that allocated the storage ``node`` looks at (itself unless it is a view)."""
     while is_view(node):
-        node = node.args[0] if node.target is not operator.getitem else node.args[0].args[0]
+        node = _view_source(node)
     return node
 
 
@@ -63,7 +68,7 @@ def users_through_views(node: Node) -> list[Node]:
 def strip(node: object, *, casts: bool = True) -> object:
     """``node`` with views (and, by default, dtype casts) peeled off its front."""
     while isinstance(node, Node) and (is_view(node) or (casts and node.target in DTYPE_CASTS)):
-        node = node.args[0] if node.target is not operator.getitem else node.args[0].args[0]
+        node = _view_source(node) if is_view(node) else node.args[0]
     return node
 
 
@@ -82,12 +87,10 @@ def original_op(node: Node) -> str:
 
 
 def op_name(target: object) -> str:
+    """'silu' for aten.silu.default: the op without its overload."""
     if target is operator.getitem:
         return "getitem"
-    name = getattr(target, "__name__", None) or str(target)
-    # OpOverload.__name__ is like "silu.default"; drop the overload for readability.
-    name = str(getattr(target, "_opname", None) or name.split(".")[0])
-    return name
+    return str(getattr(target, "_opname", None) or getattr(target, "__name__", target)).split(".")[0]
 
 
 def tensor_val(node: Node) -> torch.Tensor | None:
@@ -171,10 +174,10 @@ def walk_back(node: Node, through: Iterable[object] = (), depth: int = 8) -> Ite
             yield current
             if current.op != "call_function":
                 continue
-            if is_view(current) or current.target in DTYPE_CASTS or current.target in through \
-                    or original_op(current) in through:
-                next_frontier.extend(tensor_args(current)[:1] if is_view(current)
-                                     else tensor_args(current))
+            if is_view(current):
+                next_frontier.append(_view_source(current))
+            elif current.target in DTYPE_CASTS or current.target in through or original_op(current) in through:
+                next_frontier.extend(tensor_args(current))
         frontier = next_frontier
         if not frontier:
             return

@@ -116,15 +116,11 @@ def _follow_to_add(xab: Node) -> tuple[Node, Node, float] | None:
             scaling *= float(constants[0])
             current = user
         elif user.target is aten.add.Tensor and len(user.args) == 2 and "alpha" not in user.kwargs:
-            side = next(a for a in user.args if isinstance(a, Node) and _reaches(a, current))
+            side = next(a for a in user.args if isinstance(a, Node) and storage_base(a) is current)
             return user, side, scaling
         else:
             return None
     return None
-
-
-def _reaches(node: Node, target: Node) -> bool:
-    return strip(node, casts=False) is target
 
 
 def _lora_input_relation(x_base: Node, x_lora: Node) -> bool | None:

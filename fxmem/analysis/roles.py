@@ -54,6 +54,9 @@ class Role(str, Enum):
     UNKNOWN = "unknown"
 
 
+# Roles of tensors that exist anyway: compressing them frees nothing.
+FREES_NOTHING = frozenset({Role.PARAMETER, Role.INPUT_VIEW})
+
 ROLE_DESCRIPTIONS = {
     Role.LINEAR_INPUT: "input of a linear layer, kept for its weight's (or LoRA A's) gradient",
     Role.LORA_INTERMEDIATE: "x @ A of a LoRA linear (rank r), kept for B's gradient",
@@ -293,7 +296,7 @@ def classify(facts: TensorFacts) -> list[Match]:
     matches = [m for m in (rule(facts) for rule in RULES) if m is not None]
     if not matches:
         return [(Role.UNKNOWN, original_op(facts.base))]
-    if matches[0][0] in (Role.PARAMETER, Role.INPUT_VIEW):
+    if matches[0][0] in FREES_NOTHING:
         return matches[:1]
     return matches
 

@@ -20,7 +20,7 @@ from fxmem.analysis.graph import (
     users_through_views,
 )
 from fxmem.analysis.lora import LoraLinear, find_lora_linears
-from fxmem.analysis.roles import Role, TensorFacts, classify
+from fxmem.analysis.roles import FREES_NOTHING, Role, TensorFacts, classify
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class SavedTensor:
 
     @property
     def frees_memory(self) -> bool:
-        return self.role not in (Role.PARAMETER, Role.INPUT_VIEW)
+        return self.role not in FREES_NOTHING
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -97,7 +97,8 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
         roles = classify(facts)
         role, detail = roles[0]
         val = tensor_val(node)
-        frees = role not in (Role.PARAMETER, Role.INPUT_VIEW)
+        module = module_path(base)
+        frees = role not in FREES_NOTHING
         shared_with = first_by_storage.get(base) if frees else None
         if frees and shared_with is None:
             first_by_storage[base] = node.name
@@ -107,7 +108,7 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             also=tuple(dict.fromkeys(r for r, _ in roles[1:] if r is not role)),
             producer=original_op(base) if base.op == "call_function" else base.op,
             backward_consumers=tuple(dict.fromkeys(original_op(u) for u in bw_users)),
-            module=module_path(base), layer=layer_of(module_path(base)),
+            module=module, layer=layer_of(module),
             shape=shape_hint(val), shape_text=shape_text(val), dtype=str(val.dtype).removeprefix("torch."),
             nbytes=nbytes, storage=base.name, shares_storage_with=shared_with))
     return Analysis(saved=records, nodes={n.name: n for n in saved_nodes}, loras=loras)
