@@ -24,7 +24,7 @@ from torch.fx import GraphModule
 
 from fxmem.analysis import analyze
 from fxmem.config import Config
-from fxmem.passes import PassManager, PipelineState
+from fxmem.passes import PassManager, PipelineState, default_passes
 from fxmem.policy import plan_region
 from fxmem.region import Region
 from fxmem.report import Report
@@ -42,7 +42,8 @@ class _Partitioner(CustomPartitionerFn):
                  ) -> tuple[GraphModule, GraphModule]:
         region = self.region
         region.kind = "training"
-        state = PipelineState(config=region.config, joint=joint, joint_inputs=joint_inputs)
+        state = PipelineState(config=region.config, joint=joint, joint_inputs=joint_inputs,
+                              num_fwd_outputs=kwargs["num_fwd_outputs"])
         region.passes += self.passes.run("joint", state)
         fw, bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
         try:
@@ -59,6 +60,7 @@ class _Partitioner(CustomPartitionerFn):
         # Appended: inductor may partition nested subgraphs of the region through this same hook.
         region.saved += state.analysis.saved
         region.plans += state.plans
+        region.slots += state.slots
         return state.fw, state.bw
 
     def uuid(self) -> str:
@@ -87,7 +89,7 @@ class Backend:
         self.config = config or Config()
         self.config.require_built()
         self.lowering = lowering
-        self.passes = passes or PassManager()
+        self.passes = passes or PassManager(default_passes())
         self.regions: list[Region] = []
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], *,

@@ -8,12 +8,11 @@ from typing import Any
 
 BITS_CHOICES = (1, 2, 4, 8)
 RUNLORA_CHOICES = ("off", "flops", "time")
+CALIBRATION_CHOICES = ("static", "dynamic")
 
 # Techniques whose switch exists but whose pass is not built yet, and the issue
 # that builds it. A config that turns one on is refused, never silently ignored.
 _NOT_BUILT = {
-    "bits": "quantized saved activations (issue: Quantized saved activations with outlier channels)",
-    "attn_sparsity": "attention-map sparsification (issue: Quantized saved activations with outlier channels)",
     "lora_reorder": "LoRA reorder recompute (issue: LoRA reorder recompute and fused epilogues)",
     "lowrank": "low-rank saved activations (issue: Low-rank saved activations (LoRAct))",
     "runlora": "RunLoRA variant selection (issue: The cost model, RunLoRA variant selection, and fxmem whatif)",
@@ -29,6 +28,8 @@ class Config:
     outlier_ratio: fraction of norm-input channels kept in full precision when quantizing.
     attn_sparsity: fraction of attention probabilities kept (eager attention); None is off.
     calibration_steps: training forwards that gather quantization statistics before freezing them.
+    calibration: "static" freezes scales and outlier channels after calibration_steps;
+        "dynamic" recomputes them from every batch.
     lora_reorder: save quantized X W plus X A and rebuild the LoRA output in backward.
     lowrank: low-rank saved activations, as a ratio of the last dimension in (0, 1)
         or an integer rank >= 1; None is off.
@@ -42,6 +43,7 @@ class Config:
     outlier_ratio: float = 0.005
     attn_sparsity: float | None = None
     calibration_steps: int = 5
+    calibration: str = "static"
     lora_reorder: bool = False
     lowrank: float | int | None = None
     runlora: str = "off"
@@ -56,6 +58,7 @@ class Config:
         if _is_bool(self.calibration_steps) or not isinstance(self.calibration_steps, int) \
                 or self.calibration_steps < 1:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
+        _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
         if not isinstance(self.lora_reorder, bool):
             raise ValueError(f"lora_reorder must be True or False; got {self.lora_reorder!r}")
         _check_lowrank(self.lowrank)

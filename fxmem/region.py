@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fxmem.analysis import SavedTensor
+from fxmem.calibration import QuantSlot
 from fxmem.config import Config
 from fxmem.passes import PassRecord
 from fxmem.policy import Plan
@@ -22,4 +23,5 @@ class Region:
     plans: list[Plan] = field(default_factory=list)
     passes: list[PassRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    slots: list[QuantSlot] = field(default_factory=list)  # quantization state of the saved tensors
     compile_seconds: float = 0.0

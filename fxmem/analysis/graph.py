@@ -47,6 +47,15 @@ def storage_base(node: Node) -> Node:
     return node
 
 
+def view_chain(node: Node) -> list[Node]:
+    """The view nodes from ``node``'s storage base (exclusive) to ``node`` (inclusive), outermost first."""
+    chain = []
+    while is_view(node):
+        chain.append(node)
+        node = _view_source(node)
+    return chain[::-1]
+
+
 def users_through_views(node: Node) -> list[Node]:
     """Every non-view user of ``node`` or of a view of it (graph outputs excluded)."""
     found: list[Node] = []
@@ -132,6 +141,18 @@ def storage_bytes(val: torch.Tensor) -> int:
     strides = [hint(s) for s in val.stride()]
     span = 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides) if size > 0)
     return (span + hint(val.storage_offset())) * val.element_size()
+
+
+def memory_order(val: torch.Tensor) -> list[int] | None:
+    """Dims from outermost to innermost in memory (``val.permute(order)`` is contiguous); None if not dense."""
+    sizes, strides = shape_hint(val), [hint(s) for s in val.stride()]
+    order = sorted(range(len(sizes)), key=lambda d: (-strides[d], d))
+    expected = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != expected:
+            return None
+        expected *= sizes[d]
+    return order
 
 
 def is_reduced_shape(val: torch.Tensor) -> bool:

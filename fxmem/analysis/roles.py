@@ -155,13 +155,28 @@ def _fused_attention(f: TensorFacts) -> Match | None:
             if index == 1:
                 return Role.ATTN_OUT, "log-sum-exp"
             return Role.SMALL, f"attention state #{index}"
-    for user in f.fw_users:
-        if is_fused_attention(user):
-            operands = list(user.args) + list(user.kwargs.values())
-            for position, arg in enumerate(operands):
-                if isinstance(arg, Node) and storage_base(arg) is base:
-                    return (Role.ATTN_QKV, "qkv"[position]) if position < 3 else (Role.ATTN_MASK, "")
+    # Backward users count too: attention that backward recomputes reads the saved q, k, v there.
+    for user, storage in [(u, base.name) for u in f.fw_users] + [(u, f.node.name) for u in f.bw_users]:
+        operands, forward = _attention_operands(user)
+        for position, arg in enumerate(operands):
+            if isinstance(arg, Node) and storage_base(arg).name == storage:
+                if position < 3:
+                    return Role.ATTN_QKV, "qkv"[position]
+                if forward:
+                    return Role.ATTN_MASK, ""
     return None
+
+
+def _attention_operands(node: Node) -> tuple[list, bool]:
+    """(q, k, v, ...) of a fused attention forward, its recomputation or its backward; bool: a forward."""
+    if is_fused_attention(node):
+        return list(node.args) + list(node.kwargs.values()), True
+    if node.target is torch.ops.higher_order.run_with_rng_state and "scaled_dot_product" in str(node.args[1]):
+        return list(node.args[2:]) + list(node.kwargs.values()), True  # (rng state, op, *operands)
+    name = original_op(node)
+    if "scaled_dot_product" in name and "backward" in name:
+        return list(node.args[1:4]), False  # (grad_out, q, k, v, out, ...)
+    return [], False
 
 
 def _eager_attention(f: TensorFacts) -> Match | None:

@@ -61,6 +61,11 @@ class Analysis:
     saved: list[SavedTensor]
     nodes: dict[str, Node]  # forward node of each saved tensor, by name
     loras: list[LoraLinear]
+    output_storages: frozenset[str] = frozenset()  # storages of the forward's user outputs (the caller holds them)
+
+    @property
+    def saved_storages(self) -> frozenset[str]:
+        return frozenset(s.storage for s in self.saved)
 
 
 def saved_tensor_nodes(fw: GraphModule, num_fwd_outputs: int) -> list[Node]:
@@ -111,5 +116,8 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             module=module, layer=layer_of(module),
             shape=shape_hint(val), shape_text=shape_text(val), dtype=str(val.dtype).removeprefix("torch."),
             nbytes=nbytes, storage=base.name, shares_storage_with=shared_with))
-    return Analysis(saved=records, nodes={n.name: n for n in saved_nodes}, loras=loras)
+    outputs = fw.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]
+    output_storages = frozenset(storage_base(n).name for n in outputs if isinstance(n, Node))
+    return Analysis(saved=records, nodes={n.name: n for n in saved_nodes}, loras=loras,
+                    output_storages=output_storages)
 

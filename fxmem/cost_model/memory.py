@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
-from fxmem.analysis import SavedTensor
-from fxmem.policy import Plan
+from typing import TYPE_CHECKING
+
+from fxmem.kernels.quantize import packed_numel
+
+if TYPE_CHECKING:
+    from fxmem.analysis import SavedTensor
+    from fxmem.policy import Plan
+
+SCALE_BYTES = 4  # per-channel scale and zero point are float32
+CHANNEL_ID_BYTES = 8  # outlier channel ids are int64
+
+
+def quantized_bytes(numel: int, channels: int, bits: int, outliers: int, element_size: int) -> int:
+    """Packed codes + full-precision outlier columns + per-channel scale and zero + outlier ids."""
+    rows = numel // channels
+    return (packed_numel(numel, bits) + rows * outliers * element_size + 2 * channels * SCALE_BYTES
+            + outliers * CHANNEL_ID_BYTES)
+
+
+def sparse_index_bytes(row_length: int) -> int:
+    """Bytes of one column index of a pruned row: int16 while the row fits, else int32."""
+    return 2 if row_length <= 2**15 else 4
+
+
+def sparse_bytes(numel: int, row_length: int, keep: int, element_size: int) -> int:
+    """The ``keep`` largest values of every row and their column indices."""
+    rows = numel // row_length
+    return rows * keep * (element_size + sparse_index_bytes(row_length))
 
 
 def planned_bytes(saved: SavedTensor, plan: Plan) -> int:
     """Bytes held between forward and backward once ``plan`` is applied to ``saved``."""
-    if plan.action == "keep":
+    if plan.action == "keep" or saved.nbytes == 0:  # a view shares its owner's (already counted) storage
         return saved.nbytes
-    raise ValueError(f"unknown plan action {plan.action!r}; valid actions: keep")
+    if plan.nbytes is None:
+        raise ValueError(f"plan {plan.action!r} for {saved.name} carries no byte count")
+    return plan.nbytes

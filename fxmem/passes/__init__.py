@@ -1,5 +1,15 @@
 """Graph rewrites, one file per pass family, run in order by the pass manager."""
 
 from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineState
+from fxmem.passes.quantize import QuantizeSaved
+from fxmem.passes.recompute_attention import RecomputeAttention
+from fxmem.passes.recompute_logits import RecomputeLogits
+from fxmem.passes.sparsify import SparsifyAttention
 
-__all__ = ["GraphPass", "PassManager", "PassRecord", "PipelineState"]
+
+def default_passes() -> list[GraphPass]:
+    """Every pass fxmem has, in order; each runs only when the region's config enables it."""
+    return [RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved()]
+
+
+__all__ = ["GraphPass", "PassManager", "PassRecord", "PipelineState", "default_passes"]

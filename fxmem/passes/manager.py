@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 from torch.fx import GraphModule
 
 from fxmem.analysis import Analysis
+from fxmem.calibration import QuantSlot
 from fxmem.config import Config
 from fxmem.policy import Plan
 
@@ -34,10 +35,12 @@ class PipelineState:
     config: Config
     joint: GraphModule
     joint_inputs: Sequence[Any]
+    num_fwd_outputs: int = 0  # the forward's user outputs; saved tensors follow them
     fw: GraphModule | None = None
     bw: GraphModule | None = None
     analysis: Analysis | None = None
     plans: list[Plan] = field(default_factory=list)
+    slots: list[QuantSlot] = field(default_factory=list)  # runtime state the rewritten graphs use
 
     def graphs(self, stage: Stage) -> dict[str, GraphModule]:
         return {"joint": self.joint} if stage == "joint" else {"fw": self.fw, "bw": self.bw}

@@ -1,0 +1,108 @@
+"""Runtime quantization state of saved tensors: calibration statistics, then frozen scales.
+
+HyC-LoRA (section 4.1-4.2) calibrates: for the first ``calibration_steps``
+training forwards it gathers per-channel statistics over the whole batch, then
+freezes the per-channel scales and the outlier channels (the top
+``outlier_ratio`` channels by L2 norm) for the rest of training. "dynamic" mode
+recomputes both from every batch instead.
+
+Each quantized saved tensor has a ``QuantSlot``. The compiled forward calls
+``fxmem::quantize_saved(x, slot)``, an op that reads and updates the slot and
+returns the packed codes together with the scales and outlier ids it used, so
+the backward dequantizes with exactly those even if the slot moves on (several
+forwards before one backward, dynamic mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fxmem.kernels.quantize import quant_params
+
+
+@dataclass
+class QuantSlot:
+    """One saved tensor's quantization state; channels are the tensor's last dimension."""
+
+    name: str
+    channels: int
+    bits: int
+    outliers: int  # number of outlier channels kept in full precision
+    calibration_steps: int
+    dynamic: bool
+    seen: int = 0  # training forwards observed
+    low: torch.Tensor | None = field(default=None, repr=False)
+    high: torch.Tensor | None = field(default=None, repr=False)
+    square_norm: torch.Tensor | None = field(default=None, repr=False)
+    frozen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.frozen is not None
+
+    def observe(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scale, zero, outlier channel ids) for quantizing ``x``, updating the statistics first."""
+        self.seen += 1
+        if self.frozen is not None:
+            return self.frozen
+        low, high, square_norm = _channel_stats(x.reshape(-1, self.channels))
+        if self.dynamic or self.low is None:
+            self.low, self.high, self.square_norm = low, high, square_norm
+        else:
+            self.low = torch.minimum(self.low, low)
+            self.high = torch.maximum(self.high, high)
+            self.square_norm = self.square_norm + square_norm
+        scale, zero = quant_params(self.low, self.high, self.bits)
+        ids = torch.topk(self.square_norm, self.outliers).indices.sort().values
+        params = (scale, zero, ids)
+        if not self.dynamic and self.seen >= self.calibration_steps:
+            self.frozen = params
+            self.low = self.high = self.square_norm = None
+        return params
+
+    def to_dict(self) -> dict:
+        ids = self.frozen[2].tolist() if self.frozen is not None else None
+        return {"name": self.name, "bits": self.bits, "channels": self.channels, "outliers": self.outliers,
+                "seen": self.seen, "calibrated": self.calibrated, "outlier_channels": ids}
+
+
+def _channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel min, max and squared L2 norm over the finite values of a (rows, channels) tensor."""
+    finite = torch.isfinite(x)
+    x = x.float()
+    low = torch.where(finite, x, float("inf")).amin(0)
+    high = torch.where(finite, x, float("-inf")).amax(0)
+    square_norm = torch.where(finite, x, 0.0).square().sum(0)
+    return low, high, square_norm
+
+
+# Slots are found by index from compiled code; a slot lives as long as the process (a few per saved tensor).
+SLOTS: list[QuantSlot] = []
+
+
+def register(slot: QuantSlot) -> int:
+    SLOTS.append(slot)
+    return len(SLOTS) - 1
+
+
+@torch.library.custom_op("fxmem::quantize_saved", mutates_args=())
+def quantize_saved(x: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+    """(packed, outliers, scale, zero, outlier ids) of ``x`` under slot ``slot``'s current parameters."""
+    state = SLOTS[slot]
+    scale, zero, ids = state.observe(x)
+    packed, outliers = torch.ops.fxmem.quantize(x, scale, zero, ids, state.bits)
+    # Fresh copies: what backward reads must not change when the slot does.
+    return packed, outliers, scale.clone(), zero.clone(), ids.clone()
+
+
+@quantize_saved.register_fake
+def _(x, slot):
+    state = SLOTS[slot]
+    packed, outliers = torch.ops.fxmem.quantize(
+        x, x.new_empty(state.channels, dtype=torch.float32), x.new_empty(state.channels, dtype=torch.float32),
+        x.new_empty(state.outliers, dtype=torch.long), state.bits)
+    scale = x.new_empty(state.channels, dtype=torch.float32)
+    return packed, outliers, scale, torch.empty_like(scale), x.new_empty(state.outliers, dtype=torch.long)

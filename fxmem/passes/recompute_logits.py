@@ -1,0 +1,59 @@
+"""Recompute the loss's logits in backward from the LM head's input instead of saving them.
+
+The log-softmax of a cross-entropy loss needs the logits in backward: a
+(tokens x vocabulary) tensor, the largest one a LoRA step saves (vocabulary /
+hidden times the head's input). Tagging the head's matmul, and the views and
+casts from it to the log-softmax, as must-recompute makes torch's min-cut save
+the head's input (or what it is recomputed from) instead, at the price of one
+more head matmul in backward. The quantize pass keeps what it saves exact.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Node
+from torch.utils.checkpoint import CheckpointPolicy
+
+from fxmem.analysis.graph import DTYPE_CASTS, is_view, numel_hint, original_op, storage_bytes, tensor_val
+from fxmem.analysis.lora import MATMULS, matmul_operands
+from fxmem.analysis.roles import LOG_SOFTMAXES
+from fxmem.config import Config
+from fxmem.passes.manager import GraphPass, PipelineState
+
+
+class RecomputeLogits(GraphPass):
+    name = "recompute_logits"
+    stage = "joint"
+
+    def enabled(self, config: Config) -> bool:
+        return config.bits is not None
+
+    def run(self, state: PipelineState) -> str:
+        heads: dict[Node, list[Node]] = {}
+        for node in state.joint.graph.nodes:
+            if node.op != "call_function" or original_op(node) not in LOG_SOFTMAXES:
+                continue
+            for arg in node.all_input_nodes:
+                chain = _chain_to_matmul(arg)
+                if chain is not None:
+                    heads.setdefault(chain[0], []).extend(chain)
+        for chain in heads.values():
+            for node in chain:
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        if not heads:
+            return ""
+        freed = sum(storage_bytes(tensor_val(head)) for head in heads)
+        return f"{len(heads)} logits tensor(s) ({freed / 2**20:.1f} MiB) recomputed from the LM head input"
+
+
+def _chain_to_matmul(node: Node) -> list[Node] | None:
+    """[matmul, views/casts...] ending at ``node`` if ``node`` is a matmul's output seen through those."""
+    chain = []
+    while node.op == "call_function" and (is_view(node) or node.target in DTYPE_CASTS):
+        chain.append(node)
+        node = node.all_input_nodes[0]
+    if node.op != "call_function" or node.target not in MATMULS:
+        return None
+    lhs, _ = matmul_operands(node)
+    if numel_hint(tensor_val(node)) <= numel_hint(tensor_val(lhs)):
+        return None  # recomputing saves nothing: the input is as large as the logits
+    return [node, *chain[::-1]]

@@ -1,0 +1,166 @@
+"""Shared machinery of the partitioned passes: replace a saved tensor by others and rebuild it in backward.
+
+A partitioned region hands backward its saved tensors positionally: the
+forward returns them after its user outputs, the backward takes them as
+placeholders in the same order (after any SymInts). ``SavedTensorEditor`` adds
+and removes saved tensors keeping both sides aligned, creates nodes with the
+fake values inductor needs, and copies forward nodes into backward.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fxmem.analysis.graph import storage_base, tensor_val, view_chain
+from fxmem.analysis.rope import RopeRecompute
+from fxmem.passes.manager import PipelineState
+
+
+class Unmappable(Exception):
+    """A forward value needed in backward that backward cannot name (a symbolic size it does not receive)."""
+
+
+class SavedTensorEditor:
+    def __init__(self, state: PipelineState) -> None:
+        self.fw: GraphModule = state.fw
+        self.bw: GraphModule = state.bw
+        self.num_fwd_outputs = state.num_fwd_outputs
+        self.fw_output = self.fw.graph.find_nodes(op="output")[0]
+        self.bw_nodes = {n.name: n for n in self.bw.graph.nodes}
+        # AOTAutograd's contract: the forward returns user outputs, saved tensors, opaque objects, SymInts;
+        # the backward takes SymInts, saved tensors, opaque objects, tangents. Pair them by position.
+        saved = self._outputs()[self.num_fwd_outputs:]
+        tensors = [n for n in saved if isinstance(n, Node) and tensor_val(n) is not None]
+        symints = sum(1 for n in saved if isinstance(n, Node) and isinstance(n.meta.get("val"), torch.SymInt))
+        placeholders = list(self.bw.graph.find_nodes(op="placeholder"))
+        self.placeholder_of: dict[Node, Node] = dict(zip(tensors, placeholders[symints:], strict=False))
+        self._last_saved = tensors[-1] if tensors else None
+
+    def _outputs(self) -> list[Any]:
+        return list(self.fw_output.args[0])
+
+    def _set_outputs(self, outputs: list[Any]) -> None:
+        self.fw_output.args = (tuple(outputs), *self.fw_output.args[1:])
+
+    def save(self, node: Node) -> Node:
+        """Make forward ``node`` a saved tensor (if it is not one already); its backward placeholder."""
+        if node in self.placeholder_of:
+            return self.placeholder_of[node]
+        if self._last_saved is None:
+            raise Unmappable("the region saves no tensor to place a new one after")
+        outputs = self._outputs()
+        position = self.num_fwd_outputs + outputs[self.num_fwd_outputs:].index(self._last_saved) + 1
+        outputs.insert(position, node)
+        self._set_outputs(outputs)
+        with self.bw.graph.inserting_after(self.placeholder_of[self._last_saved]):
+            placeholder = self.bw.graph.placeholder(node.name)
+        placeholder.target = placeholder.name  # the argument is named as the node (renamed on a clash)
+        placeholder.meta["val"] = node.meta["val"]
+        self.placeholder_of[node] = placeholder
+        self.bw_nodes[placeholder.name] = placeholder
+        self._last_saved = node
+        return placeholder
+
+    def unsave(self, node: Node) -> None:
+        """Stop saving ``node``; its placeholder must have no users left."""
+        placeholder = self.placeholder_of.pop(node)
+        outputs = self._outputs()
+        index = self.num_fwd_outputs + outputs[self.num_fwd_outputs:].index(node)
+        del outputs[index]
+        self._set_outputs(outputs)
+        if self._last_saved is node:
+            previous = [n for n in outputs[self.num_fwd_outputs:index] if n in self.placeholder_of]
+            self._last_saved = previous[-1] if previous else None
+        self.bw.graph.erase_node(placeholder)
+        del self.bw_nodes[placeholder.name]
+
+    def first_backward_use(self, placeholders: Iterable[Node]) -> Node:
+        """The earliest backward node reading any of ``placeholders``: rebuilt values go right before it."""
+        users = {u for p in placeholders for u in p.users}
+        return next(n for n in self.bw.graph.nodes if n in users)
+
+    def check_copyable(self, nodes: Sequence[Node], known: set[Node]) -> None:
+        """Raise ``Unmappable`` (before anything is edited) if ``copy_to_backward(nodes)`` would."""
+        available = set(known) | set(nodes)
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                if arg not in available and (tensor_val(arg) is not None or arg.name not in self.bw_nodes):
+                    raise Unmappable(f"backward has no value for forward node {arg.name}")
+
+    def copy_to_backward(self, nodes: Sequence[Node], values: dict[Node, Node]) -> None:
+        """Copy forward ``nodes`` (in order) into backward at the current insertion point.
+
+        ``values`` maps forward nodes to their backward counterparts and receives the copies. Other
+        forward arguments (symbolic sizes) are found in backward by name, else ``Unmappable``.
+        """
+        for node in nodes:
+            if node not in values:
+                values[node] = self.bw.graph.node_copy(node, lambda arg: self._backward_value(arg, values))
+
+    def _backward_value(self, arg: Node, values: dict[Node, Node]) -> Node:
+        if arg in values:
+            return values[arg]
+        twin = self.bw_nodes.get(arg.name)
+        if twin is None or tensor_val(arg) is not None:
+            raise Unmappable(f"backward has no value for forward node {arg.name}")
+        return twin
+
+
+def compress_storage(editor: SavedTensorEditor, members: list[Node],
+                     compress: Callable[[torch.fx.Graph, Node], list[Node]],
+                     restore: Callable[[torch.fx.Graph, list[Node]], Node],
+                     rope: RopeRecompute | None = None) -> None:
+    """Save ``compress(source)`` instead of ``members`` (saved views of one storage) and rebuild them in backward.
+
+    ``source`` is the members' storage, or with ``rope`` the tensor before rotation: the rotation is
+    replayed in backward from the restored source and the (saved) cos/sin tables. Raises ``Unmappable``
+    before editing anything if backward could not rebuild the members.
+    """
+    source = rope.source if rope is not None else storage_base(members[0])
+    replayed = (list(rope.nodes) if rope is not None else []) + [v for m in members for v in view_chain(m)]
+    tables = list(rope.tables) if rope is not None else []
+    editor.check_copyable(replayed, known={source, *tables})
+    placeholders = [editor.placeholder_of[m] for m in members]
+    first_use = editor.first_backward_use(placeholders)
+
+    with editor.fw.graph.inserting_before(source.next):
+        parts = compress(editor.fw.graph, source)
+    saved_parts = [editor.save(part) for part in parts]
+    values = {t: editor.save(t) for t in tables}
+    with editor.bw.graph.inserting_before(first_use):
+        values[source] = restore(editor.bw.graph, saved_parts)
+        editor.copy_to_backward(replayed, values)
+    for member, placeholder in zip(members, placeholders, strict=True):
+        placeholder.replace_all_uses_with(values[member])
+        editor.unsave(member)
+
+
+def call(graph: torch.fx.Graph, target: Callable, args: tuple, outputs: int = 0) -> Node | list[Node]:
+    """Insert ``target(*args)`` with its fake value; with ``outputs`` > 0, also its first getitems."""
+    fake_args = tuple(_fake(a) for a in args)
+    fake_mode = next(a.fake_mode for a in fake_args if isinstance(a, torch.Tensor))
+    with fake_mode:
+        val = target(*fake_args)
+    node = graph.call_function(target, args)
+    node.meta["val"] = val
+    if not outputs:
+        return node
+    items = []
+    for index in range(outputs):
+        item = graph.call_function(operator.getitem, (node, index))
+        item.meta["val"] = val[index]
+        items.append(item)
+    return items
+
+
+def _fake(arg: Any) -> Any:
+    if isinstance(arg, Node):
+        return arg.meta["val"]
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_fake(a) for a in arg)
+    return arg
