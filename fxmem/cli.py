@@ -1,4 +1,4 @@
-"""The `fxmem` command: inspect | bench | finetune."""
+"""The `fxmem` command: inspect | bench | finetune | ablate."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fxmem.config import PRESETS, Config
+from fxmem.config import BITS_CHOICES, PRESETS, Config
 from fxmem.inspection import inspect as inspect_model
 from fxmem.report import format_bytes
 from fxmem.workloads import WORKLOADS, get_workload
@@ -65,6 +65,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     finetune.add_argument("--preset", default="exact", choices=list(PRESETS))
     finetune.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
+    ablate = commands.add_parser("ablate", help="accuracy of the quantizing presets: bits x outlier channels")
+    ablate.add_argument("--workload", default="llama-tiny", choices=list(WORKLOADS))
+    ablate.add_argument("--steps", type=_int_at_least(3), default=200)
+    ablate.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=BITS_CHOICES)
+    ablate.add_argument("--lr", type=float, default=1e-3)
+    ablate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ablate.add_argument("--json", type=pathlib.Path, metavar="PATH")
+    ablate.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.command_line = "fxmem " + " ".join(shlex.quote(a) for a in argv)
@@ -75,11 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # bench and finetune compile with caches off on purpose; torch says so once per compile.
     warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
     try:
-        Config.from_preset(args.preset).require_built()
+        Config.from_preset(getattr(args, "preset", "exact")).require_built()
     except NotImplementedError as error:
         console.print(f"[red]{error}[/red]")
         return 2
-    return {"inspect": _inspect, "bench": _bench, "finetune": _finetune}[args.command](args)
+    return {"inspect": _inspect, "bench": _bench, "finetune": _finetune, "ablate": _ablate}[args.command](args)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -221,6 +230,51 @@ def _finetune(args: argparse.Namespace) -> int:
     console.print("saved activations: bytes held from forward to backward, parameters and inputs excluded. "
                   f"step peak: {BENCH_LEGEND['step peak']}. first step includes compilation (caches off). "
                   "final loss: mean of the last 5 steps.")
+    return 0
+
+
+ABLATE_COLUMNS = ("setting", "saved activations", "vs eager", "min grad cosine", "median grad error",
+                  "final loss", "vs compile", "step time vs compile")
+
+
+def _ablate(args: argparse.Namespace) -> int:
+    from fxmem.ablation import ablate, hyclora_settings
+    workload = get_workload(args.workload)
+    settings = hyclora_settings(args.bits)
+    console.print(f"{workload.name} ({workload.description}): {args.steps} LoRA steps on Python standard-library "
+                  f"source, AdamW lr {args.lr}, {len(settings)} settings round-robin")
+    with Progress(TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=console) as progress:
+        tasks = {s.name: progress.add_task(s.name, total=args.steps, loss="—") for s in settings}
+        results = ablate(workload, settings, steps=args.steps, lr=args.lr, device=args.device,
+                         on_step=lambda name, step, loss: progress.update(tasks[name], completed=step,
+                                                                          loss=f"{loss:.4f}"))
+    eager, compiled = results[0], results[1]
+    rows = []
+    for r in results:
+        rows.append([
+            r.setting, format_bytes(r.saved_bytes), f"{eager.saved_bytes / r.saved_bytes:.2f}x",
+            "—" if r.min_cosine is None else f"{r.min_cosine:.4f}",
+            "—" if r.median_error is None else f"{r.median_error:.4f}",
+            f"{r.final_loss:.4f}", f"{(r.final_loss - compiled.final_loss) / compiled.final_loss:+.2%}",
+            f"{r.step_seconds / compiled.step_seconds:.2f}x"])
+    table = Table(title=f"{workload.name}: {args.steps} steps", title_justify="left")
+    for column in ABLATE_COLUMNS:
+        table.add_column(column, justify="left" if column == "setting" else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    legend = ("grad cosine / error: every trainable gradient on a fixed batch vs the eager model's at the same "
+              "weights, probed after calibration, mid-way and at the end (minimum cosine, median relative L2 "
+              "error). final loss: mean of the last 5 steps; vs compile: relative to torch.compile's.")
+    console.print(legend)
+    if args.markdown:
+        lines = [f"`{args.command_line}`", "", "| " + " | ".join(ABLATE_COLUMNS) + " |",
+                 "|" + "---|" * len(ABLATE_COLUMNS)] + ["| " + " | ".join(row) + " |" for row in rows]
+        args.markdown.write_text("\n".join(lines + ["", legend, ""]))
+    if args.json:
+        args.json.write_text(json.dumps({"command": args.command_line, "results": [r.to_dict() for r in results]},
+                                        indent=2))
     return 0
 
 

@@ -9,7 +9,17 @@ import torch
 
 from fxmem.bench import forward_for_method
 from fxmem.config import Config
-from fxmem.measure import median, model_tensors, peak_memory, saved_activation_bytes, step_times, warm_up_compiler
+from fxmem.measure import (
+    Fidelity,
+    gradient_fidelity,
+    median,
+    model_tensors,
+    peak_memory,
+    saved_activation_bytes,
+    step_times,
+    trainable_gradients,
+    warm_up_compiler,
+)
 from fxmem.workloads import Workload
 
 FINETUNE_METHODS = ("eager", "compile", "fxmem")
@@ -43,12 +53,14 @@ class FinetuneRun:
     the second the peak memory, the others are timed."""
 
     def __init__(self, workload: Workload, method: str, *, lr: float = 1e-3, preset: str = "exact",
-                 device: torch.device | str = "cpu", lora_rank: int = 16) -> None:
+                 config: Config | None = None, device: torch.device | str = "cpu", lora_rank: int = 16) -> None:
         check_methods([method])
         self.method = method
         self.device = torch.device(device)
         self.setup = workload.build(device=device, lora_rank=lora_rank)
-        self.forward = forward_for_method(method, self.setup.model, Config.from_preset(preset))
+        # Taken first, so every run trains on the same batches; gradient probes use it.
+        self.probe_batch = next(self.setup.batches)
+        self.forward = forward_for_method(method, self.setup.model, config or Config.from_preset(preset))
         self.optimizer = torch.optim.AdamW([p for p in self.setup.model.parameters() if p.requires_grad], lr=lr)
         self.losses: list[float] = []
         self.saved_bytes = self.peak_bytes = 0
@@ -78,6 +90,15 @@ class FinetuneRun:
                 [seconds] = step_times(lambda: self._train_step(True), steps=1, warmup=0, device=self.device)
         self.seconds.append(seconds)
         return self.losses[-1]
+
+    def gradient_probe(self) -> Fidelity:
+        """Gradients on the probe batch at the current weights, against the eager model's on the same."""
+        grads = []
+        for forward in (self.setup.model, self.forward):
+            self.setup.loss(forward, self.probe_batch).backward()
+            grads.append(trainable_gradients(self.setup.model))
+            self.optimizer.zero_grad(set_to_none=True)
+        return gradient_fidelity(*grads)
 
     def result(self) -> FinetuneResult:
         if len(self.losses) < 3:

@@ -51,8 +51,6 @@ def test_unknown_preset_and_option_name_the_valid_ones():
 
 
 @pytest.mark.parametrize("overrides, topic", [
-    ({"bits": 4}, "Quantized saved activations with outlier channels"),
-    ({"attn_sparsity": 0.05}, "attention-map sparsification"),
     ({"lora_reorder": True}, "LoRA reorder recompute and fused epilogues"),
     ({"lowrank": 0.125}, "Low-rank saved activations"),
     ({"runlora": "flops"}, "RunLoRA variant selection"),
@@ -66,7 +64,7 @@ def test_techniques_not_built_yet_are_refused_with_their_topic(overrides, topic)
         fxmem.backend(**overrides)
 
 
-@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "exact"])
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p not in ("exact", "hyclora-4bit", "hyclora-2bit")])
 def test_presets_of_later_issues_are_refused_not_ignored(preset):
     with pytest.raises(NotImplementedError, match="not built yet"):
         fxmem.backend(preset=preset)
@@ -78,10 +76,22 @@ def test_backend_options_are_validated_before_compiling():
         fxmem_backend(gm, [torch.randn(1, 2)], options={"preset": "nope"})
     with pytest.raises(ValueError, match="unknown fxmem option"):
         fxmem_backend(gm, [torch.randn(1, 2)], options={"bitz": 2})
-    with pytest.raises(NotImplementedError, match="Quantized saved activations"):
-        fxmem_backend(gm, [torch.randn(1, 2)], options={"bits": 2})
+    with pytest.raises(NotImplementedError, match="Low-rank saved activations"):
+        fxmem_backend(gm, [torch.randn(1, 2)], options={"lowrank": 4})
 
 
 def test_backend_rejects_unknown_lowering():
     with pytest.raises(ValueError, match="lowering must be one of inductor, eager"):
         fxmem.Backend(lowering="tvm")
+
+
+def test_calibration_mode_is_validated():
+    assert Config(calibration="dynamic").calibration == "dynamic"
+    with pytest.raises(ValueError, match="calibration must be one of 'static', 'dynamic'; got 'weekly'"):
+        Config(calibration="weekly")
+
+
+def test_hyclora_presets_quantize_and_prune():
+    four, two = Config.from_preset("hyclora-4bit"), Config.from_preset("hyclora-2bit")
+    assert (four.bits, two.bits, four.attn_sparsity, four.outlier_ratio, four.calibration_steps) == (4, 2, 0.05, 0.005, 5)
+    fxmem.backend(preset="hyclora-2bit", outlier_ratio=0.0, calibration_steps=2)  # built: no NotImplementedError

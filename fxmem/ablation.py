@@ -1,0 +1,96 @@
+"""`fxmem ablate`: the accuracy side of a lossy preset, as HyC-LoRA's Table 1 ablation reports it.
+
+Each setting fine-tunes the same workload from the same weights on the same
+batches (round-robin, as `fxmem finetune`), next to eager PEFT and
+torch.compile. Reported per setting: saved-activation bytes, gradient fidelity
+(every trainable gradient on a fixed probe batch against the eager model's at
+the same weights, probed through training) and the final loss against
+torch.compile's, the uncompressed run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fxmem.config import Config
+from fxmem.finetune import FinetuneRun
+from fxmem.measure import Fidelity, median, warm_up_compiler
+from fxmem.workloads import Workload
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    method: str  # eager | compile | fxmem
+    config: Config = field(default_factory=Config)
+
+
+def hyclora_settings(bits: Sequence[int] = (4, 2)) -> list[Setting]:
+    """The baselines, then each bit width with and without outlier channels (intra-operator only)."""
+    settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
+    for b in bits:
+        preset = Config(bits=b, attn_sparsity=0.05)
+        settings.append(Setting(f"{b}-bit + outliers", "fxmem", preset))
+        settings.append(Setting(f"{b}-bit, no outliers", "fxmem", preset.replace(outlier_ratio=0.0)))
+    return settings
+
+
+@dataclass
+class AblationResult:
+    setting: str
+    saved_bytes: int
+    losses: list[float]
+    step_seconds: float
+    probes: list[Fidelity]  # empty for the baselines
+
+    @property
+    def final_loss(self) -> float:
+        tail = self.losses[-5:]
+        return sum(tail) / len(tail)
+
+    @property
+    def min_cosine(self) -> float | None:
+        return min(p.min_cosine for p in self.probes) if self.probes else None
+
+    @property
+    def median_error(self) -> float | None:
+        return median(p.median_relative_error for p in self.probes) if self.probes else None
+
+    def to_dict(self) -> dict:
+        return {"setting": self.setting, "saved_bytes": self.saved_bytes, "final_loss": self.final_loss,
+                "step_seconds": self.step_seconds, "min_cosine": self.min_cosine,
+                "median_relative_error": self.median_error, "probes": [p.to_dict() for p in self.probes],
+                "losses": self.losses}
+
+
+def probe_steps(steps: int, calibration_steps: int) -> list[int]:
+    """Right after calibration, mid-way and at the end."""
+    return sorted({min(steps, calibration_steps + 1), max(1, steps // 2), steps})
+
+
+def ablate(workload: Workload, settings: Sequence[Setting], *, steps: int, lr: float = 1e-3,
+           device: torch.device | str = "cpu", lora_rank: int = 16,
+           on_step: Callable[[str, int, float], None] = lambda name, step, loss: None) -> list[AblationResult]:
+    if steps < 3:
+        raise ValueError(f"steps must be >= 3; got {steps}")
+    torch._dynamo.reset()
+    warm_up_compiler()
+    runs = [FinetuneRun(workload, s.method, config=s.config, lr=lr, device=device, lora_rank=lora_rank)
+            for s in settings]
+    probes: list[list[Fidelity]] = [[] for _ in runs]
+    for step in range(1, steps + 1):
+        shift = step % len(runs)
+        for index in list(range(shift, len(runs))) + list(range(shift)):
+            run, setting = runs[index], settings[index]
+            on_step(setting.name, step, run.step())
+            if setting.method == "fxmem" and step in probe_steps(steps, setting.config.calibration_steps):
+                probes[index].append(run.gradient_probe())
+    torch._dynamo.reset()
+    results = []
+    for setting, run, fidelity in zip(settings, runs, probes, strict=True):
+        r = run.result()
+        results.append(AblationResult(setting.name, r.saved_bytes, r.losses, r.step_seconds, fidelity))
+    return results
