@@ -77,6 +77,7 @@ class Report:
                 "config": r.config.to_dict(),
                 "compile_seconds": round(r.compile_seconds, 3),
                 "notes": r.notes,
+                "quantization": [slot.to_dict() for slot in r.slots],
                 "passes": [p.to_dict() for p in r.passes],
                 "saved": [dict(s.to_dict(), plan=p.to_dict(), planned_bytes=planned_bytes(s, p))
                           for s, p in zip(r.saved, r.plans, strict=True)],
@@ -92,7 +93,7 @@ class Report:
         tensors = Table(title="Tensors saved for backward", title_justify="left")
         for column in ("region", "#", "tensor", "role", "detail", "module", "shape", "dtype"):
             tensors.add_column(column)
-        for column in ("bytes", "plan", "after"):
+        for column in ("bytes", "plan", "bits", "outliers", "after"):
             tensors.add_column(column, justify="right" if column != "plan" else "left")
         hidden = 0
         for region, saved, plan in self.rows():
@@ -103,7 +104,8 @@ class Report:
                 f"(= {saved.shares_storage_with})" if saved.shares_storage_with else format_bytes(saved.nbytes))
             tensors.add_row(str(region.index), str(saved.index), saved.name, saved.role.value, saved.detail,
                             saved.module.removeprefix(prefix).lstrip(".") or "(top)", saved.shape_text,
-                            saved.dtype, shown, plan.action, format_bytes(planned_bytes(saved, plan)))
+                            saved.dtype, shown, plan.action, str(plan.bits or ""), str(plan.outliers or ""),
+                            format_bytes(planned_bytes(saved, plan)))
         parts: list[RenderableType] = [tensors,
                                        _totals_table("By role", "role", self.by_role(), describe_roles=True),
                                        _totals_table("By layer", "layer", self.by_layer())]
@@ -117,6 +119,11 @@ class Report:
                      f"after the plan{ratio}")
         for region in self.regions:
             parts += [f"region {region.index}: {note}" for note in region.notes]
+            if region.slots:
+                calibrated = sum(slot.calibrated for slot in region.slots)
+                parts.append(f"region {region.index}: {len(region.slots)} quantized storages, {calibrated} with "
+                             f"frozen scales ({region.config.calibration}, {region.config.calibration_steps} "
+                             "calibration steps)")
             parts += [f"region {region.index}: pass {p.name} ({p.stage}): {p.error or p.summary or 'no change'}"
                       for p in region.passes]
         return parts

@@ -1,7 +1,15 @@
-import pytest
+import os
+
 import torch
 
-from fxmem.workloads import LlamaShape, Workload
+# Triton kernels run interpreted on CPU tensors (checked against their torch references); read when
+# fxmem's kernels are defined, so before fxmem is imported. A CUDA machine runs them for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from fxmem.workloads import LlamaShape, Workload  # noqa: E402
 
 TINY_LLAMA = Workload("test-llama", "llama", 2, 32, "tiny Llama for tests", LlamaShape(64, 172, 2, 4, 256))
 

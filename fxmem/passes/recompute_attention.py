@@ -35,8 +35,8 @@ class RecomputeAttention(GraphPass):
     def run(self, state: PipelineState) -> str:
         tagged = skipped = 0
         for node in state.joint.graph.nodes:
-            if not is_fused_attention(node):
-                continue
+            if node.target is operator.getitem or not is_fused_attention(node):
+                continue  # a getitem carries its op's original_aten: count the op once
             if _dropout_p(node):
                 skipped += 1
                 continue

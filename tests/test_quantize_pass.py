@@ -1,0 +1,125 @@
+"""The hyclora presets end to end: what is quantized, the bytes it frees (exact), and the gradients it gives."""
+
+import pytest
+import torch
+
+import fxmem
+from fxmem.analysis import Role
+from fxmem.measure import gradient_fidelity, model_tensors, saved_activation_bytes
+
+from .conftest import loss_and_grads, tiny_model
+
+
+def _randomize_lora_b(model):
+    # PEFT starts B at zero, where A's gradient is zero too: nothing to compare.
+    generator = torch.Generator().manual_seed(7)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+
+
+def _run(model, batch, backend, steps=1):
+    forward = torch.compile(model, backend=backend)
+    for _ in range(steps - 1):
+        loss_and_grads(forward, model, batch)
+    saved, _ = saved_activation_bytes(lambda: forward(**batch), model_tensors(model) + list(batch.values()))
+    loss, grads = loss_and_grads(forward, model, batch)
+    return saved, loss, grads
+
+
+@pytest.mark.parametrize("family, attn", [("llama", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("gpt2", "eager")])
+def test_saved_bytes_are_what_the_plan_says_and_far_fewer(family, attn):
+    model, batch = tiny_model(family, lora=True, attn=attn)
+    _randomize_lora_b(model)
+    exact = fxmem.Backend(lowering="eager")
+    exact_saved, exact_loss, exact_grads = _run(model, batch, exact)
+    torch._dynamo.reset()
+    # Pruning eager attention to 5% of 32 keys keeps 2 per row of a near-uniform map: tested on its own below.
+    four = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", attn_sparsity=None), lowering="eager")
+    saved, loss, grads = _run(model, batch, four)
+    report = four.report()
+    assert saved == report.planned_bytes  # packed sizes, outliers, scales, ids: the cost model is exact
+    assert saved * 2.5 < exact_saved
+    assert torch.equal(loss, exact_loss)  # the forward is untouched: only what backward reads is compressed
+    fidelity = gradient_fidelity(exact_grads, grads)
+    assert fidelity.min_cosine > 0.9, fidelity
+    assert not [p for r in four.regions for p in r.passes if p.error], "a pass failed and was rolled back"
+
+
+def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
+    model, batch = tiny_model("llama", lora=True)
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit"), lowering="eager")
+    _run(model, batch, backend)
+    rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
+    quantized = {s.role for s, p in rows if p.action == "quantize"}
+    assert quantized == {Role.LINEAR_INPUT, Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV}
+    assert all(p.bits == 2 for s, p in rows if p.action == "quantize")
+    for saved, plan in rows:
+        if saved.role is Role.LORA_INTERMEDIATE:
+            assert plan.action == "keep" and "lora_intermediate" in plan.reason
+        if saved.role is Role.NORM_INPUT:
+            assert plan.outliers == 1  # 0.5% of 64 channels, at least one
+    qk = [p for s, p in rows if s.role is Role.ATTN_QKV and s.detail in "qk"]
+    assert len(qk) == 4 and all(p.source and "before RoPE" in p.reason for p in qk)
+    # The logits and fused attention's output are recomputed in backward, never saved.
+    assert not [s for s, _ in rows if s.role in (Role.LOSS_INPUT, Role.ATTN_OUT)]
+    passes = {p.name: p.summary for p in backend.regions[0].passes}
+    assert passes["recompute_logits"].startswith("1 logits tensor")
+    assert passes["recompute_attention"] == "2 attention op(s) recomputed in backward"
+
+
+def test_eager_attention_probabilities_are_pruned_to_the_largest_per_row():
+    model, batch = tiny_model("llama", lora=True, attn="eager")
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", attn_sparsity=0.25), lowering="eager")
+    _run(model, batch, backend)
+    pruned = [(s, p) for _, s, p in backend.report().rows() if p.action == "sparsify"]
+    assert len(pruned) == 2
+    for saved, plan in pruned:
+        assert saved.role is Role.ATTN_PROBS and plan.keep == 4  # 25% of 16 keys
+        rows = saved.nbytes // 4 // 16
+        assert plan.nbytes == rows * 4 * (4 + 2)  # float32 values and int16 column indices
+
+
+def test_calibration_freezes_after_the_configured_steps_and_the_report_shows_it():
+    model, batch = tiny_model("llama", lora=True)
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", calibration_steps=2), lowering="eager")
+    forward = torch.compile(model, backend=backend)
+    loss_and_grads(forward, model, batch)
+    slots = backend.regions[0].slots
+    assert slots and not any(s.calibrated for s in slots)
+    loss_and_grads(forward, model, batch)
+    assert all(s.calibrated and s.seen == 2 for s in slots)
+    norm_slots = [s for s in slots if s.outliers]
+    assert norm_slots and all(len(s.to_dict()["outlier_channels"]) == 1 for s in norm_slots)
+    assert f"{len(slots)} quantized storages, {len(slots)} with frozen scales" in backend.report().table(width=300)
+    with torch.no_grad():  # inference compiles its own graph: no saved tensors, no slots touched
+        forward(**batch)
+    assert all(s.seen == 2 for s in slots)
+
+
+def test_inductor_lowering_matches_the_eager_lowering():
+    model, batch = tiny_model("llama", lora=True)
+    _randomize_lora_b(model)
+    config = fxmem.Config.from_preset("hyclora-4bit", calibration_steps=1)
+    results = []
+    for lowering in ("eager", "inductor"):
+        torch._dynamo.reset()
+        results.append(_run(model, batch, fxmem.Backend(config, lowering=lowering)))
+    (saved_e, loss_e, grads_e), (saved_i, loss_i, grads_i) = results
+    assert saved_e == saved_i
+    torch.testing.assert_close(loss_i, loss_e, rtol=1e-5, atol=1e-6)
+    assert gradient_fidelity(grads_e, grads_i).min_cosine > 0.999
+
+
+def test_varying_sequence_lengths_compile_at_most_twice_and_train():
+    model, _ = tiny_model("llama", lora=True)
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit"), lowering="eager")
+    forward = torch.compile(model, backend=backend)
+    for seq in (16, 24, 32, 40):
+        ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(seq))
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        model.zero_grad()
+    assert len(backend.regions) <= 2
