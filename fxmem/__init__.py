@@ -13,4 +13,4 @@ from fxmem.config import PRESETS, Config
 from fxmem.inspection import inspect
 from fxmem.report import Report
 
-__all__ = ["PRESETS", "Backend", "Config", "Report", "backend", "inspect", "measure", "__version__"]
+__all__ = ["PRESETS", "Backend", "Config", "Report", "__version__", "backend", "inspect", "measure"]

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fxmem.bench import METHODS
 from fxmem.config import BITS_CHOICES, PRESETS, Config
 from fxmem.inspection import inspect as inspect_model
 from fxmem.report import format_bytes
@@ -53,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="default: llama-tiny and llama-small, plus llama-7b-shape on a GPU")
     bench.add_argument("--preset", default="exact", choices=list(PRESETS))
     bench.add_argument("--steps", type=_int_at_least(1), default=5, help="timed steps per method (median reported)")
+    bench.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                       help="default: fxmem and all four baselines")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     bench.add_argument("--json", type=pathlib.Path, metavar="PATH")
     bench.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
@@ -137,7 +140,7 @@ def _bench(args: argparse.Namespace) -> int:
     with console.status("benchmarking") as status:
         for name in names:
             results += run_workload(get_workload(name), preset=args.preset, device=device, steps=args.steps,
-                                    progress=lambda message: status.update(message))
+                                    methods=args.methods, progress=lambda message: status.update(message))
     rows = _bench_rows(results)
     console.print(_bench_table(rows))
     console.print(f"{metadata['date']}, {metadata['machine']}; preset {args.preset}; {args.steps} timed steps")

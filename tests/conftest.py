@@ -7,9 +7,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from fxmem.workloads import LlamaShape, Workload  # noqa: E402
+from fxmem.workloads import LlamaShape, Workload
 
 TINY_LLAMA = Workload("test-llama", "llama", 2, 32, "tiny Llama for tests", LlamaShape(64, 172, 2, 4, 256))
 

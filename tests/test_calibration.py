@@ -7,7 +7,7 @@ from fxmem.kernels.quantize import quant_params
 
 
 def _slot(**kw):
-    defaults = dict(name="x", channels=8, bits=4, outliers=1, calibration_steps=3, dynamic=False)
+    defaults = {"name": "x", "channels": 8, "bits": 4, "outliers": 1, "calibration_steps": 3, "dynamic": False}
     return QuantSlot(**(defaults | kw))
 
 

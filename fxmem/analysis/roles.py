@@ -209,7 +209,7 @@ def _norm(f: TensorFacts) -> Match | None:
     # Fed into a norm, or used by a norm's backward; a norm's output read by a linear is not a norm role.
     norm_ops = (f.fw_ops() & NORMS) | (f.bw_ops() & NORM_BACKWARDS)
     if norm_ops:
-        name = sorted(norm_ops)[0].removeprefix("native_").removesuffix("_backward")
+        name = min(norm_ops).removeprefix("native_").removesuffix("_backward")
         if is_reduced_shape(f.val):
             return Role.SMALL, f"{name} statistics"
         if original_op(f.base) in NORMS:
@@ -227,10 +227,10 @@ def _norm(f: TensorFacts) -> Match | None:
 def _activation(f: TensorFacts) -> Match | None:
     found = f.fw_ops() & ACTIVATIONS
     if found:
-        return Role.ACT_INPUT, sorted(found)[0]
+        return Role.ACT_INPUT, min(found)
     found = f.bw_ops() & ACTIVATION_BACKWARDS
     if found:
-        name = sorted(found)[0].removesuffix("_backward")
+        name = min(found).removesuffix("_backward")
         derived = original_op(f.base) in ACTIVATION_BACKWARDS
         return Role.ACT_INPUT, f"{name} derivative" if derived else name
     for user in f.fw_users + [u for c in f.fw_users if c.target in DTYPE_CASTS for u in users_through_views(c)]:

@@ -12,8 +12,6 @@ in backward.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 from torch.fx import Node
 
@@ -22,7 +20,7 @@ from fxmem.analysis.rope import rope_recompute
 from fxmem.calibration import QuantSlot, register
 from fxmem.config import Config
 from fxmem.passes.manager import GraphPass, PipelineState
-from fxmem.passes.saved_rewrite import SavedTensorEditor, Unmappable, call, compress_storage
+from fxmem.passes.saved_rewrite import SavedTensorEditor, call, compress_storage, rewrite_planned
 from fxmem.policy import Plan
 
 aten = torch.ops.aten
@@ -36,24 +34,10 @@ class QuantizeSaved(GraphPass):
         return config.bits is not None
 
     def run(self, state: PipelineState) -> str:
-        editor = SavedTensorEditor(state)
-        groups: dict[str, list[int]] = defaultdict(list)
-        for index, (saved, plan) in enumerate(zip(state.analysis.saved, state.plans, strict=True)):
-            if plan.action == "quantize":
-                groups[saved.storage].append(index)
-        done = 0
-        for indices in groups.values():
-            members = [state.analysis.nodes[state.analysis.saved[i].name] for i in indices]
-            owner_plan = next(state.plans[i] for i in indices if state.plans[i].nbytes is not None)
-            try:
-                slot = _rewrite(editor, members, owner_plan, state.config)
-            except Unmappable as error:
-                for i in indices:
-                    state.plans[i] = Plan("keep", f"not quantized: {error}")
-                continue
-            state.slots.append(slot)
-            done += 1
-        return f"{done} storage(s) quantized" if done else ""
+        slots = rewrite_planned(state, "quantize", lambda editor, members, plan: _rewrite(
+            editor, members, plan, state.config))
+        state.slots += slots
+        return f"{len(slots)} storage(s) quantized" if slots else ""
 
 
 def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, config: Config) -> QuantSlot:

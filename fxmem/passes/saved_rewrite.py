@@ -19,6 +19,7 @@ from torch.fx import GraphModule, Node
 from fxmem.analysis.graph import storage_base, tensor_val, view_chain
 from fxmem.analysis.rope import RopeRecompute
 from fxmem.passes.manager import PipelineState
+from fxmem.policy import Plan
 
 
 class Unmappable(Exception):
@@ -109,6 +110,29 @@ class SavedTensorEditor:
         if twin is None or tensor_val(arg) is not None:
             raise Unmappable(f"backward has no value for forward node {arg.name}")
         return twin
+
+
+def rewrite_planned(state: PipelineState, action: str,
+                    rewrite: Callable[[SavedTensorEditor, list[Node], Plan], object]) -> list[object]:
+    """Call ``rewrite(editor, members, owner_plan)`` for every storage planned ``action``; what they return.
+
+    A storage whose tensors backward could not rebuild is left saved as it was, and its plans say why.
+    """
+    editor = SavedTensorEditor(state)
+    groups: dict[str, list[int]] = {}
+    for index, (saved, plan) in enumerate(zip(state.analysis.saved, state.plans, strict=True)):
+        if plan.action == action:
+            groups.setdefault(saved.storage, []).append(index)
+    done = []
+    for indices in groups.values():
+        members = [state.analysis.nodes[state.analysis.saved[i].name] for i in indices]
+        owner_plan = next(state.plans[i] for i in indices if state.plans[i].nbytes is not None)
+        try:
+            done.append(rewrite(editor, members, owner_plan))
+        except Unmappable as error:
+            for i in indices:
+                state.plans[i] = Plan("keep", f"not {action}d: {error}")
+    return done
 
 
 def compress_storage(editor: SavedTensorEditor, members: list[Node],

@@ -7,8 +7,6 @@ into zeros. Fused attention (SDPA, FlashAttention) never saves the map.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 from torch.fx import Node
 
@@ -16,7 +14,8 @@ from fxmem.analysis.graph import storage_base
 from fxmem.config import Config
 from fxmem.cost_model.memory import sparse_index_bytes
 from fxmem.passes.manager import GraphPass, PipelineState
-from fxmem.passes.saved_rewrite import SavedTensorEditor, call, compress_storage
+from fxmem.passes.saved_rewrite import SavedTensorEditor, call, compress_storage, rewrite_planned
+from fxmem.policy import Plan
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -30,19 +29,12 @@ class SparsifyAttention(GraphPass):
         return config.attn_sparsity is not None
 
     def run(self, state: PipelineState) -> str:
-        editor = SavedTensorEditor(state)
-        groups: dict[str, list[Node]] = defaultdict(list)
-        keep: dict[str, int] = {}
-        for saved, plan in zip(state.analysis.saved, state.plans, strict=True):
-            if plan.action == "sparsify":
-                groups[saved.storage].append(state.analysis.nodes[saved.name])
-                keep[saved.storage] = max(keep.get(saved.storage, 0), plan.keep)
-        for storage, members in groups.items():
-            _rewrite(editor, members, keep[storage])
-        return f"{len(groups)} attention map(s) pruned" if groups else ""
+        pruned = rewrite_planned(state, "sparsify", _rewrite)
+        return f"{len(pruned)} attention map(s) pruned" if pruned else ""
 
 
-def _rewrite(editor: SavedTensorEditor, members: list[Node], keep: int) -> None:
+def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan) -> Node:
+    keep = plan.keep
     row = storage_base(members[0]).meta["val"].shape[-1]
     index_dtype = torch.int16 if sparse_index_bytes(row) == 2 else torch.int32
 
@@ -57,3 +49,4 @@ def _rewrite(editor: SavedTensorEditor, members: list[Node], keep: int) -> None:
         return call(graph, aten.scatter.src, (dense, -1, indices, values))
 
     compress_storage(editor, members, compress, restore)
+    return members[0]
