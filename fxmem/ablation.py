@@ -29,12 +29,15 @@ class Setting:
 
 
 def hyclora_settings(bits: Sequence[int] = (4, 2)) -> list[Setting]:
-    """The baselines, then each bit width with and without outlier channels (intra-operator only)."""
+    """The baselines, then each bit width with and without outlier channels (intra-operator only), and the
+    first bit width with the paper's static calibration (scales frozen, values outside clamped)."""
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
     for b in bits:
         preset = Config(bits=b, attn_sparsity=0.05)
         settings.append(Setting(f"{b}-bit + outliers", "fxmem", preset))
         settings.append(Setting(f"{b}-bit, no outliers", "fxmem", preset.replace(outlier_ratio=0.0)))
+    settings.append(Setting(f"{bits[0]}-bit + outliers, static", "fxmem",
+                            Config(bits=bits[0], attn_sparsity=0.05, calibration="static")))
     return settings
 
 

@@ -7,7 +7,7 @@ from fxmem.kernels.quantize import quant_params
 
 
 def _slot(**kw):
-    defaults = {"name": "x", "channels": 8, "bits": 4, "outliers": 1, "calibration_steps": 3, "dynamic": False}
+    defaults = {"name": "x", "channels": 8, "bits": 4, "outliers": 1, "calibration_steps": 3, "mode": "static"}
     return QuantSlot(**(defaults | kw))
 
 
@@ -28,13 +28,27 @@ def test_static_slot_freezes_scales_from_every_calibration_batch_then_stops_movi
 
 
 def test_dynamic_slot_recomputes_from_each_batch():
-    slot = _slot(dynamic=True, calibration_steps=1)
+    slot = _slot(mode="dynamic", calibration_steps=1)
     small, large = torch.randn(3, 8), torch.randn(3, 8) * 100
     scale_small = slot.observe(small)[0]
     scale_large = slot.observe(large)[0]
     assert not slot.calibrated
     assert torch.equal(scale_large, quant_params(large.amin(0), large.amax(0), 4)[0])
     assert (scale_large > scale_small).all()
+
+
+def test_grow_keeps_calibrated_scales_until_a_batch_leaves_the_range_and_never_moves_outliers():
+    slot = _slot(mode="grow", calibration_steps=1)
+    calibration = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    calibration[:, 2] *= 40
+    scale, _, ids = slot.observe(calibration)
+    inside = calibration * 0.5
+    assert torch.equal(slot.observe(inside)[0], scale)  # within range: the calibrated scales stand
+    wider = calibration.clone()
+    wider[0, 5] = calibration[:, 5].max() * 3
+    grown, _, grown_ids = slot.observe(wider)
+    assert grown[5] > scale[5] and torch.equal(torch.cat([grown[:5], grown[6:]]), torch.cat([scale[:5], scale[6:]]))
+    assert torch.equal(grown_ids, ids) and ids.tolist() == [2]
 
 
 def test_non_finite_values_do_not_poison_the_statistics():

@@ -46,7 +46,7 @@ def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, config:
     order = memory_order(source.meta["val"])
     permuted = order != sorted(order)
     slot = QuantSlot(name=members[0].name, channels=plan.channels, bits=plan.bits, outliers=plan.outliers,
-                     calibration_steps=config.calibration_steps, dynamic=config.calibration == "dynamic")
+                     calibration_steps=config.calibration_steps, mode=config.calibration)
 
     def compress(graph: torch.fx.Graph, node: Node) -> list[Node]:
         if permuted:
