@@ -48,14 +48,14 @@ class _Partitioner(CustomPartitionerFn):
         fw, bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
         try:
             state.analysis = analyze(fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices"))
+            state.plans = plan_region(state.analysis, region.config)
         except Exception as error:  # an unforeseen graph: compile it exactly as inductor would
-            note = (f"saved-tensor analysis failed ({type(error).__name__}: {error}); "
+            note = (f"saved-tensor analysis or planning failed ({type(error).__name__}: {error}); "
                     "this region compiles as plain inductor")
             region.notes.append(note)
             warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
             return fw, bw
         state.fw, state.bw = fw, bw
-        state.plans = plan_region(state.analysis, region.config)
         region.passes += self.passes.run("partitioned", state)
         # Appended: inductor may partition nested subgraphs of the region through this same hook.
         region.saved += state.analysis.saved

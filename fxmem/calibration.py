@@ -51,7 +51,7 @@ class QuantSlot:
         self.seen += 1
         if self.frozen is not None and self.mode == "static":
             return self.frozen
-        low, high, square_norm = _channel_stats(x.reshape(-1, self.channels))
+        low, high, square_norm = _channel_stats(x.reshape(-1, self.channels), with_norm=self.frozen is None)
         if self.frozen is not None:  # grow: the calibrated range, widened where this batch leaves it
             self.low, self.high = torch.minimum(self.low, low), torch.maximum(self.high, high)
             self.frozen = (*quant_params(self.low, self.high, self.bits), self.frozen[2])
@@ -76,14 +76,16 @@ class QuantSlot:
                 "seen": self.seen, "calibrated": self.calibrated, "outlier_channels": ids}
 
 
-def _channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-channel min, max and squared L2 norm over the finite values of a (rows, channels) tensor."""
-    finite = torch.isfinite(x)
-    x = x.float()
-    low = torch.where(finite, x, float("inf")).amin(0)
-    high = torch.where(finite, x, float("-inf")).amax(0)
-    square_norm = torch.where(finite, x, 0.0).square().sum(0)
-    return low, high, square_norm
+def _channel_stats(x: torch.Tensor, with_norm: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-channel min, max and (``with_norm``) squared L2 norm of a (rows, channels) tensor.
+
+    Non-finite values count as 0: one temporary, no host synchronisation.
+    """
+    x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    low, high = torch.aminmax(x, dim=0)
+    square_norm = torch.linalg.vector_norm(x, dim=0, dtype=torch.float32).square() if with_norm else None
+    return low.float(), high.float(), square_norm
 
 
 # Slots are found by index from compiled code; a slot lives as long as the process (a few per saved tensor).

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 from fxmem.analysis import Analysis, Role, SavedTensor
-from fxmem.analysis.graph import memory_order, numel_hint, shape_hint, storage_base, storage_bytes, tensor_val
+from fxmem.analysis.graph import memory_order, numel_hint, storage_base, storage_bytes, tensor_val
 from fxmem.analysis.rope import rope_recompute
 from fxmem.config import Config
 from fxmem.cost_model.memory import quantized_bytes, sparse_bytes
 
 Action = Literal["keep", "quantize", "sparsify"]
-ACTIONS = ("keep", "quantize", "sparsify")
 
 # Roles HyC-LoRA stores quantized (section 4.1): the inputs of non-linear operators and of linears.
 QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV,
                              Role.LINEAR_INPUT})
 # Kept exact even when the tensor also serves a quantized role: x @ A carries what LoRA learns, and the
-# logits' error would reach every gradient through the loss. Fused attention's output is not quantized
-# either: its backward needs it consistent with q, k, v (see passes/recompute_attention.py).
+# logits' error would reach every gradient through the loss. (Fused attention's output, ATTN_OUT, is not in
+# QUANTIZED_ROLES: its backward needs it consistent with q, k, v; see passes/recompute_attention.py.)
 EXACT_ROLES = frozenset({Role.LORA_INTERMEDIATE, Role.LOSS_INPUT})
 
 
@@ -50,16 +50,18 @@ def plan_region(analysis: Analysis, config: Config) -> list[Plan]:
         by_storage.setdefault(saved.storage, []).append(saved)
     plans = []
     tables_saved: set[str] = set()  # RoPE tables already paid for by an earlier plan
+    owner_plans: dict[str, Plan] = {}
     for saved in analysis.saved:
         group = by_storage[saved.storage]
-        owner = next((s for s in group if s.nbytes > 0), group[0])
-        plan = _plan_storage(owner, group, analysis, config, tables_saved) if saved is owner else \
-            next(p for s, p in zip(analysis.saved, plans) if s is owner)
-        if saved is not owner and plan.action != "keep":
-            plan = Plan(plan.action, f"view of {owner.name}, compressed with it", bits=plan.bits,
-                        source=plan.source)
-        elif saved is not owner:
-            plan = Plan("keep", f"shares storage with {owner.name}")
+        owner = group[0]  # the analysis counts a storage's bytes on its first saved tensor
+        if saved is owner:
+            plan = owner_plans[saved.storage] = _plan_storage(owner, group, analysis, config, tables_saved)
+        elif owner_plans[saved.storage].action != "keep":
+            plan = dataclasses.replace(owner_plans[saved.storage], reason=f"view of {owner.name}, compressed with it",
+                                       nbytes=None)
+        else:
+            plan = Plan("keep", f"shares storage with {owner.name}" if saved.frees_memory
+                        else "frees nothing: not an activation")
         plans.append(plan)
     return plans
 
@@ -79,7 +81,10 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
         return _sparsify(owner, analysis, config.attn_sparsity)
     quantizable = all(s.role in QUANTIZED_ROLES for s in group)
     if config.bits is not None and quantizable:
-        return _quantize(owner, analysis, config, tables_saved)
+        plan = _quantize(owner, analysis, config, tables_saved)
+        if plan.action == "quantize" and plan.nbytes >= owner.nbytes:
+            return Plan("keep", f"quantizing would not shrink it ({plan.nbytes} >= {owner.nbytes} bytes)")
+        return plan
     return Plan("keep", f"no enabled technique applies to {owner.role.value}")
 
 
@@ -98,10 +103,14 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
                     tables_saved.add(table.name)
                     table_bytes += storage_bytes(tensor_val(table))
     val = tensor_val(node)
+    if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
+        return Plan("keep", "not a floating tensor with rows and channels")
     order = memory_order(val)
     if order is None:
         return Plan("keep", "not dense in memory: no channel layout to quantize")
-    channels = shape_hint(val)[order[-1]]
+    if not isinstance(val.shape[order[-1]], int):
+        return Plan("keep", "symbolic channel dimension: scales need a fixed channel count")
+    channels = val.shape[order[-1]]
     outliers = 0
     if owner.role is Role.NORM_INPUT and config.outlier_ratio > 0:
         outliers = min(channels, max(1, round(config.outlier_ratio * channels)))
@@ -113,7 +122,7 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
 
 def _sparsify(owner: SavedTensor, analysis: Analysis, ratio: float) -> Plan:
     val = tensor_val(storage_base(analysis.nodes[owner.name]))
-    if not val.is_contiguous() or any(not isinstance(s, int) for s in val.shape):
+    if any(not isinstance(s, int) for s in val.shape) or not val.is_contiguous():
         return Plan("keep", "attention probabilities with a symbolic or strided layout are kept")
     row = val.shape[-1]
     keep = max(1, math.ceil(ratio * row))

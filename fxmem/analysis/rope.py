@@ -44,8 +44,8 @@ def rope_recompute(rotated: Node) -> RopeRecompute | None:
             return None  # something other than a rotation of x: leave it to the plain plan
         inside.add(node)
         stack += _tensor_inputs(node)
-    if not tables:
-        return None
+    if not tables or numel_hint(tensor_val(source)) != numel_hint(tensor_val(rotated)):
+        return None  # a fused q/k/v projection feeds several rotations: leave it to the plain plan
     order = {n: i for i, n in enumerate(rotated.graph.nodes)}
     return RopeRecompute(source=source, nodes=tuple(sorted(inside, key=order.__getitem__)),
                          tables=tuple(sorted(tables, key=order.__getitem__)))
@@ -72,8 +72,4 @@ def _is_table(node: Node, rotated: Node) -> bool:
 
 
 def _tensor_inputs(node: Node) -> list[Node]:
-    args = [a for a in node.args if isinstance(a, Node)]
-    for a in node.args:
-        if isinstance(a, (list, tuple)):
-            args += [b for b in a if isinstance(b, Node)]
-    return [a for a in args if tensor_val(a) is not None]
+    return [a for a in node.all_input_nodes if tensor_val(a) is not None]

@@ -140,8 +140,9 @@ if triton is not None:
         numel = x.numel()
         out = torch.empty(packed_numel(numel, bits), dtype=torch.uint8, device=x.device)
         grid = (triton.cdiv(out.numel(), _BLOCK),)
+        # No fused multiply-add: torch rounds x * (1 / s) and + zero separately, and so must the kernel.
         _quantize_kernel[grid](x, (1.0 / scale).contiguous(), zero.contiguous(), out, numel, x.shape[-1],
-                               BITS=bits, BLOCK=_BLOCK)
+                               BITS=bits, BLOCK=_BLOCK, enable_fp_fusion=False)
         return out
 
 

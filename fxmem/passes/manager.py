@@ -94,6 +94,7 @@ class PassManager:
         if not active:
             return []
         snapshot = {key: copy_graph_module(gm) for key, gm in state.graphs(stage).items()}
+        plans, slots = list(state.plans), list(state.slots)
         records: list[PassRecord] = []
         for position, graph_pass in enumerate(active):
             start = time.perf_counter()
@@ -105,6 +106,9 @@ class PassManager:
             except Exception as error:  # roll the stage back: the region compiles as if fxmem did nothing here
                 for key, gm in snapshot.items():
                     setattr(state, key, gm)
+                state.slots = slots
+                state.plans = [p if p.action == "keep" else Plan("keep", f"pass {graph_pass.name} failed: rolled back")
+                               for p in plans]
                 records.append(PassRecord(graph_pass.name, stage, "", time.perf_counter() - start,
                                           error=f"{type(error).__name__}: {error}"))
                 records.extend(PassRecord(p.name, stage, "not run: an earlier pass of this stage failed", 0.0)

@@ -28,21 +28,21 @@ class RecomputeLogits(GraphPass):
         return config.bits is not None
 
     def run(self, state: PipelineState) -> str:
-        heads: dict[Node, list[Node]] = {}
+        heads: dict[Node, set[Node]] = {}
         for node in state.joint.graph.nodes:
             if node.op != "call_function" or original_op(node) not in LOG_SOFTMAXES:
                 continue
             for arg in node.all_input_nodes:
                 chain = _chain_to_matmul(arg)
                 if chain is not None:
-                    heads.setdefault(chain[0], []).extend(chain)
+                    heads.setdefault(chain[0], set()).update(chain)
         for chain in heads.values():
             for node in chain:
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         if not heads:
             return ""
         freed = sum(storage_bytes(tensor_val(head)) for head in heads)
-        return f"{len(heads)} logits tensor(s) ({freed / 2**20:.1f} MiB) recomputed from the LM head input"
+        return f"{len(heads)} logits tensor(s) ({freed / 2**20:.1f} MiB) tagged to be recomputed from the LM head input"
 
 
 def _chain_to_matmul(node: Node) -> list[Node] | None:

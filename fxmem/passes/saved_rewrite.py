@@ -22,8 +22,11 @@ from fxmem.passes.manager import PipelineState
 from fxmem.policy import Plan
 
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 class Unmappable(Exception):
-    """A forward value needed in backward that backward cannot name (a symbolic size it does not receive)."""
+    """Backward cannot rebuild a saved tensor: a forward value it needs is not available there."""
 
 
 class SavedTensorEditor:
@@ -37,10 +40,15 @@ class SavedTensorEditor:
         # the backward takes SymInts, saved tensors, opaque objects, tangents. Pair them by position.
         saved = self._outputs()[self.num_fwd_outputs:]
         tensors = [n for n in saved if isinstance(n, Node) and tensor_val(n) is not None]
-        symints = sum(1 for n in saved if isinstance(n, Node) and isinstance(n.meta.get("val"), torch.SymInt))
-        placeholders = list(self.bw.graph.find_nodes(op="placeholder"))
-        self.placeholder_of: dict[Node, Node] = dict(zip(tensors, placeholders[symints:], strict=False))
-        self._last_saved = tensors[-1] if tensors else None
+        symbols = sum(1 for n in saved if isinstance(n, Node) and isinstance(n.meta.get("val"), _SYMBOLIC))
+        placeholders = list(self.bw.graph.find_nodes(op="placeholder"))[symbols:symbols + len(tensors)]
+        if [p.meta.get("val") is not None and tensor_val(p) is not None for p in placeholders] != [True] * len(tensors):
+            raise RuntimeError("backward placeholders do not line up with the forward's saved tensors")
+        self.placeholder_of: dict[Node, Node] = dict(zip(tensors, placeholders, strict=True))
+        # New saved tensors go after the last version-checked one: AOTAutograd counts the unchecked ones
+        # (stashed on ctx, not save_for_backward) from the end.
+        checked = [n for n in tensors if not n.meta.get("saved_tensor_with_no_vc_check", False)]
+        self._last_saved = checked[-1] if checked else None
 
     def _outputs(self) -> list[Any]:
         return list(self.fw_output.args[0])
@@ -90,7 +98,8 @@ class SavedTensorEditor:
         available = set(known) | set(nodes)
         for node in nodes:
             for arg in node.all_input_nodes:
-                if arg not in available and (tensor_val(arg) is not None or arg.name not in self.bw_nodes):
+                if arg not in available and (not isinstance(arg.meta.get("val"), _SYMBOLIC)
+                                             or arg.name not in self.bw_nodes):
                     raise Unmappable(f"backward has no value for forward node {arg.name}")
 
     def copy_to_backward(self, nodes: Sequence[Node], values: dict[Node, Node]) -> None:
@@ -107,7 +116,7 @@ class SavedTensorEditor:
         if arg in values:
             return values[arg]
         twin = self.bw_nodes.get(arg.name)
-        if twin is None or tensor_val(arg) is not None:
+        if twin is None or not isinstance(arg.meta.get("val"), _SYMBOLIC):
             raise Unmappable(f"backward has no value for forward node {arg.name}")
         return twin
 
@@ -167,8 +176,7 @@ def compress_storage(editor: SavedTensorEditor, members: list[Node],
 def call(graph: torch.fx.Graph, target: Callable, args: tuple, outputs: int = 0) -> Node | list[Node]:
     """Insert ``target(*args)`` with its fake value; with ``outputs`` > 0, also its first getitems."""
     fake_args = tuple(_fake(a) for a in args)
-    fake_mode = next(a.fake_mode for a in fake_args if isinstance(a, torch.Tensor))
-    with fake_mode:
+    with torch._guards.detect_fake_mode(fake_args):
         val = target(*fake_args)
     node = graph.call_function(target, args)
     node.meta["val"] = val
