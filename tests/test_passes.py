@@ -95,3 +95,23 @@ def test_a_pass_with_an_unknown_stage_is_refused():
 
     with pytest.raises(ValueError, match="pass 'wrong' has stage 'lowering'; valid stages: joint, partitioned"):
         PassManager([Wrong()])
+
+
+class BreaksAfterQuantizing(GraphPass):
+    name, stage = "breaks-late", "partitioned"
+
+    def run(self, state: PipelineState) -> str:
+        raise RuntimeError("synthetic late bug")
+
+
+def test_a_rollback_also_undoes_the_plans_and_quantization_state_of_its_stage():
+    from fxmem.passes import QuantizeSaved
+    model, x, expected = _model_and_reference()
+    backend = Backend(Config(bits=4), passes=PassManager([QuantizeSaved(), BreaksAfterQuantizing()]))
+    _run(backend, model, x, expected)  # exact: the quantization was rolled back with its stage
+    region = backend.regions[0]
+    assert region.passes[0].summary == "2 storage(s) quantized" and region.passes[1].error  # SiLU and 2nd linear input
+    assert region.slots == []
+    assert all(p.action == "keep" for p in region.plans)
+    assert "pass breaks-late failed: rolled back" in {p.reason for p in region.plans}
+    assert backend.report().planned_bytes == backend.report().activation_bytes

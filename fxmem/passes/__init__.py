@@ -12,4 +12,5 @@ def default_passes() -> list[GraphPass]:
     return [RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved()]
 
 
-__all__ = ["GraphPass", "PassManager", "PassRecord", "PipelineState", "default_passes"]
+__all__ = ["GraphPass", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAttention",
+           "RecomputeLogits", "SparsifyAttention", "default_passes"]
