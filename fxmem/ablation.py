@@ -29,8 +29,8 @@ class Setting:
 
 
 def hyclora_settings(bits: Sequence[int] = (4, 2)) -> list[Setting]:
-    """The baselines, then each bit width with and without outlier channels (intra-operator only), and the
-    first bit width with the paper's static calibration (scales frozen, values outside clamped)."""
+    """The baselines, then each bit width with and without outlier channels (intra-operator, dynamic scales),
+    and the first bit width with the paper's static calibration (scales frozen, values outside clamped)."""
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
     for b in bits:
         preset = Config(bits=b, attn_sparsity=0.05)

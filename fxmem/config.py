@@ -8,7 +8,7 @@ from typing import Any
 
 BITS_CHOICES = (1, 2, 4, 8)
 RUNLORA_CHOICES = ("off", "flops", "time")
-CALIBRATION_CHOICES = ("grow", "static", "dynamic")
+CALIBRATION_CHOICES = ("dynamic", "static")
 
 # Techniques whose switch exists but whose pass is not built yet, and the issue
 # that builds it. A config that turns one on is refused, never silently ignored.
@@ -28,9 +28,8 @@ class Config:
     outlier_ratio: fraction of norm-input channels kept in full precision when quantizing.
     attn_sparsity: fraction of attention probabilities kept (eager attention); None is off.
     calibration_steps: training forwards that gather quantization statistics before freezing them.
-    calibration: after calibration_steps, "grow" freezes the outlier channels and widens a channel's
-        scale only when a batch leaves its range; "static" freezes both (the paper; values outside the
-        range are clamped); "dynamic" recomputes both from every batch.
+    calibration: "dynamic" recomputes scales and outlier channels from every batch; "static" freezes
+        them after calibration_steps (the paper; values outside the calibrated range are clamped).
     lora_reorder: save quantized X W plus X A and rebuild the LoRA output in backward.
     lowrank: low-rank saved activations, as a ratio of the last dimension in (0, 1)
         or an integer rank >= 1; None is off.
@@ -44,7 +43,7 @@ class Config:
     outlier_ratio: float = 0.005
     attn_sparsity: float | None = None
     calibration_steps: int = 5
-    calibration: str = "grow"
+    calibration: str = "dynamic"
     lora_reorder: bool = False
     lowrank: float | int | None = None
     runlora: str = "off"

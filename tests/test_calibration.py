@@ -37,20 +37,6 @@ def test_dynamic_slot_recomputes_from_each_batch():
     assert (scale_large > scale_small).all()
 
 
-def test_grow_keeps_calibrated_scales_until_a_batch_leaves_the_range_and_never_moves_outliers():
-    slot = _slot(mode="grow", calibration_steps=1)
-    calibration = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
-    calibration[:, 2] *= 40
-    scale, _, ids = slot.observe(calibration)
-    inside = calibration * 0.5
-    assert torch.equal(slot.observe(inside)[0], scale)  # within range: the calibrated scales stand
-    wider = calibration.clone()
-    wider[0, 5] = calibration[:, 5].max() * 3
-    grown, _, grown_ids = slot.observe(wider)
-    assert grown[5] > scale[5] and torch.equal(torch.cat([grown[:5], grown[6:]]), torch.cat([scale[:5], scale[6:]]))
-    assert torch.equal(grown_ids, ids) and ids.tolist() == [2]
-
-
 def test_non_finite_values_do_not_poison_the_statistics():
     slot = _slot(calibration_steps=1, outliers=0)
     x = torch.randn(6, 8)

@@ -87,8 +87,8 @@ def test_backend_rejects_unknown_lowering():
 
 def test_calibration_mode_is_validated():
     assert Config(calibration="dynamic").calibration == "dynamic"
-    assert Config().calibration == "grow"
-    with pytest.raises(ValueError, match="calibration must be one of 'grow', 'static', 'dynamic'; got 'weekly'"):
+    assert Config().calibration == "dynamic"
+    with pytest.raises(ValueError, match="calibration must be one of 'dynamic', 'static'; got 'weekly'"):
         Config(calibration="weekly")
 
 

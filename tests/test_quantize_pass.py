@@ -82,7 +82,8 @@ def test_eager_attention_probabilities_are_pruned_to_the_largest_per_row():
 
 def test_calibration_freezes_after_the_configured_steps_and_the_report_shows_it():
     model, batch = tiny_model("llama", lora=True)
-    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", calibration_steps=2), lowering="eager")
+    config = fxmem.Config.from_preset("hyclora-4bit", calibration_steps=2, calibration="static")
+    backend = fxmem.Backend(config, lowering="eager")
     forward = torch.compile(model, backend=backend)
     loss_and_grads(forward, model, batch)
     slots = backend.regions[0].slots
