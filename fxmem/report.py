@@ -119,11 +119,13 @@ class Report:
                      f"after the plan{ratio}")
         for region in self.regions:
             parts += [f"region {region.index}: {note}" for note in region.notes]
-            if region.slots:
+            if region.slots and region.config.calibration == "static":
                 calibrated = sum(slot.calibrated for slot in region.slots)
                 parts.append(f"region {region.index}: {len(region.slots)} quantized storages, {calibrated} with "
-                             f"frozen scales ({region.config.calibration}, {region.config.calibration_steps} "
-                             "calibration steps)")
+                             f"frozen scales (static, {region.config.calibration_steps} calibration steps)")
+            elif region.slots:
+                parts.append(f"region {region.index}: {len(region.slots)} quantized storages, scales from every "
+                             "batch (dynamic)")
             parts += [f"region {region.index}: pass {p.name} ({p.stage}): {p.error or p.summary or 'no change'}"
                       for p in region.passes]
         return parts
