@@ -115,8 +115,8 @@ class Report:
         before, after = self.activation_bytes, self.planned_bytes
         ratio = f" ({before / after:.2f}x smaller)" if after and after != before else ""
         parts.append(f"regions: {len(kinds)} ({kinds.count('training')} training, {kinds.count('inference')} "
-                     f"inference); saved activations: {format_bytes(before)} before, {format_bytes(after)} "
-                     f"after the plan{ratio}")
+                     f"inference); saved activations: {format_bytes(before)} as partitioned (after any joint-pass "
+                     f"recomputation), {format_bytes(after)} after the plan{ratio}")
         for region in self.regions:
             parts += [f"region {region.index}: {note}" for note in region.notes]
             if region.slots and region.config.calibration == "static":
