@@ -79,6 +79,27 @@ def _run_eagerly(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) 
     return make_boxed_func(gm.forward)
 
 
+def _lower_or_run_as_is(region: Region) -> Callable:
+    """Inductor's lowering; a graph fxmem rewrote that inductor cannot lower runs as aten ops, with a note.
+
+    Backward graphs are compiled lazily, at the first backward: this is where such a failure surfaces, after
+    the forward is already compiled against the rewritten backward, so the rewrite itself must stay.
+    """
+    def compile_inner(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        try:
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+        except Exception as error:
+            if not any(p.summary for p in region.passes):
+                raise  # fxmem changed nothing: torch's own error, as it would be without fxmem
+            message = str(error).splitlines()[0] if str(error) else ""
+            note = (f"inductor could not lower a rewritten graph ({type(error).__name__}: {message}); "
+                    "it runs as aten ops, unfused")
+            warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
+            region.notes.append(note)
+            return make_boxed_func(gm.forward)
+    return compile_inner
+
+
 class Backend:
     """A torch.compile backend with its own configuration; ``regions`` holds one record per compiled graph."""
 
@@ -100,7 +121,7 @@ class Backend:
         patches: dict[str, Any] = {"custom_partitioner_fn": _Partitioner(region, self.passes)}
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
-        inner = compile_fx_inner if self.lowering == "inductor" else _run_eagerly
+        inner = _lower_or_run_as_is(region) if self.lowering == "inductor" else _run_eagerly
         start = time.perf_counter()
         # AOTAutograd's cache would skip the partitioner on a hit, and with it fxmem's analysis and rewrites.
         with torch._functorch.config.patch(enable_autograd_cache=False):

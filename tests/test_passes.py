@@ -115,3 +115,28 @@ def test_a_rollback_also_undoes_the_plans_and_quantization_state_of_its_stage():
     assert all(p.action == "keep" for p in region.plans)
     assert "pass breaks-late failed: rolled back" in {p.reason for p in region.plans}
     assert backend.report().planned_bytes == backend.report().activation_bytes
+
+
+class Unlowerable(GraphPass):
+    """A correct rewrite inductor cannot lower: new_zeros is decomposed away before lowering."""
+    name, stage = "unlowerable", "partitioned"
+
+    def run(self, state: PipelineState) -> str:
+        graph = state.bw.graph
+        output = graph.find_nodes(op="output")[0]
+        grad = next(a for a in output.args[0] if isinstance(a, torch.fx.Node))
+        with graph.inserting_before(output):
+            zeros = graph.call_function(torch.ops.aten.new_zeros.default, (grad, list(grad.meta["val"].shape)))
+            total = graph.call_function(torch.ops.aten.add.Tensor, (grad, zeros))
+        zeros.meta["val"] = total.meta["val"] = grad.meta["val"]
+        output.args = (tuple(total if a is grad else a for a in output.args[0]),)
+        return "added zeros inductor cannot lower"
+
+
+def test_a_rewrite_inductor_cannot_lower_runs_as_aten_ops_with_a_note():
+    model, x, expected = _model_and_reference()
+    backend = Backend(passes=PassManager([Unlowerable()]))
+    with pytest.warns(UserWarning, match="it runs as aten ops, unfused"):
+        _run(backend, model, x, expected)  # still correct
+    region = backend.regions[0]
+    assert "inductor could not lower a rewritten graph (InductorError" in region.notes[0]

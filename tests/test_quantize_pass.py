@@ -98,8 +98,9 @@ def test_calibration_freezes_after_the_configured_steps_and_the_report_shows_it(
     assert all(s.seen == 2 for s in slots)
 
 
-def test_inductor_lowering_matches_the_eager_lowering():
-    model, batch = tiny_model("llama", lora=True)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])  # eager: the pruned probabilities go through inductor too
+def test_inductor_lowering_matches_the_eager_lowering(attn):
+    model, batch = tiny_model("llama", lora=True, attn=attn)
     _randomize_lora_b(model)
     config = fxmem.Config.from_preset("hyclora-4bit", calibration_steps=1)
     results = []

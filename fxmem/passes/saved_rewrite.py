@@ -173,12 +173,14 @@ def compress_storage(editor: SavedTensorEditor, members: list[Node],
         editor.unsave(member)
 
 
-def call(graph: torch.fx.Graph, target: Callable, args: tuple, outputs: int = 0) -> Node | list[Node]:
-    """Insert ``target(*args)`` with its fake value; with ``outputs`` > 0, also its first getitems."""
+def call(graph: torch.fx.Graph, target: Callable, args: tuple, outputs: int = 0,
+         kwargs: dict[str, Any] | None = None) -> Node | list[Node]:
+    """Insert ``target(*args, **kwargs)`` with its fake value; with ``outputs`` > 0, its first getitems."""
+    kwargs = kwargs or {}
     fake_args = tuple(_fake(a) for a in args)
     with torch._guards.detect_fake_mode(fake_args):
-        val = target(*fake_args)
-    node = graph.call_function(target, args)
+        val = target(*fake_args, **kwargs)
+    node = graph.call_function(target, args, kwargs)
     node.meta["val"] = val
     if not outputs:
         return node

@@ -44,7 +44,10 @@ def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan) -> Node
 
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
         values, indices = parts
-        dense = call(graph, aten.new_zeros.default, (values, [*values.meta["val"].shape[:-1], row]))
+        like = values.meta["val"]  # aten.full, not new_zeros: inductor lowers it (new_zeros is decomposed away)
+        dense = call(graph, aten.full.default, ([*like.shape[:-1], row], 0.0),
+                     kwargs={"dtype": like.dtype, "layout": torch.strided, "device": like.device,
+                             "pin_memory": False})
         indices = call(graph, prims.convert_element_type.default, (indices, torch.int64))
         return call(graph, aten.scatter.src, (dense, -1, indices, values))
 
