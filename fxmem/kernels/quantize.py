@@ -23,13 +23,15 @@ import math
 
 import torch
 
+from fxmem.config import BITS_CHOICES
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # a CPU-only install: the torch reference is the only path, and all CPU needs
     triton = None
 
-BITS = (1, 2, 4, 8)
+BITS = BITS_CHOICES
 
 
 def check_bits(bits: int) -> None:
