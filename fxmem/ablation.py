@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fxmem.config import Config
-from fxmem.finetune import FinetuneRun
+from fxmem.finetune import FinetuneRun, round_robin
 from fxmem.measure import Fidelity, median, warm_up_compiler
 from fxmem.workloads import Workload
 
@@ -84,13 +84,11 @@ def ablate(workload: Workload, settings: Sequence[Setting], *, steps: int, lr: f
     runs = [FinetuneRun(workload, s.method, config=s.config, lr=lr, device=device, lora_rank=lora_rank)
             for s in settings]
     probes: list[list[Fidelity]] = [[] for _ in runs]
-    for step in range(1, steps + 1):
-        shift = step % len(runs)
-        for index in list(range(shift, len(runs))) + list(range(shift)):
-            run, setting = runs[index], settings[index]
-            on_step(setting.name, step, run.step())
-            if setting.method == "fxmem" and step in probe_steps(steps, setting.config.calibration_steps):
-                probes[index].append(run.gradient_probe())
+    for step, index in round_robin(len(runs), steps):
+        run, setting = runs[index], settings[index]
+        on_step(setting.name, step, run.step())
+        if setting.method == "fxmem" and step in probe_steps(steps, setting.config.calibration_steps):
+            probes[index].append(run.gradient_probe())
     torch._dynamo.reset()
     results = []
     for setting, run, fidelity in zip(settings, runs, probes, strict=True):

@@ -96,7 +96,7 @@ def _lower_or_run_as_is(region: Region) -> Callable:
                     "it runs as aten ops, unfused")
             warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
             region.notes.append(note)
-            return make_boxed_func(gm.forward)
+            return _run_eagerly(gm, example_inputs)
     return compile_inner
 
 

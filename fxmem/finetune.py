@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +108,14 @@ class FinetuneRun:
                               step_seconds=median(self.seconds[1:]))
 
 
+def round_robin(runs: int, steps: int) -> Iterator[tuple[int, int]]:
+    """(step, run index) for ``steps`` steps of every run, each step starting one run later than the last,
+    so that the machine's drift does not favour a run."""
+    for step in range(1, steps + 1):
+        for offset in range(runs):
+            yield step, (step - 1 + offset) % runs
+
+
 def finetune(workload: Workload, methods: Sequence[str] = FINETUNE_METHODS, *, steps: int, lr: float = 1e-3,
              preset: str = "exact", device: torch.device | str = "cpu", lora_rank: int = 16,
              on_step: Callable[[str, int, float], None] = lambda method, step, loss: None
@@ -120,9 +128,7 @@ def finetune(workload: Workload, methods: Sequence[str] = FINETUNE_METHODS, *, s
     torch._dynamo.reset()
     warm_up_compiler()
     runs = [FinetuneRun(workload, m, lr=lr, preset=preset, device=device, lora_rank=lora_rank) for m in methods]
-    for step in range(steps):
-        shift = step % len(runs)
-        for run in runs[shift:] + runs[:shift]:
-            on_step(run.method, step + 1, run.step())
+    for step, index in round_robin(len(runs), steps):
+        on_step(runs[index].method, step, runs[index].step())
     torch._dynamo.reset()
     return [run.result() for run in runs]

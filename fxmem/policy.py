@@ -7,6 +7,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from torch.fx import Node
+
 from fxmem.analysis import Analysis, Role, SavedTensor
 from fxmem.analysis.graph import memory_order, numel_hint, storage_base, storage_bytes, tensor_val
 from fxmem.analysis.rope import rope_recompute
@@ -81,10 +83,7 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
         return _sparsify(owner, analysis, config.attn_sparsity)
     quantizable = all(s.role in QUANTIZED_ROLES for s in group)
     if config.bits is not None and quantizable:
-        plan = _quantize(owner, analysis, config, tables_saved)
-        if plan.action == "quantize" and plan.nbytes >= owner.nbytes:
-            return Plan("keep", f"quantizing would not shrink it ({plan.nbytes} >= {owner.nbytes} bytes)")
-        return plan
+        return _quantize(owner, analysis, config, tables_saved)
     return Plan("keep", f"no enabled technique applies to {owner.role.value}")
 
 
@@ -92,16 +91,14 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     node = storage_base(analysis.nodes[owner.name])
     reason = f"{config.bits}-bit per channel"
     source = None
-    table_bytes = 0
+    new_tables: list[Node] = []  # RoPE tables this plan saves (as they are) that no earlier plan saves
     if owner.role is Role.ATTN_QKV:
         rope = rope_recompute(node)
         if rope is not None and rope.source.name not in analysis.saved_storages:
             node, source = rope.source, rope.source.name
             reason += f"; x before RoPE ({source}), rotation replayed in backward"
-            for table in map(storage_base, rope.tables):  # saved as they are, each storage once
-                if table.name not in analysis.saved_storages | tables_saved:
-                    tables_saved.add(table.name)
-                    table_bytes += storage_bytes(tensor_val(table))
+            new_tables = list({t.name: t for t in map(storage_base, rope.tables)
+                               if t.name not in analysis.saved_storages | tables_saved}.values())
     val = tensor_val(node)
     if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
         return Plan("keep", "not a floating tensor with rows and channels")
@@ -115,7 +112,11 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     if owner.role is Role.NORM_INPUT and config.outlier_ratio > 0:
         outliers = min(channels, max(1, round(config.outlier_ratio * channels)))
         reason += f", {outliers} outlier channel{'s' if outliers > 1 else ''} exact"
-    nbytes = quantized_bytes(numel_hint(val), channels, config.bits, outliers, val.element_size()) + table_bytes
+    nbytes = quantized_bytes(numel_hint(val), channels, config.bits, outliers, val.element_size()) + sum(
+        storage_bytes(tensor_val(t)) for t in new_tables)
+    if nbytes >= owner.nbytes:
+        return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
+    tables_saved.update(t.name for t in new_tables)  # only now: a kept tensor saves no table
     return Plan("quantize", reason, bits=config.bits, channels=channels, outliers=outliers, source=source,
                 nbytes=nbytes)
 

@@ -184,7 +184,7 @@ def test_module_paths_are_cleaned():
 def test_rope_tables_are_recognised_through_scale_cast_and_expand():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fxmem.analysis.roles import _rope_trig
+    from fxmem.analysis.roles import rope_trig
 
     def rotary(positions, inv_freq, x):
         freqs = positions[:, None] * inv_freq[None, :]
@@ -196,8 +196,8 @@ def test_rope_tables_are_recognised_through_scale_cast_and_expand():
     graph = make_fx(rotary)(torch.arange(8.0), torch.rand(4), torch.randn(2, 8, 8)).graph
     by_name = {n.name: n for n in graph.nodes}
     multiplications = [n for n in graph.nodes if n.target is torch.ops.aten.mul.Tensor]
-    tables = {_rope_trig(n.args[1]) for n in multiplications if n.args[0].name.startswith("x")}
+    tables = {rope_trig(n.args[1]) for n in multiplications if n.args[0].name.startswith("x")}
     assert tables == {"cos"}
-    assert _rope_trig(by_name["tanh"]) is None
-    assert {_rope_trig(n.args[1]) for n in multiplications if n.args[0].target is torch.ops.aten.tanh.default} \
+    assert rope_trig(by_name["tanh"]) is None
+    assert {rope_trig(n.args[1]) for n in multiplications if n.args[0].target is torch.ops.aten.tanh.default} \
         == {"sin"}

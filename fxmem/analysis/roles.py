@@ -246,7 +246,7 @@ def _loss_input(f: TensorFacts) -> Match | None:
 
 
 def _rope_table(f: TensorFacts) -> Match | None:
-    trig = _rope_trig(f.base)
+    trig = rope_trig(f.base)
     return (Role.ROPE_TABLE, trig) if trig else None
 
 
@@ -261,7 +261,7 @@ def _product(f: TensorFacts) -> Match | None:
         other_val = tensor_val(other)
         if strip(other) in f.params or other_val is None or numel_hint(other_val) != numel_hint(f.val):
             continue
-        if _rope_trig(storage_base(other)) is None:
+        if rope_trig(storage_base(other)) is None:
             return Role.PRODUCT_INPUT, "x in x*y"
     return None
 
@@ -366,7 +366,7 @@ def _is_rms_stat(node: Node) -> bool:
     return False
 
 
-def _rope_trig(node: Node) -> str | None:
+def rope_trig(node: Node) -> str | None:
     """'cos' or 'sin' if ``node`` is a rotary table: cos/sin of positions, maybe scaled, cast, expanded."""
     for producer in walk_back(node, through=("mul", "cat", "clone", "expand", "unsqueeze"), depth=6):
         if original_op(producer) in ("cos", "sin"):

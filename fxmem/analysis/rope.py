@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from torch.fx import Node
 
 from fxmem.analysis.graph import DTYPE_CASTS, aten, is_view, numel_hint, storage_base, tensor_val
-from fxmem.analysis.roles import _rope_trig
+from fxmem.analysis.roles import rope_trig
 
 # What x * cos + rotate_half(x) * sin is built from: cheap to replay in backward.
 _ROTATION_OPS = frozenset({aten.mul.Tensor, aten.add.Tensor, aten.neg.default, aten.cat.default,
@@ -68,7 +68,7 @@ def _rotation_input(rotated: Node) -> Node | None:
 def _is_table(node: Node, rotated: Node) -> bool:
     """A cos/sin table: smaller than the rotated tensor (it broadcasts over batch and heads)."""
     return numel_hint(tensor_val(node)) < numel_hint(tensor_val(rotated)) and \
-        _rope_trig(storage_base(node)) is not None
+        rope_trig(storage_base(node)) is not None
 
 
 def _tensor_inputs(node: Node) -> list[Node]:

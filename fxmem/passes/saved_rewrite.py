@@ -21,7 +21,6 @@ from fxmem.analysis.rope import RopeRecompute
 from fxmem.passes.manager import PipelineState
 from fxmem.policy import Plan
 
-
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
