@@ -57,8 +57,12 @@ def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     for saved, plan in rows:
         if saved.role is Role.LORA_INTERMEDIATE:
             assert plan.action == "keep" and "lora_intermediate" in plan.reason
-        if saved.role is Role.NORM_INPUT:
+        if saved.role is Role.NORM_INPUT and Role.LOSS_INPUT not in saved.also:
             assert plan.outliers == 1  # 0.5% of 64 channels, at least one
+    # The final norm's input: backward recomputes the logits from it, so it stays exact.
+    norm_inputs = [(s, p) for s, p in rows if s.role is Role.NORM_INPUT]
+    assert [Role.LOSS_INPUT in s.also for s, _ in norm_inputs] == [False] * 3 + [True]
+    assert norm_inputs[-1][1].reason == "kept exact: loss_input"
     qk = [p for s, p in rows if s.role is Role.ATTN_QKV and s.detail in "qk"]
     assert len(qk) == 4 and all(p.source and "before RoPE" in p.reason for p in qk)
     # The logits and fused attention's output are recomputed in backward, never saved.

@@ -114,6 +114,7 @@ class TensorFacts:
     inputs: frozenset[Node]
     lora_by_xa: dict[Node, LoraLinear]
     fw_nodes: dict[str, Node]  # forward nodes by name: min-cut gives a recomputed node its forward name
+    saved_bases: frozenset[Node] = frozenset()  # storages of every saved tensor of the region
 
     @property
     def val(self) -> torch.Tensor:
@@ -240,9 +241,33 @@ def _activation(f: TensorFacts) -> Match | None:
 
 
 def _loss_input(f: TensorFacts) -> Match | None:
-    if not is_reduced_shape(f.val) and _feeds(f.base, LOG_SOFTMAXES, depth=2):
+    if is_reduced_shape(f.val):
+        return None
+    if _feeds(f.base, LOG_SOFTMAXES, depth=2):
         return Role.LOSS_INPUT, "logits"
+    if _logits_recomputed_from(f.base, f.saved_bases):
+        return Role.LOSS_INPUT, "the logits are recomputed from it"
     return None
+
+
+def _logits_recomputed_from(base: Node, saved_bases: frozenset[Node], depth: int = 16) -> bool:
+    """Does a log-softmax's input follow from ``base`` by ops that no other saved tensor cuts?
+
+    Then the backward rebuilds the logits from ``base`` (recompute_logits makes that the case for the
+    LM head) and its error reaches every gradient through the loss.
+    """
+    frontier, seen = [base], {base}
+    for _ in range(depth):
+        next_frontier = []
+        for node in frontier:
+            for user in node.users:
+                if original_op(user) in LOG_SOFTMAXES:
+                    return True
+                if user not in seen and user.op == "call_function" and user not in saved_bases:
+                    seen.add(user)
+                    next_frontier.append(user)
+        frontier = next_frontier
+    return False
 
 
 def _rope_table(f: TensorFacts) -> Match | None:

@@ -91,6 +91,7 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
     fw_nodes = {n.name: n for n in fw.graph.nodes}
 
     saved_nodes = saved_tensor_nodes(fw, num_fwd_outputs)
+    saved_bases = frozenset(map(storage_base, saved_nodes))
     records: list[SavedTensor] = []
     first_by_storage: dict[Node, str] = {}
     for index, node in enumerate(saved_nodes):
@@ -98,7 +99,8 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
         bw_node = bw_placeholders.get(node.name)
         bw_users = users_through_views(bw_node) if bw_node is not None else []
         facts = TensorFacts(node=node, base=base, fw_users=users_through_views(base), bw_users=bw_users,
-                            params=params, inputs=inputs, lora_by_xa=lora_by_xa, fw_nodes=fw_nodes)
+                            params=params, inputs=inputs, lora_by_xa=lora_by_xa, fw_nodes=fw_nodes,
+                            saved_bases=saved_bases)
         roles = classify(facts)
         role, detail = roles[0]
         val = tensor_val(node)
