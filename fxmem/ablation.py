@@ -29,15 +29,17 @@ class Setting:
 
 
 def hyclora_settings(bits: Sequence[int] = (4, 2)) -> list[Setting]:
-    """The baselines, then each bit width with and without outlier channels (intra-operator, dynamic scales),
-    and the first bit width with the paper's static calibration (scales frozen, values outside clamped)."""
+    """The baselines, then each bit width with and without outlier channels (intra-operator, dynamic scales,
+    q/k at 8 bits), and for the first bit width two of the paper's choices we depart from: q/k at that bit
+    width too, and static calibration (scales frozen, values outside clamped)."""
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
     for b in bits:
         preset = Config(bits=b, attn_sparsity=0.05)
         settings.append(Setting(f"{b}-bit + outliers", "fxmem", preset))
         settings.append(Setting(f"{b}-bit, no outliers", "fxmem", preset.replace(outlier_ratio=0.0)))
-    settings.append(Setting(f"{bits[0]}-bit + outliers, static", "fxmem",
-                            Config(bits=bits[0], attn_sparsity=0.05, calibration="static")))
+    first = Config(bits=bits[0], attn_sparsity=0.05)
+    settings.append(Setting(f"{bits[0]}-bit + outliers, q/k {bits[0]}-bit", "fxmem", first.replace(qk_bits=None)))
+    settings.append(Setting(f"{bits[0]}-bit + outliers, static", "fxmem", first.replace(calibration="static")))
     return settings
 
 

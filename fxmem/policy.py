@@ -89,7 +89,10 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
 
 def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_saved: set[str]) -> Plan:
     node = storage_base(analysis.nodes[owner.name])
-    reason = f"{config.bits}-bit per channel"
+    bits = config.bits
+    if owner.role is Role.ATTN_QKV and owner.detail in ("q", "k") and config.qk_bits is not None:
+        bits = config.qk_bits
+    reason = f"{bits}-bit per channel"
     source = None
     new_tables: list[Node] = []  # RoPE tables this plan saves (as they are) that no earlier plan saves
     if owner.role is Role.ATTN_QKV:
@@ -112,12 +115,12 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     if owner.role is Role.NORM_INPUT and config.outlier_ratio > 0:
         outliers = min(channels, max(1, round(config.outlier_ratio * channels)))
         reason += f", {outliers} outlier channel{'s' if outliers > 1 else ''} exact"
-    nbytes = quantized_bytes(numel_hint(val), channels, config.bits, outliers, val.element_size()) + sum(
+    nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size()) + sum(
         storage_bytes(tensor_val(t)) for t in new_tables)
     if nbytes >= owner.nbytes:
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
     tables_saved.update(t.name for t in new_tables)  # only now: a kept tensor saves no table
-    return Plan("quantize", reason, bits=config.bits, channels=channels, outliers=outliers, source=source,
+    return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, source=source,
                 nbytes=nbytes)
 
 

@@ -10,9 +10,10 @@ from .conftest import TINY_LLAMA
 def test_settings_cover_bits_outliers_and_the_papers_static_calibration():
     names = [s.name for s in hyclora_settings([4, 2])]
     assert names == ["eager PEFT", "torch.compile", "4-bit + outliers", "4-bit, no outliers", "2-bit + outliers",
-                     "2-bit, no outliers", "4-bit + outliers, static"]
-    static = hyclora_settings([4])[-1].config
-    assert (static.bits, static.calibration, static.outlier_ratio) == (4, "static", 0.005)
+                     "2-bit, no outliers", "4-bit + outliers, q/k 4-bit", "4-bit + outliers, static"]
+    paper_qk, static = (s.config for s in hyclora_settings([4])[-2:])
+    assert (paper_qk.bits, paper_qk.qk_bits, paper_qk.calibration) == (4, None, "dynamic")
+    assert (static.bits, static.qk_bits, static.calibration, static.outlier_ratio) == (4, 8, "static", 0.005)
     assert probe_steps(200, 5) == [6, 100, 200]
 
 

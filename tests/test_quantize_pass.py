@@ -53,7 +53,9 @@ def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
     quantized = {s.role for s, p in rows if p.action == "quantize"}
     assert quantized == {Role.LINEAR_INPUT, Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV}
-    assert all(p.bits == 2 for s, p in rows if p.action == "quantize")
+    # q and k at qk_bits (8 by default): the softmax amplifies their error.
+    assert all(p.bits == (8 if s.role is Role.ATTN_QKV and s.detail in "qk" else 2)
+               for s, p in rows if p.action == "quantize")
     for saved, plan in rows:
         if saved.role is Role.LORA_INTERMEDIATE:
             assert plan.action == "keep" and "lora_intermediate" in plan.reason
@@ -70,6 +72,15 @@ def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     passes = {p.name: p.summary for p in backend.regions[0].passes}
     assert passes["recompute_logits"].startswith("1 logits tensor")
     assert passes["recompute_attention"] == "2 attention op(s) recomputed in backward"
+
+
+def test_qk_bits_none_quantizes_q_and_k_like_the_rest():
+    model, batch = tiny_model("llama", lora=True)
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", qk_bits=None), lowering="eager")
+    _run(model, batch, backend)
+    plans = [(s, p) for _, s, p in backend.report().rows() if p.action == "quantize"]
+    assert {s.detail for s, p in plans if s.role is Role.ATTN_QKV} == {"q", "k", "v"}
+    assert {p.bits for _, p in plans} == {4}
 
 
 def test_eager_attention_probabilities_are_pruned_to_the_largest_per_row():
