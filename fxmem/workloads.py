@@ -107,7 +107,10 @@ def minilm_dir() -> pathlib.Path:
 
 def _load_minilm() -> torch.nn.Module:
     from transformers import BertModel
-    return BertModel.from_pretrained(minilm_dir(), attn_implementation="sdpa", add_pooling_layer=False)
+    # Dropout 0, as every benchmark workload (shared/BENCHMARKS.md): with it, runs that should match draw
+    # different masks, and gradient probes compare noise.
+    return BertModel.from_pretrained(minilm_dir(), attn_implementation="sdpa", add_pooling_layer=False,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 def _with_lora(model: torch.nn.Module, family: str, rank: int) -> torch.nn.Module:
