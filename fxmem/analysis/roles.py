@@ -310,7 +310,8 @@ def _recompute_source(f: TensorFacts) -> Match | None:
             continue  # not a recomputation, or a multi-output op (its getitems are what gets classified)
         twin_facts = TensorFacts(node=twin, base=storage_base(twin), fw_users=users_through_views(twin),
                                  bw_users=users_through_views(user), params=f.params, inputs=f.inputs,
-                                 lora_by_xa=f.lora_by_xa, fw_nodes={})  # no fw_nodes: one level deep
+                                 lora_by_xa=f.lora_by_xa, fw_nodes={},  # no fw_nodes: one level deep
+                                 saved_bases=f.saved_bases)
         role, detail = classify(twin_facts)[0]
         if role is not Role.UNKNOWN:
             return role, f"recomputes {twin.name}: {detail}" if detail else f"recomputes {twin.name}"
