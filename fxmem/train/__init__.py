@@ -1,0 +1,1 @@
+"""Training-loop helpers that work with or without the fxmem backend."""
