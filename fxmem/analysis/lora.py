@@ -2,7 +2,9 @@
 
 The match uses only data flow and shapes (a rank-r matmul pair on the same input
 as a frozen matmul, joined by an add), so it holds for PEFT's layers, a plain
-module written by hand, and any architecture.
+module written by hand, and any architecture. A matmul may also be
+fxmem::nf4_linear, whose weight is its packed NF4 operand: LoQT's layers
+(fxmem.train.loqt) are this pattern with a frozen A (P) or B (P) and NF4 weights.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+import torch
 from torch.fx import Graph, Node
 
+import fxmem.kernels.nf4  # noqa: F401  registers torch.ops.fxmem.nf4_linear
 from fxmem.analysis.graph import (
     aten,
     hint,
@@ -24,6 +28,8 @@ from fxmem.analysis.graph import (
 )
 
 MATMULS = frozenset({aten.mm.default, aten.addmm.default})
+# A LoRA linear's three products: a matmul, or x @ deq(W)^T with W stored NF4 (operands: x, packed W).
+LINEAR_PRODUCTS = MATMULS | {torch.ops.fxmem.nf4_linear.default}
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ def param_source(node: object, params: frozenset[Node]) -> Node | None:
 def find_lora_linears(graph: Graph, params: frozenset[Node]) -> list[LoraLinear]:
     found = []
     for xa in graph.nodes:
-        if xa.op == "call_function" and xa.target in MATMULS:
+        if xa.op == "call_function" and xa.target in LINEAR_PRODUCTS:
             match = _match_from_xa(xa, params)
             if match is not None:
                 found.append(match)
@@ -73,7 +79,7 @@ def _match_from_xa(xa: Node, params: frozenset[Node]) -> LoraLinear | None:
     rank = hint(val.shape[-1])
     in_features = hint(tensor_val(x_lora).shape[-1])
     for xab in users_through_views(xa):
-        if xab.target not in MATMULS:
+        if xab.target not in LINEAR_PRODUCTS:
             continue
         lhs, b_t = matmul_operands(xab)
         lora_b = param_source(b_t, params)
@@ -86,7 +92,7 @@ def _match_from_xa(xa: Node, params: frozenset[Node]) -> LoraLinear | None:
         output, lora_side, scaling = joined
         base_side = output.args[0] if output.args[1] is lora_side else output.args[1]
         base = strip(base_side, casts=False)
-        if not (isinstance(base, Node) and base.target in MATMULS):
+        if not (isinstance(base, Node) and base.target in LINEAR_PRODUCTS):
             continue
         x_base, w_t = matmul_operands(base)
         weight = param_source(w_t, params)
