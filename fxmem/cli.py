@@ -1,10 +1,12 @@
-"""The `fxmem` command: inspect | bench | finetune | ablate."""
+"""The `fxmem` command: inspect | bench | finetune | ablate | loqt."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
+import logging
 import pathlib
 import shlex
 import sys
@@ -77,6 +79,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     ablate.add_argument("--json", type=pathlib.Path, metavar="PATH")
     ablate.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
 
+    loqt = commands.add_parser("loqt", help="LoQT (quantized low-rank training): pretraining ablation, "
+                                            "fine-tuning vs LoRA, memory accounting")
+    loqt_commands = loqt.add_subparsers(dest="experiment", required=True)
+    pretrain = loqt_commands.add_parser("pretrain", help="from random init: full, LoQT-nq, LoQT, no compensation, "
+                                                         "fixed interval, on the same batches")
+    pretrain.add_argument("--workload", default="llama-tiny", choices=[n for n, w in WORKLOADS.items()
+                                                                       if w.family == "llama"])
+    pretrain.add_argument("--steps", type=_int_at_least(1), default=500)
+    pretrain.add_argument("--rank", type=_int_at_least(1), default=64, help="the paper's ratio: hidden / 4")
+    pretrain.add_argument("--scale", type=float, default=0.5, help="s in W + s P B")
+    pretrain.add_argument("--first-interval", type=_int_at_least(1), default=10,
+                          help="optimizer steps to the first merge (the paper: 100 of 10k steps)")
+    pretrain.add_argument("--lr", type=float, default=1e-3, help="AdamW lr of full training and of the "
+                                                                  "parameters LoQT does not convert")
+    pretrain.add_argument("--loqt-lr", type=float, default=1e-2, help="AdamW lr of B (the paper: 1e-2)")
+    finetune_loqt = loqt_commands.add_parser("finetune", help="a pretrained workload: LoRA vs LoQT vs LoQT-nq")
+    finetune_loqt.add_argument("--workload", default="minilm-real", choices=list(WORKLOADS))
+    finetune_loqt.add_argument("--steps", type=_int_at_least(1), default=80)
+    finetune_loqt.add_argument("--rank", type=_int_at_least(1), default=16)
+    finetune_loqt.add_argument("--scale", type=float, default=2.0, help="s in W + s P B (the paper's GLUE: 2)")
+    finetune_loqt.add_argument("--first-interval", type=_int_at_least(1), default=20)
+    finetune_loqt.add_argument("--lr", type=float, default=1e-3, help="AdamW lr of LoRA")
+    finetune_loqt.add_argument("--loqt-lr", type=float, default=1e-3, help="AdamW lr of B")
+    for experiment in (pretrain, finetune_loqt):
+        experiment.add_argument("--eval-batches", type=_int_at_least(1), default=8,
+                                help="held-out batches (after the training ones) the loss is scored on")
+    memory = loqt_commands.add_parser("memory", help="bytes per weight, trainable parameters, optimizer state: "
+                                                     "full vs LoRA vs LoQT on the real model")
+    memory.add_argument("--workload", default="llama-small", choices=list(WORKLOADS))
+    memory.add_argument("--lora-rank", type=_int_at_least(1), default=16)
+    memory.add_argument("--rank", type=_int_at_least(1), default=16, help="LoQT's rank when only B trains")
+    memory.add_argument("--pretrain-rank", type=_int_at_least(1), default=256,
+                        help="LoQT's rank when pretraining (the paper's ratio: hidden / 4)")
+    for experiment in (pretrain, finetune_loqt, memory):
+        experiment.add_argument("--json", type=pathlib.Path, metavar="PATH")
+        experiment.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.command_line = "fxmem " + " ".join(shlex.quote(a) for a in argv)
@@ -84,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.width = max(console.width, 200)
     # transformers warns about its own deprecations on every traced forward; they are not the user's concern here.
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    # peft imports bitsandbytes, which warns that an optional CPU gemv kernel package is absent; fxmem never uses it.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     # bench and finetune compile with caches off on purpose; torch says so once per compile.
     warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
     try:
@@ -91,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotImplementedError as error:
         console.print(f"[red]{error}[/red]")
         return 2
-    return {"inspect": _inspect, "bench": _bench, "finetune": _finetune, "ablate": _ablate}[args.command](args)
+    commands = {"inspect": _inspect, "bench": _bench, "finetune": _finetune, "ablate": _ablate, "loqt": _loqt}
+    return commands[args.command](args)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -275,6 +317,67 @@ def _ablate(args: argparse.Namespace) -> int:
         lines = [f"`{args.command_line}`", "", "| " + " | ".join(ABLATE_COLUMNS) + " |",
                  "|" + "---|" * len(ABLATE_COLUMNS)] + ["| " + " | ".join(row) + " |" for row in rows]
         args.markdown.write_text("\n".join(lines + ["", legend, ""]))
+    if args.json:
+        args.json.write_text(json.dumps({"command": args.command_line, "results": [r.to_dict() for r in results]},
+                                        indent=2))
+    return 0
+
+
+def _loqt(args: argparse.Namespace) -> int:
+    from fxmem.bench import machine_description
+    from fxmem.train import loqt_bench
+    workload = get_workload(args.workload)
+    header = f"{args.command_line}\n{datetime.date.today().isoformat()}, {machine_description('cpu')}"
+    if args.experiment == "memory":
+        settings = loqt_bench.memory_settings(workload, lora_rank=args.lora_rank, loqt_rank=args.rank,
+                                              pretrain_rank=args.pretrain_rank)
+        results = []
+        with console.status("measuring") as status:
+            for setting, adapter_only in settings:
+                status.update(f"{workload.name}: {setting.name}")
+                results.append(loqt_bench.memory_row(workload, setting, adapter_only=adapter_only))
+        title = f"{workload.name}: the targeted linears' weights, trainable parameters, AdamW state"
+        columns, rows = loqt_bench.MEMORY_COLUMNS, loqt_bench.memory_rows(results)
+        legend = ("W bits/param: stored bits of the targeted linears' weights per parameter (NF4: 4-bit codes, "
+                  "8-bit block scales, their float32 scales). W + P + adapter: everything those linears store "
+                  "(LoRA's A and B, LoQT's P and B), per parameter of W. optimizer state: AdamW's, measured.")
+    else:
+        pretraining = args.experiment == "pretrain"
+        if pretraining:
+            settings = loqt_bench.pretrain_settings(args.rank, scale=args.scale, first_interval=args.first_interval)
+        else:
+            settings = loqt_bench.finetune_settings(workload, args.rank, scale=args.scale,
+                                                    first_interval=args.first_interval)
+        console.print(f"{workload.name} ({workload.description}), {args.steps} AdamW steps each, "
+                      f"lr {args.lr}, B's lr {args.loqt_lr}, rank {args.rank}, s {args.scale}, first merge after "
+                      f"{args.first_interval} steps")
+        progress_columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn())
+        with Progress(*progress_columns, console=console) as progress:
+            tasks = {s.name: progress.add_task(s.name, total=args.steps, loss="—") for s in settings}
+            results = [loqt_bench.train(workload, s, steps=args.steps, lr=args.lr, loqt_lr=args.loqt_lr,
+                                        eval_batches=args.eval_batches, adapter_only=not pretraining,
+                                        on_step=lambda name, step, loss: progress.update(
+                                            tasks[name], completed=step, loss=f"{loss:.4f}"))
+                       for s in settings]
+        reference = results[0]
+        title = f"{workload.name}: {args.experiment}, {args.steps} steps"
+        columns = [c.format(reference="full" if pretraining else "LoRA") for c in loqt_bench.RUN_COLUMNS]
+        rows = loqt_bench.run_rows(results, reference)
+        legend = (f"eval loss: mean over {args.eval_batches} held-out batches after the last step; at start: "
+                  "after conversion, before training. merges: LoQT's, after the first projection. W bits/param: "
+                  "stored bits of the converted (or targeted) linears' weights per parameter.")
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("setting", "method") else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(legend)
+    console.print(header)
+    if args.markdown:
+        lines = [header.replace("\n", "  \n"), "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        args.markdown.write_text("\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows] + ["", legend, ""]))
     if args.json:
         args.json.write_text(json.dumps({"command": args.command_line, "results": [r.to_dict() for r in results]},
                                         indent=2))
