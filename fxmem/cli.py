@@ -91,8 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pretrain.add_argument("--scale", type=float, default=0.5, help="s in W + s P B")
     pretrain.add_argument("--first-interval", type=_int_at_least(1), default=10,
                           help="optimizer steps to the first merge (the paper: 100 of 10k steps)")
-    pretrain.add_argument("--lr", type=float, default=1e-3, help="AdamW lr of full training and of the "
-                                                                  "parameters LoQT does not convert")
+    pretrain.add_argument("--lr", type=float, default=5e-4, help="AdamW lr of full training and of the parameters "
+                                                                  "LoQT does not convert (full's best of 2.5e-4..3e-3)")
     pretrain.add_argument("--loqt-lr", type=float, default=1e-2, help="AdamW lr of B (the paper: 1e-2)")
     finetune_loqt = loqt_commands.add_parser("finetune", help="a pretrained workload: LoRA vs LoQT vs LoQT-nq")
     finetune_loqt.add_argument("--workload", default="minilm-real", choices=list(WORKLOADS))
@@ -105,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for experiment in (pretrain, finetune_loqt):
         experiment.add_argument("--eval-batches", type=_int_at_least(1), default=8,
                                 help="held-out batches (after the training ones) the loss is scored on")
+        experiment.add_argument("--seed", type=int, default=0, help="seeds the initial weights (random-init models)")
     memory = loqt_commands.add_parser("memory", help="bytes per weight, trainable parameters, optimizer state: "
                                                      "full vs LoRA vs LoQT on the real model")
     memory.add_argument("--workload", default="llama-small", choices=list(WORKLOADS))
@@ -350,13 +351,13 @@ def _loqt(args: argparse.Namespace) -> int:
                                                     first_interval=args.first_interval)
         console.print(f"{workload.name} ({workload.description}), {args.steps} AdamW steps each, "
                       f"lr {args.lr}, B's lr {args.loqt_lr}, rank {args.rank}, s {args.scale}, first merge after "
-                      f"{args.first_interval} steps")
+                      f"{args.first_interval} steps, seed {args.seed}")
         progress_columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn())
         with Progress(*progress_columns, console=console) as progress:
             tasks = {s.name: progress.add_task(s.name, total=args.steps, loss="—") for s in settings}
             results = [loqt_bench.train(workload, s, steps=args.steps, lr=args.lr, loqt_lr=args.loqt_lr,
-                                        eval_batches=args.eval_batches, adapter_only=not pretraining,
+                                        eval_batches=args.eval_batches, adapter_only=not pretraining, seed=args.seed,
                                         on_step=lambda name, step, loss: progress.update(
                                             tasks[name], completed=step, loss=f"{loss:.4f}"))
                        for s in settings]
