@@ -20,6 +20,8 @@ from fxmem.bench import METHODS
 from fxmem.config import BITS_CHOICES, PRESETS, Config
 from fxmem.inspection import inspect as inspect_model
 from fxmem.report import format_bytes
+from fxmem.train.hift import ORDERS
+from fxmem.train.hift_bench import COMPILE_CHOICES, SCOPES
 from fxmem.workloads import WORKLOADS, get_workload
 
 console = Console()
@@ -77,6 +79,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ablate.add_argument("--json", type=pathlib.Path, metavar="PATH")
     ablate.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
 
+    hift = commands.add_parser("hift", help="HiFT (one layer group per step) against plain full fine-tuning")
+    hift.add_argument("--workload", default="minilm-real", choices=list(WORKLOADS))
+    hift.add_argument("--cycles", type=_int_at_least(2), default=20,
+                      help="full HiFT cycles (k steps each; plain fine-tuning takes as many steps)")
+    hift.add_argument("--orders", nargs="+", choices=list(ORDERS), default=list(ORDERS))
+    hift.add_argument("--layers-per-group", type=_int_at_least(1), default=1)
+    hift.add_argument("--lr", type=float, default=2e-5, help="AdamW peak LR, cosine decay over the run")
+    hift.add_argument("--compile", default="none", choices=list(COMPILE_CHOICES),
+                      help="torch.compile backend (plain: the whole model; HiFT: see --scope)")
+    hift.add_argument("--scope", default="blocks", choices=list(SCOPES),
+                      help="what HiFT compiles: each block (hift.compile) or the whole model")
+    hift.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    hift.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.command_line = "fxmem " + " ".join(shlex.quote(a) for a in argv)
@@ -91,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotImplementedError as error:
         console.print(f"[red]{error}[/red]")
         return 2
-    return {"inspect": _inspect, "bench": _bench, "finetune": _finetune, "ablate": _ablate}[args.command](args)
+    return {"inspect": _inspect, "bench": _bench, "finetune": _finetune, "ablate": _ablate,
+            "hift": _hift}[args.command](args)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -279,6 +296,57 @@ def _ablate(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps({"command": args.command_line, "results": [r.to_dict() for r in results]},
                                         indent=2))
     return 0
+
+
+HIFT_COLUMNS = ("run", "k", "final loss", "vs full", "gradients mean / max", "optimizer state on device mean / max",
+                "offloaded max", "step peak", "step time", "vs full", "graphs", "eager fallbacks")
+
+
+def _hift(args: argparse.Namespace) -> int:
+    from fxmem.bench import machine_description
+    from fxmem.train.hift_bench import compare_hift
+    workload = get_workload(args.workload)
+    console.print(f"full fine-tuning of {workload.name} ({workload.description}), batch {workload.batch} x "
+                  f"{workload.seq}, AdamW lr {args.lr} cosine-decayed, {args.cycles} HiFT cycles; "
+                  f"compile: {args.compile}" + (f" ({args.scope})" if args.compile != "none" else ""))
+    with console.status("training") as status:
+        results = compare_hift(workload, args.orders, cycles=args.cycles, lr=args.lr,
+                               layers_per_group=args.layers_per_group, compile_backend=args.compile,
+                               scope=args.scope, device=args.device,
+                               on_step=lambda name, step: status.update(f"{name}: step {step}"))
+    full, k = results[0], results[1].groups
+    rows = [[r.name, str(r.groups), f"{r.final_loss(k):.4f}",
+             f"{(r.final_loss(k) - full.final_loss(k)) / full.final_loss(k):+.2%}",
+             _mean_max(r.gradient_bytes), _mean_max(r.device_state_bytes),
+             format_bytes(max(r.offloaded_state_bytes)), format_bytes(r.step_peak_bytes),
+             f"{r.step_seconds * 1000:.0f} ms", f"{r.step_seconds / full.step_seconds:.2f}x", str(r.graphs),
+             str(r.eager_fallbacks)] for r in results]
+    table = Table(title=f"{workload.name}: {args.cycles} cycles of k={k} steps", title_justify="left")
+    for column in HIFT_COLUMNS:
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    legend = (f"{datetime_today()}, {machine_description(args.device)}. final loss: mean over the last {k} steps "
+              "(the same batches for every run). gradients / optimizer state: what each step holds, from the live "
+              "tensors, mean and largest over the steps (on a CPU run 'offloaded' is an accounting category: the "
+              "device is the CPU). step peak: " + BENCH_LEGEND["step peak"] + ", largest over the last cycle. graphs: "
+              "dynamo graphs compiled during the run.")
+    console.print(legend)
+    if args.markdown:
+        lines = [f"`{args.command_line}`", "", "| " + " | ".join(HIFT_COLUMNS) + " |",
+                 "|" + "---|" * len(HIFT_COLUMNS)] + ["| " + " | ".join(row) + " |" for row in rows]
+        args.markdown.write_text("\n".join(lines + ["", legend, ""]))
+    return 0
+
+
+def _mean_max(values: list[int]) -> str:
+    return f"{format_bytes(sum(values) / len(values))} / {format_bytes(max(values))}"
+
+
+def datetime_today() -> str:
+    import datetime
+    return datetime.date.today().isoformat()
 
 
 if __name__ == "__main__":

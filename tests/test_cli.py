@@ -8,12 +8,6 @@ from fxmem.finetune import finetune
 from tests.conftest import TINY_LLAMA
 
 
-@pytest.fixture
-def tiny_workloads(monkeypatch):
-    """Every workload name the CLI accepts runs the tiny Llama instead (the commands, not the sizes, are tested)."""
-    monkeypatch.setattr(cli, "get_workload", lambda name: TINY_LLAMA)
-
-
 def test_inspect_a_config_json(tmp_path, capsys):
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
               "intermediate_size": 172, "num_hidden_layers": 1, "num_attention_heads": 4,
