@@ -313,3 +313,24 @@ def test_comparison_refuses_bad_choices():
         compare_hift(TINY_LLAMA, cycles=2, lr=1e-3, compile_backend="xla")
     with pytest.raises(ValueError, match="cycles must be >= 2"):
         compare_hift(TINY_LLAMA, cycles=1, lr=1e-3)
+
+
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compiled_groups_of_two_train_as_eager(scope):
+    # A trained group's upper block takes an input that needs a gradient, like a frozen block above it: its graph
+    # must still differ by the parameters' requires_grad (torch 2.11 reused the frozen one unless told not to).
+    runs = []
+    for compiled in (False, True):
+        model, batch = llama(layers=4)
+        hift = HiFT(model, torch.optim.SGD, lr=0.1, layers_per_group=2)
+        forward = model
+        if compiled and scope == "blocks":
+            hift.compile(backend="aot_eager")
+        elif compiled:
+            forward = torch.compile(model, backend="aot_eager")
+        for _ in range(2 * hift.k):
+            forward(**batch).loss.backward()
+            hift.step()
+        runs.append(model)
+    for (name, p), q in zip(runs[0].named_parameters(), runs[1].parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)

@@ -32,6 +32,7 @@ from fxmem.measure import saved_activation_bytes
 from fxmem.report import format_bytes
 
 ORDERS = ("bottom2up", "top2down", "random")
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,10 @@ class HiFT:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
         if not isinstance(layers_per_group, int) or layers_per_group < 1:
             raise ValueError(f"layers_per_group must be an integer >= 1; got {layers_per_group!r}")
+        if _TORCH_VERSION < (2, 13):
+            # torch 2.11 skips the tensor guards of module parameters while the module's dict is unchanged, so a
+            # flipped requires_grad reuses a graph compiled without that parameter's gradient: silently none.
+            torch._dynamo.config.skip_tensor_guards_with_matching_dict_tags = False
         found = given_units(model, units) if units is not None else layer_units(model)
         if not found:
             raise ValueError("the model has no trainable parameters")
@@ -156,7 +161,7 @@ class HiFT:
         self.eager_fallbacks: list[str] = []
         self._fallbacks_seen = recompile_limit_hits()
         self._homes: dict[tuple[int, str], torch.Tensor] = {}  # CPU copy of each offloaded state tensor
-        self._activate(self.active)
+        self._train_only(self.active.parameters)
 
     @property
     def k(self) -> int:
@@ -186,13 +191,8 @@ class HiFT:
         self.steps += 1
         if self.steps % self.k == 0 and self.scheduler is not None:
             self.scheduler.step()
-        self._activate(self.active)
+        self._train_only(self.active.parameters)
         self._check_eager_fallback()
-
-    def _activate(self, group: LayerGroup) -> None:
-        for g in self.groups:
-            for p in g.parameters:
-                p.requires_grad_(g is group)
 
     def _bring_state(self, group: LayerGroup) -> None:
         """Copy the offloaded optimizer state of ``group`` back to its parameters' device."""
@@ -264,7 +264,7 @@ class HiFT:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.steps = state["steps"]
-        self._activate(self.active)
+        self._train_only(self.active.parameters)
 
     def memory_report(self, loss: Callable[[], torch.Tensor] | None = None) -> HiFTMemoryReport:
         """Bytes per group: parameters, gradients, optimizer state (as far as the optimizer has built it), and,
@@ -275,15 +275,15 @@ class HiFT:
             params = group.parameters if group is not None else tuple(p for g in self.groups for p in g.parameters)
             saved = None
             if loss is not None:
-                self._activate_parameters(params)
+                self._train_only(params)
                 saved, _ = saved_activation_bytes(loss, exclude=[*self.model.parameters(), *self.model.buffers()])
             rows.append(GroupMemory("all" if group is None else str(group.index),
                                     group.names if group is not None else ("every unit",),
                                     _bytes(params), _bytes(params), self._state_bytes(params), saved))
-        self._activate(self.active)
+        self._train_only(self.active.parameters)
         return HiFTMemoryReport(rows, _bytes(self.model.parameters()))
 
-    def _activate_parameters(self, params: tuple[torch.nn.Parameter, ...]) -> None:
+    def _train_only(self, params: tuple[torch.nn.Parameter, ...]) -> None:
         chosen = {id(p) for p in params}
         for g in self.groups:
             for p in g.parameters:
