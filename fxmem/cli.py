@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import pathlib
 import shlex
@@ -278,20 +279,10 @@ def _ablate(args: argparse.Namespace) -> int:
             "—" if r.median_error is None else f"{r.median_error:.4f}",
             f"{r.final_loss:.4f}", f"{(r.final_loss - compiled.final_loss) / compiled.final_loss:+.2%}",
             f"{r.step_seconds / compiled.step_seconds:.2f}x"])
-    table = Table(title=f"{workload.name}: {args.steps} steps", title_justify="left")
-    for column in ABLATE_COLUMNS:
-        table.add_column(column, justify="left" if column == "setting" else "right")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
     legend = ("grad cosine / error: every trainable gradient on a fixed batch vs the eager model's at the same "
               "weights, probed after calibration, mid-way and at the end (minimum cosine, median relative L2 "
               "error). final loss: mean of the last 5 steps; vs compile: relative to torch.compile's.")
-    console.print(legend)
-    if args.markdown:
-        lines = [f"`{args.command_line}`", "", "| " + " | ".join(ABLATE_COLUMNS) + " |",
-                 "|" + "---|" * len(ABLATE_COLUMNS)] + ["| " + " | ".join(row) + " |" for row in rows]
-        args.markdown.write_text("\n".join(lines + ["", legend, ""]))
+    _print_table(f"{workload.name}: {args.steps} steps", ABLATE_COLUMNS, rows, legend, args)
     if args.json:
         args.json.write_text(json.dumps({"command": args.command_line, "results": [r.to_dict() for r in results]},
                                         indent=2))
@@ -322,33 +313,35 @@ def _hift(args: argparse.Namespace) -> int:
              format_bytes(max(r.offloaded_state_bytes)), format_bytes(r.step_peak_bytes),
              f"{r.step_seconds * 1000:.0f} ms", f"{r.step_seconds / same_batches.step_seconds:.2f}x", str(r.graphs),
              str(r.eager_fallbacks)] for r in results]
-    table = Table(title=f"{workload.name}: {args.cycles} cycles of k={k} steps", title_justify="left")
-    for column in HIFT_COLUMNS:
-        table.add_column(column, justify="left" if column == "run" else "right")
+    legend = (f"{datetime.date.today().isoformat()}, {machine_description(args.device)}. eval loss: mean over "
+              f"{EVAL_BATCHES} held-out batches after training. full, same batches: {args.cycles * k} steps on the "
+              f"batches HiFT saw; full, same updates: {args.cycles} steps, each parameter updated as often as under "
+              "HiFT. gradients / optimizer state: what each step holds, from the live tensors, mean and largest over "
+              "the steps (on a CPU run 'offloaded' is an accounting category: the device is the CPU). step peak: "
+              + BENCH_LEGEND["step peak"] + ", largest over the last cycle. graphs: dynamo graphs compiled during "
+              "the run.")
+    _print_table(f"{workload.name}: {args.cycles} cycles of k={k} steps", HIFT_COLUMNS, rows, legend, args)
+    return 0
+
+
+def _print_table(title: str, columns: Sequence[str], rows: list[list[str]], legend: str,
+                 args: argparse.Namespace) -> None:
+    """Print a table (first column left-aligned) and its legend; with --markdown, also write them as markdown."""
+    table = Table(title=title, title_justify="left")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    legend = (f"{datetime_today()}, {machine_description(args.device)}. eval loss: mean over {EVAL_BATCHES} held-out "
-              f"batches after training. full, same batches: {args.cycles * k} steps on the batches HiFT saw; full, "
-              f"same updates: {args.cycles} steps, each parameter updated as often as under HiFT. gradients / optimizer state: what each step holds, from the live "
-              "tensors, mean and largest over the steps (on a CPU run 'offloaded' is an accounting category: the "
-              "device is the CPU). step peak: " + BENCH_LEGEND["step peak"] + ", largest over the last cycle. graphs: "
-              "dynamo graphs compiled during the run.")
     console.print(legend)
     if args.markdown:
-        lines = [f"`{args.command_line}`", "", "| " + " | ".join(HIFT_COLUMNS) + " |",
-                 "|" + "---|" * len(HIFT_COLUMNS)] + ["| " + " | ".join(row) + " |" for row in rows]
+        lines = [f"`{args.command_line}`", "", "| " + " | ".join(columns) + " |",
+                 "|" + "---|" * len(columns)] + ["| " + " | ".join(row) + " |" for row in rows]
         args.markdown.write_text("\n".join(lines + ["", legend, ""]))
-    return 0
 
 
 def _mean_max(values: list[int]) -> str:
     return f"{format_bytes(sum(values) / len(values))} / {format_bytes(max(values))}"
-
-
-def datetime_today() -> str:
-    import datetime
-    return datetime.date.today().isoformat()
 
 
 if __name__ == "__main__":

@@ -95,3 +95,4 @@ def test_finetune_rejects_unknown_methods_and_too_few_steps():
 def test_run_workload_rejects_unknown_methods():
     with pytest.raises(ValueError, match="unknown method.*valid methods: eager, compile"):
         run_workload(TINY_LLAMA, methods=["eager", "deepspeed"])
+
