@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,10 +224,10 @@ class HiFT:
         hits = recompile_limit_hits()
         if hits > self._fallbacks_seen:
             message = (f"torch.compile hit its recompile limit ({torch._dynamo.config.recompile_limit}) at HiFT step "
-                       f"{self.steps} and now runs {hits - self._fallbacks_seen} compiled function(s) eagerly: "
-                       f"each of the {self.k} groups needs its own graph when the whole model is compiled. Compile "
-                       "block by block instead (hift.compile(...): at most 3 graphs per block class, whatever k), "
-                       f"or raise torch._dynamo.config.recompile_limit to at least {self.k}")
+                       f"{self.steps} and now runs {hits - self._fallbacks_seen} compiled function(s) eagerly. A "
+                       f"whole-model compile needs one graph per group ({self.k}); compile block by block instead "
+                       "(hift.compile(...): at most 3 graphs per block class, whatever k), or raise "
+                       f"torch._dynamo.config.recompile_limit to at least {self.k}")
             self.eager_fallbacks.append(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         self._fallbacks_seen = hits
@@ -279,9 +279,9 @@ class HiFT:
                 saved, _ = saved_activation_bytes(loss, exclude=[*self.model.parameters(), *self.model.buffers()])
             rows.append(GroupMemory("all" if group is None else str(group.index),
                                     group.names if group is not None else ("every unit",),
-                                    _bytes(params), _bytes(params), self._state_bytes(params), saved))
+                                    tensor_bytes(params), tensor_bytes(params), optimizer_state_bytes(self.optimizer, params), saved))
         self._train_only(self.active.parameters)
-        return HiFTMemoryReport(rows, _bytes(self.model.parameters()))
+        return HiFTMemoryReport(rows, tensor_bytes(self.model.parameters()))
 
     def _train_only(self, params: tuple[torch.nn.Parameter, ...]) -> None:
         chosen = {id(p) for p in params}
@@ -289,13 +289,15 @@ class HiFT:
             for p in g.parameters:
                 p.requires_grad_(id(p) in chosen)
 
-    def _state_bytes(self, params: tuple[torch.nn.Parameter, ...]) -> int:
-        return sum(v.numel() * v.element_size() for p in params for v in self.optimizer.state.get(p, {}).values()
-                   if isinstance(v, torch.Tensor))
 
 
-def _bytes(tensors: Iterator[torch.Tensor] | tuple[torch.Tensor, ...]) -> int:
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> int:
+    """Bytes of the optimizer's state tensors for ``params``, wherever they live."""
+    return tensor_bytes(v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
 
 
 def _ordered(units: list[Unit], order: str, seed: int) -> list[Unit]:

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 from fxmem.finetune import round_robin
 from fxmem.measure import median, peak_memory, step_times, warm_up_compiler
-from fxmem.train.hift import ORDERS, HiFT
+from fxmem.train.hift import ORDERS, HiFT, optimizer_state_bytes, tensor_bytes
 from fxmem.workloads import Workload
 
 COMPILE_CHOICES = ("none", "fxmem", "inductor")
@@ -90,29 +90,21 @@ class _Run:
         loss = self.setup.loss(self.forward, next(self.setup.batches))
         loss.backward()
         model, r = self.setup.model, self.result
-        r.gradient_bytes.append(_bytes(p.grad for p in model.parameters() if p.grad is not None))
+        r.gradient_bytes.append(tensor_bytes(p.grad for p in model.parameters() if p.grad is not None))
         if self.hift is None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-            r.device_state_bytes.append(_state_bytes(self.optimizer, model.parameters()))
+            r.device_state_bytes.append(optimizer_state_bytes(self.optimizer, model.parameters()))
             r.offloaded_state_bytes.append(0)
         else:
             active = self.hift.active.parameters
             self.hift.step()
-            r.device_state_bytes.append(_state_bytes(self.hift.optimizer, active))
-            r.offloaded_state_bytes.append(_state_bytes(self.hift.optimizer, model.parameters())
+            r.device_state_bytes.append(optimizer_state_bytes(self.hift.optimizer, active))
+            r.offloaded_state_bytes.append(optimizer_state_bytes(self.hift.optimizer, model.parameters())
                                            - r.device_state_bytes[-1])
             r.eager_fallbacks = len(self.hift.eager_fallbacks)
         r.losses.append(loss.item())
-
-
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer, params) -> int:
-    return _bytes(v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
 
 
 def compare_hift(workload: Workload, orders: Sequence[str] = ORDERS, *, cycles: int, lr: float,
