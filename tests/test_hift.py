@@ -167,6 +167,26 @@ def test_memory_report_counts_gradients_and_state_per_group(optimizer):
     assert "model.layers.0" in report.table()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading moves state off an accelerator")
+def test_optimizer_state_waits_in_pinned_cpu_memory_between_its_steps():
+    model, batch = llama()
+    model.cuda()
+    batch = {name: t.cuda() for name, t in batch.items()}
+    hift = HiFT(model, torch.optim.AdamW, lr=1e-2)
+    train(model, batch, hift, steps=hift.k + 1)  # every group has state; group 0 has stepped twice
+    for group in hift.groups:
+        for p in group.parameters:
+            moments = [hift.optimizer.state[p][key] for key in ("exp_avg", "exp_avg_sq")]
+            assert all(m.device.type == "cpu" and m.is_pinned() for m in moments)
+            assert hift.optimizer.state[p]["step"].device.type == "cpu"  # AdamW keeps it there itself
+    reference, _ = llama()
+    reference.cuda()
+    plain = HiFT(reference, torch.optim.AdamW, lr=1e-2, offload_optimizer_state=False)
+    train(reference, batch, plain, steps=plain.k + 1)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 def test_resumed_mid_cycle_run_is_bitwise_equal():
     def make(seed_model=0):
         model, batch = llama(seed=seed_model)
