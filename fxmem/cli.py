@@ -1,4 +1,4 @@
-"""The `fxmem` command: inspect | bench | finetune | ablate | loqt."""
+"""The `fxmem` command: inspect | bench | finetune | ablate | hift | loqt."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from fxmem.bench import METHODS
 from fxmem.config import BITS_CHOICES, PRESETS, Config
 from fxmem.inspection import inspect as inspect_model
 from fxmem.report import format_bytes
+from fxmem.train.hift import ORDERS
+from fxmem.train.hift_bench import COMPILE_CHOICES, SCOPES
 from fxmem.workloads import WORKLOADS, get_workload
 
 console = Console()
@@ -79,6 +81,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ablate.add_argument("--json", type=pathlib.Path, metavar="PATH")
     ablate.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
 
+    hift = commands.add_parser("hift", help="HiFT (one layer group per step) against plain full fine-tuning")
+    hift.add_argument("--workload", default="minilm-real", choices=list(WORKLOADS))
+    hift.add_argument("--cycles", type=_int_at_least(2), default=20,
+                      help="full HiFT cycles (k steps each; plain fine-tuning takes as many steps)")
+    hift.add_argument("--orders", nargs="+", choices=list(ORDERS), default=list(ORDERS))
+    hift.add_argument("--layers-per-group", type=_int_at_least(1), default=1)
+    hift.add_argument("--lr", type=float, default=2e-5, help="AdamW peak LR, cosine decay over the run")
+    hift.add_argument("--compile", default="none", choices=list(COMPILE_CHOICES),
+                      help="torch.compile backend (plain: the whole model; HiFT: see --scope)")
+    hift.add_argument("--scope", default="blocks", choices=list(SCOPES),
+                      help="what HiFT compiles: each block (hift.compile) or the whole model")
+    hift.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    hift.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
+
     loqt = commands.add_parser("loqt", help="LoQT (quantized low-rank training): pretraining ablation, "
                                             "fine-tuning vs LoRA, memory accounting")
     loqt_commands = loqt.add_subparsers(dest="experiment", required=True)
@@ -94,14 +110,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     pretrain.add_argument("--lr", type=float, default=5e-4, help="AdamW lr of full training and of the parameters "
                                                                   "LoQT does not convert (full's best of 2.5e-4..3e-3)")
     pretrain.add_argument("--loqt-lr", type=float, default=1e-2, help="AdamW lr of B (the paper: 1e-2)")
-    finetune_loqt = loqt_commands.add_parser("finetune", help="a pretrained workload: LoRA vs LoQT vs LoQT-nq")
+    finetune_loqt = loqt_commands.add_parser("finetune", help="a pretrained workload: LoRA vs LoQT, LoQT-nq, "
+                                                              "LoQT at twice the rank")
     finetune_loqt.add_argument("--workload", default="minilm-real", choices=list(WORKLOADS))
     finetune_loqt.add_argument("--steps", type=_int_at_least(1), default=80)
     finetune_loqt.add_argument("--rank", type=_int_at_least(1), default=16)
     finetune_loqt.add_argument("--scale", type=float, default=2.0, help="s in W + s P B (the paper's GLUE: 2)")
     finetune_loqt.add_argument("--first-interval", type=_int_at_least(1), default=20)
     finetune_loqt.add_argument("--lr", type=float, default=1e-3, help="AdamW lr of LoRA")
-    finetune_loqt.add_argument("--loqt-lr", type=float, default=1e-3, help="AdamW lr of B")
+    finetune_loqt.add_argument("--loqt-lr", type=float, default=3e-4, help="AdamW lr of B")
     for experiment in (pretrain, finetune_loqt):
         experiment.add_argument("--eval-batches", type=_int_at_least(1), default=8,
                                 help="held-out batches (after the training ones) the loss is scored on")
@@ -133,8 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotImplementedError as error:
         console.print(f"[red]{error}[/red]")
         return 2
-    commands = {"inspect": _inspect, "bench": _bench, "finetune": _finetune, "ablate": _ablate, "loqt": _loqt}
-    return commands[args.command](args)
+    return {"inspect": _inspect, "bench": _bench, "finetune": _finetune, "ablate": _ablate,
+            "hift": _hift, "loqt": _loqt}[args.command](args)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -304,20 +321,10 @@ def _ablate(args: argparse.Namespace) -> int:
             "—" if r.median_error is None else f"{r.median_error:.4f}",
             f"{r.final_loss:.4f}", f"{(r.final_loss - compiled.final_loss) / compiled.final_loss:+.2%}",
             f"{r.step_seconds / compiled.step_seconds:.2f}x"])
-    table = Table(title=f"{workload.name}: {args.steps} steps", title_justify="left")
-    for column in ABLATE_COLUMNS:
-        table.add_column(column, justify="left" if column == "setting" else "right")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
     legend = ("grad cosine / error: every trainable gradient on a fixed batch vs the eager model's at the same "
               "weights, probed after calibration, mid-way and at the end (minimum cosine, median relative L2 "
               "error). final loss: mean of the last 5 steps; vs compile: relative to torch.compile's.")
-    console.print(legend)
-    if args.markdown:
-        lines = [f"`{args.command_line}`", "", "| " + " | ".join(ABLATE_COLUMNS) + " |",
-                 "|" + "---|" * len(ABLATE_COLUMNS)] + ["| " + " | ".join(row) + " |" for row in rows]
-        args.markdown.write_text("\n".join(lines + ["", legend, ""]))
+    _print_table(f"{workload.name}: {args.steps} steps", ABLATE_COLUMNS, rows, legend, args)
     if args.json:
         args.json.write_text(json.dumps({"command": args.command_line, "results": [r.to_dict() for r in results]},
                                         indent=2))
@@ -328,7 +335,7 @@ def _loqt(args: argparse.Namespace) -> int:
     from fxmem.bench import machine_description
     from fxmem.train import loqt_bench
     workload = get_workload(args.workload)
-    header = f"{args.command_line}\n{datetime.date.today().isoformat()}, {machine_description('cpu')}"
+    when = f"{datetime.date.today().isoformat()}, {machine_description('cpu')}. "
     if args.experiment == "memory":
         settings = loqt_bench.memory_settings(workload, lora_rank=args.lora_rank, loqt_rank=args.rank,
                                               pretrain_rank=args.pretrain_rank)
@@ -353,7 +360,7 @@ def _loqt(args: argparse.Namespace) -> int:
                       f"lr {args.lr}, B's lr {args.loqt_lr}, rank {args.rank}, s {args.scale}, first merge after "
                       f"{args.first_interval} steps, seed {args.seed}")
         progress_columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn())
+                            TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn())
         with Progress(*progress_columns, console=console) as progress:
             tasks = {s.name: progress.add_task(s.name, total=args.steps, loss="—") for s in settings}
             results = [loqt_bench.train(workload, s, steps=args.steps, lr=args.lr, loqt_lr=args.loqt_lr,
@@ -368,21 +375,66 @@ def _loqt(args: argparse.Namespace) -> int:
         legend = (f"eval loss: mean over {args.eval_batches} held-out batches after the last step; at start: "
                   "after conversion, before training. merges: LoQT's, after the first projection. W bits/param: "
                   "stored bits of the converted (or targeted) linears' weights per parameter.")
-    table = Table(title=title, title_justify="left")
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("setting", "method") else "right")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-    console.print(legend)
-    console.print(header)
-    if args.markdown:
-        lines = [header.replace("\n", "  \n"), "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        args.markdown.write_text("\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows] + ["", legend, ""]))
+    _print_table(title, columns, rows, when + legend, args)
     if args.json:
         args.json.write_text(json.dumps({"command": args.command_line, "results": [r.to_dict() for r in results]},
                                         indent=2))
     return 0
+
+
+HIFT_COLUMNS = ("run", "k", "steps", "eval loss", "vs full, same batches", "vs full, same updates", "gradients mean / max", "optimizer state on device mean / max",
+                "offloaded max", "step peak", "step time", "vs full", "graphs", "eager fallbacks")
+
+
+def _hift(args: argparse.Namespace) -> int:
+    from fxmem.bench import machine_description
+    from fxmem.train.hift_bench import EVAL_BATCHES, compare_hift
+    workload = get_workload(args.workload)
+    console.print(f"full fine-tuning of {workload.name} ({workload.description}), batch {workload.batch} x "
+                  f"{workload.seq}, AdamW lr {args.lr} cosine-decayed, {args.cycles} HiFT cycles; "
+                  f"compile: {args.compile}" + (f" ({args.scope})" if args.compile != "none" else ""))
+    with console.status("training") as status:
+        results = compare_hift(workload, args.orders, cycles=args.cycles, lr=args.lr,
+                               layers_per_group=args.layers_per_group, compile_backend=args.compile,
+                               scope=args.scope, device=args.device,
+                               on_step=lambda name, step: status.update(f"{name}: step {step}"))
+    same_batches, same_updates, k = results[0], results[1], results[2].groups
+    rows = [[r.name, str(r.groups), str(r.steps), f"{r.eval_loss:.4f}",
+             f"{(r.eval_loss - same_batches.eval_loss) / same_batches.eval_loss:+.2%}",
+             f"{(r.eval_loss - same_updates.eval_loss) / same_updates.eval_loss:+.2%}",
+             _mean_max(r.gradient_bytes), _mean_max(r.device_state_bytes),
+             format_bytes(max(r.offloaded_state_bytes)), format_bytes(r.step_peak_bytes),
+             f"{r.step_seconds * 1000:.0f} ms", f"{r.step_seconds / same_batches.step_seconds:.2f}x", str(r.graphs),
+             str(r.eager_fallbacks)] for r in results]
+    legend = (f"{datetime.date.today().isoformat()}, {machine_description(args.device)}. eval loss: mean over "
+              f"{EVAL_BATCHES} held-out batches after training. full, same batches: {args.cycles * k} steps on the "
+              f"batches HiFT saw; full, same updates: {args.cycles} steps, each parameter updated as often as under "
+              "HiFT. gradients / optimizer state: what each step holds, from the live tensors, mean and largest over "
+              "the steps (on a CPU run 'offloaded' is an accounting category: the device is the CPU). step peak: "
+              + BENCH_LEGEND["step peak"] + ", largest over the last cycle. graphs: dynamo graphs compiled during "
+              "the run.")
+    _print_table(f"{workload.name}: {args.cycles} cycles of k={k} steps", HIFT_COLUMNS, rows, legend, args)
+    return 0
+
+
+def _print_table(title: str, columns: Sequence[str], rows: list[list[str]], legend: str,
+                 args: argparse.Namespace) -> None:
+    """Print a table (first column left-aligned) and its legend; with --markdown, also write them as markdown."""
+    table = Table(title=title, title_justify="left")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(legend)
+    if args.markdown:
+        lines = [f"`{args.command_line}`", "", "| " + " | ".join(columns) + " |",
+                 "|" + "---|" * len(columns)] + ["| " + " | ".join(row) + " |" for row in rows]
+        args.markdown.write_text("\n".join(lines + ["", legend, ""]))
+
+
+def _mean_max(values: list[int]) -> str:
+    return f"{format_bytes(sum(values) / len(values))} / {format_bytes(max(values))}"
 
 
 if __name__ == "__main__":

@@ -14,6 +14,13 @@ from fxmem.workloads import LlamaShape, Workload
 TINY_LLAMA = Workload("test-llama", "llama", 2, 32, "tiny Llama for tests", LlamaShape(64, 172, 2, 4, 256))
 
 
+@pytest.fixture
+def tiny_workloads(monkeypatch):
+    """Every workload name the CLI accepts runs the tiny Llama instead (the commands, not the sizes, are tested)."""
+    from fxmem import cli
+    monkeypatch.setattr(cli, "get_workload", lambda name: TINY_LLAMA)
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     # Each test compiles new models of the same classes: without a reset they would pile up

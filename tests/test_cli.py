@@ -8,12 +8,6 @@ from fxmem.finetune import finetune
 from tests.conftest import TINY_LLAMA
 
 
-@pytest.fixture
-def tiny_workloads(monkeypatch):
-    """Every workload name the CLI accepts runs the tiny Llama instead (the commands, not the sizes, are tested)."""
-    monkeypatch.setattr(cli, "get_workload", lambda name: TINY_LLAMA)
-
-
 def test_inspect_a_config_json(tmp_path, capsys):
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
               "intermediate_size": 172, "num_hidden_layers": 1, "num_attention_heads": 4,
@@ -101,3 +95,4 @@ def test_finetune_rejects_unknown_methods_and_too_few_steps():
 def test_run_workload_rejects_unknown_methods():
     with pytest.raises(ValueError, match="unknown method.*valid methods: eager, compile"):
         run_workload(TINY_LLAMA, methods=["eager", "deepspeed"])
+

@@ -51,10 +51,12 @@ def pretrain_settings(rank: int, *, scale: float, first_interval: int) -> list[S
 
 
 def finetune_settings(workload: Workload, rank: int, *, scale: float, first_interval: int) -> list[Setting]:
-    """PEFT LoRA against LoQT and LoQT-nq at the same rank on the same linears."""
+    """PEFT LoRA against LoQT and LoQT-nq at the same rank on the same linears, and LoQT at twice the rank
+    (LoRA's trainable parameter count on square layers: LoQT trains r * max(in, out), LoRA r * (in + out))."""
     loqt = LoQTConfig(rank=rank, target=LORA_TARGETS[workload.family], scale=scale, first_interval=first_interval)
     return [Setting(f"LoRA r={rank}", "lora", lora_rank=rank), Setting(f"LoQT r={rank}", "loqt", loqt),
-            Setting(f"LoQT-nq r={rank}", "loqt", dataclasses.replace(loqt, quantize=False, quantize_projection=False))]
+            Setting(f"LoQT-nq r={rank}", "loqt", dataclasses.replace(loqt, quantize=False, quantize_projection=False)),
+            Setting(f"LoQT r={2 * rank}", "loqt", dataclasses.replace(loqt, rank=2 * rank))]
 
 
 @dataclass
