@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pretrain.add_argument("--first-interval", type=_int_at_least(1), default=10,
                           help="optimizer steps to the first merge (the paper: 100 of 10k steps)")
     pretrain.add_argument("--lr", type=float, default=5e-4, help="AdamW lr of full training and of the parameters "
-                                                                  "LoQT does not convert (full's best of 2.5e-4..3e-3)")
+                                                                  "LoQT does not convert")
     pretrain.add_argument("--loqt-lr", type=float, default=1e-2, help="AdamW lr of B (the paper: 1e-2)")
     finetune_loqt = loqt_commands.add_parser("finetune", help="a pretrained workload: LoRA vs LoQT, LoQT-nq, "
                                                               "LoQT at twice the rank")
