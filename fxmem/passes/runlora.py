@@ -122,7 +122,7 @@ def _find_backward(lora: LoraLinear) -> LoraBackward:
     for user in _mm_users(z1):
         if storage_base(user.args[1]) is storage_base(x2d):
             grad_a = user
-        elif user.args[0] is z1 and strip(user.args[1]) is lora_a_source:
+        elif storage_base(user.args[0]) is z1 and strip(user.args[1]) is lora_a_source:
             grad_x_lora = user
     weight_source = strip(matmul_operands(lora.base)[1])
     grad_x_base = next((u for u in _mm_users(weight_source) if u is not lora.base and strip(u.args[1]) is weight_source
