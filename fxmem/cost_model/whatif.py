@@ -68,7 +68,7 @@ class WhatIf:
 
 def hf_config(model: str) -> Any:
     """A transformers config for a named shape, a benchmark workload, or a config.json (file or directory)."""
-    from transformers import AutoConfig, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     from fxmem.workloads import WORKLOADS
     if model in NAMED_SHAPES:
