@@ -4,17 +4,29 @@ import pytest
 import torch
 
 from fxmem import cli
-from fxmem.cost_model.whatif import build_lora_model, hf_config, whatif
+from fxmem.cost_model.whatif import (
+    SCALING_DEPTHS,
+    build_lora_model,
+    hf_config,
+    layer_scaled_saved_bytes,
+    measured_saved_bytes,
+    traced_saved_bytes,
+    whatif,
+)
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 172,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256}
 
 
+def tiny_config_file(directory, layers: int):
+    path = directory / "config.json"
+    path.write_text(json.dumps({**TINY, "num_hidden_layers": layers}))
+    return path
+
+
 @pytest.fixture
 def tiny_config(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY))
-    return path
+    return tiny_config_file(tmp_path, layers=TINY["num_hidden_layers"])
 
 
 def test_whatif_counts_weights_gradients_state_and_lora_orders(tiny_config):
@@ -52,3 +64,22 @@ def test_whatif_command_prints_presets_and_plots(tiny_config, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "hyclora-4bit" in printed and "LoRA orders" in printed and "64 -> 172, r=8" in printed
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_predicted_saved_bytes_are_within_10_percent_of_a_real_compiled_step(tiny_config):
+    # seq 64: the attention probabilities (which a meta-device trace saves and a real CPU run does not) are a fifth
+    # of the saved bytes, so a trace that dispatches unlike the real run fails this.
+    result = whatif(str(tiny_config), batch=2, seq=64, rank=8, dtype="fp32")  # every built preset
+    assert {c.preset for c in result.costs} >= {"exact", "runlora", "hyclora-4bit", "hyclora-2bit"}
+    for cost in result.costs:
+        measured = measured_saved_bytes(str(tiny_config), batch=2, seq=64, rank=8, dtype="fp32", preset=cost.preset)
+        assert abs(cost.saved_activations / measured - 1) <= 0.10, (cost.preset, cost.saved_activations, measured)
+
+
+@pytest.mark.parametrize("preset", ["exact", "runlora", "hyclora-4bit"])
+def test_a_deep_model_traced_at_a_few_depths_and_scaled_matches_the_whole_trace(tmp_path, preset):
+    config = hf_config(str(tiny_config_file(tmp_path, layers=SCALING_DEPTHS[-1] + 2)))
+    shape = {"rank": 8, "dtype": torch.float32, "batch": 2, "seq": 32, "preset": preset}
+    scaled, how = layer_scaled_saved_bytes(config, **shape)
+    assert how.startswith("traced at 2, 3, 4 layers") and how.endswith("scaled to 6")
+    assert scaled == traced_saved_bytes(config, layers=6, **shape)

@@ -1,14 +1,17 @@
 """What a LoRA fine-tune of a model would cost, per preset, before launching it: no GPU, no weights.
 
-The model is built on the meta device from its config and traced by fxmem's own
-backend (the same dynamo, AOTAutograd, partition and analysis as a real run), so
-the saved-activation bytes are the analysis's, with each preset's plans priced by
-the cost model. Weights, gradients and optimizer state are counted from the
+The model is built from its config on fake tensors of the CPU (no storage, no
+compute, a real CPU run's dispatch) and traced by fxmem's own backend (the same
+dynamo, AOTAutograd, partition and analysis as a real run), so the
+saved-activation bytes are the analysis's, with each preset's plans priced by
+the cost model. A deep model is traced at a few depths and scaled by its layer
+count when its blocks save alike. Weights, gradients and optimizer state are counted from the
 parameters; the LoRA order per layer shape comes from the FLOPs chooser.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
 import warnings
@@ -17,11 +20,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.config import Config
 from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}  # state tensors per trainable parameter
+# Traced on fake tensors of this device, not on meta tensors: on meta, SDPA takes its math path and saves the
+# attention probabilities, where a real CPU (or GPU) run takes a fused kernel that saves only its output and
+# log-sum-exp, and min-cut's choices follow from that.
+TRACE_DEVICE = "cpu"
+# Block counts traced for a deeper model. Not from 1: the first block's input needs no gradient, so it may save
+# differently from the others.
+SCALING_DEPTHS = (2, 3, 4)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Known shapes, built from their published dimensions (no download).
@@ -47,7 +58,7 @@ class PresetCost:
     gradients: int
     optimizer_state: int
     saved_activations: int
-    note: str = ""  # why a preset could not be priced, '' when it was
+    how: str = ""  # how the saved activations were found: the whole model traced, or a few layers scaled
 
     @property
     def total(self) -> int:
@@ -116,12 +127,33 @@ def example_batch(config: Any, batch: int, seq: int, device: torch.device | str)
     return {"input_ids": ids, "labels": ids} if config.model_type in ("llama", "mistral") else {"input_ids": ids}
 
 
+def fake_lora_model(config: Any, rank: int, dtype: torch.dtype, fake_mode: FakeTensorMode) -> torch.nn.Module:
+    """``build_lora_model``'s model with every parameter and buffer a FakeTensor on ``TRACE_DEVICE``: no storage and
+    no compute, but the dispatch of a real run there (a tensor shared by two modules stays shared)."""
+    model = build_lora_model(config, rank, dtype)
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in fakes:
+            with fake_mode:
+                empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=TRACE_DEVICE)
+            fakes[id(tensor)] = (torch.nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                 if isinstance(tensor, torch.nn.Parameter) else empty)
+        return fakes[id(tensor)]
+
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, tensor in tensors.items():
+                if tensor is not None:
+                    tensors[name] = fake(tensor)
+    return model
+
+
 def predicted_saved_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], preset: str) -> int:
     """Saved-activation bytes of one step under ``preset``: the analysis's tensors priced by the cost model."""
     from fxmem.inspection import inspect
     torch._dynamo.reset()
-    # Inductor's joint-graph constant folding breaks on meta parameters; it folds no saved tensor's size.
-    with torch._inductor.config.patch(joint_graph_constant_folding=False), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = inspect(model, config=Config.from_preset(preset), **batch)
     return sum(planned for _, saved, planned in _activation_rows(report))
@@ -157,7 +189,6 @@ def whatif(model: str, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     config = hf_config(model)
     torch_dtype = DTYPES[dtype]
     lora_model = build_lora_model(config, rank, torch_dtype)
-    inputs = example_batch(config, batch, seq, "meta")
     params = list(lora_model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     trainable = [p for p in params if p.requires_grad]
@@ -167,9 +198,48 @@ def whatif(model: str, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
                     lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype))
     for preset in presets:
         Config.from_preset(preset).require_built()
-        result.costs.append(PresetCost(preset, weights, gradients, state,
-                                       predicted_saved_bytes(lora_model, inputs, preset)))
+        saved, how = layer_scaled_saved_bytes(config, rank=rank, dtype=torch_dtype, batch=batch, seq=seq,
+                                              preset=preset)
+        result.costs.append(PresetCost(preset, weights, gradients, state, saved, how))
     return result
+
+
+def traced_saved_bytes(config: Any, *, layers: int, rank: int, dtype: torch.dtype, batch: int, seq: int,
+                       preset: str) -> int:
+    """``predicted_saved_bytes`` of the model of ``config`` cut to its first ``layers`` blocks, on fake tensors."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (Qwen, Gemma)
+        config.layer_types = config.layer_types[:layers]
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fake_lora_model(config, rank, dtype, fake_mode)
+    with fake_mode:
+        inputs = example_batch(config, batch, seq, TRACE_DEVICE)
+    return predicted_saved_bytes(model, inputs, preset)
+
+
+def layer_scaled_saved_bytes(config: Any, *, rank: int, dtype: torch.dtype, batch: int, seq: int, preset: str
+                             ) -> tuple[int, str]:
+    """Saved-activation bytes of the whole model and how they were found.
+
+    Tracing costs time linear in the depth (about 2 s a llama-7b block on two CPU cores), so a deep model is
+    traced at ``SCALING_DEPTHS`` blocks: when the two steps add the same bytes, the blocks save alike and the
+    total is the shallowest trace plus that step per further block; otherwise the whole model is traced.
+    """
+    depth = config.num_hidden_layers
+    if depth <= SCALING_DEPTHS[-1]:
+        return traced_saved_bytes(config, layers=depth, rank=rank, dtype=dtype, batch=batch, seq=seq,
+                                  preset=preset), f"all {depth} layers traced"
+    first, middle, last = (traced_saved_bytes(config, layers=d, rank=rank, dtype=dtype, batch=batch, seq=seq,
+                                              preset=preset) for d in SCALING_DEPTHS)
+    per_layer = middle - first
+    if last - middle != per_layer:
+        return traced_saved_bytes(config, layers=depth, rank=rank, dtype=dtype, batch=batch, seq=seq,
+                                  preset=preset), f"all {depth} layers traced (blocks do not save alike)"
+    shallowest = SCALING_DEPTHS[0]
+    return first + (depth - shallowest) * per_layer, (
+        f"traced at {', '.join(map(str, SCALING_DEPTHS))} layers, each further layer saves "
+        f"{per_layer / 2**20:.2f} MiB; scaled to {depth}")
 
 
 def _built(preset: str) -> bool:
