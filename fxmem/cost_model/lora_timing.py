@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fxmem.cost_model.lora_orders import (
     BACKWARD_ORDERS,
@@ -50,8 +51,10 @@ def choose_by_time(shape: LoraShape, needs: frozenset[str] = frozenset(GRADIENTS
     def rand(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=generator, device=device, dtype=shape.dtype)
 
-    x, weight, lora_a, lora_b, grad_y = rand(n, i), rand(o, i), rand(r, i), rand(o, r), rand(n, o)
-    with torch.no_grad():
+    # Called at compile time, inside AOTAutograd's fake-tensor mode: without leaving it, the orders would run on
+    # fake tensors and the "fastest" would be noise.
+    with _disable_current_modes(), torch.no_grad():
+        x, weight, lora_a, lora_b, grad_y = rand(n, i), rand(o, i), rand(r, i), rand(o, r), rand(n, o)
         forward = min(FORWARD_ORDERS, key=lambda order: _median_seconds(
             lambda: lora_forward(order, x, weight, None, lora_a, lora_b, 1.0), device))
         backward = min(BACKWARD_ORDERS, key=lambda order: _median_seconds(
