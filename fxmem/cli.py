@@ -190,6 +190,10 @@ def _whatif(args: argparse.Namespace) -> int:
                   for s, count, c in result.lora_orders]
     order_legend = (f"per layer at {args.batch * args.seq} tokens; default: autograd's order, which saves x A^T "
                     "(RunLoRA's orders recompute it when they need it)")
+    if result.adapter_dtype != result.dtype:
+        order_legend += (f"\nNot applied here: PEFT keeps this {args.dtype} model's adapters in "
+                         f"{str(result.adapter_dtype).removeprefix('torch.')} and casts x for them; the runlora pass "
+                         "leaves such layers as traced, so the runlora preset saves what exact saves")
     _print_table("LoRA orders (runlora preset, FLOPs chooser)", order_columns, order_rows, order_legend, args)
     if markdown:
         lines = [f"`{args.command_line}`", ""]

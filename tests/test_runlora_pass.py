@@ -80,3 +80,18 @@ def test_the_flops_chooser_decides_per_shape_and_lora_dropout_is_left_as_traced(
     [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
     assert record.summary.startswith("0 LoRA linear(s) reordered")
     assert "left as traced" in record.summary and "dropout on the LoRA input" in record.summary
+
+
+def test_adapters_in_another_dtype_than_the_model_are_left_as_traced_and_named():
+    # PEFT's default for a bf16 model: adapters in fp32, x cast to fp32 for them.
+    model, batch = tiny_model("llama", lora=True)
+    model.to(torch.bfloat16)
+    for name, parameter in model.named_parameters():
+        if "lora_" in name:
+            parameter.data = parameter.data.float()
+    backend = Backend(Config(runlora="flops"), lowering="eager")
+    torch.compile(model, backend=backend)(**batch).loss.backward()
+    [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
+    assert record.summary.startswith("0 LoRA linear(s) reordered")
+    assert record.summary.count("LoRA input cast from torch.bfloat16 to the adapters' torch.float32") == 14
+    assert "dropout" not in record.summary

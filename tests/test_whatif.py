@@ -83,3 +83,11 @@ def test_a_deep_model_traced_at_a_few_depths_and_scaled_matches_the_whole_trace(
     scaled, how = layer_scaled_saved_bytes(config, **shape)
     assert how.startswith("traced at 2, 3, 4 layers") and how.endswith("scaled to 6")
     assert scaled == traced_saved_bytes(config, layers=6, **shape)
+
+
+def test_bf16_model_with_pefts_fp32_adapters_gets_no_runlora_saving(tiny_config):
+    # The runlora pass leaves a LoRA layer whose input is cast to the adapters' dtype as traced.
+    result = whatif(str(tiny_config), batch=2, seq=16, rank=8, dtype="bf16", presets=["exact", "runlora"])
+    exact, runlora = result.costs
+    assert result.adapter_dtype == torch.float32 and result.dtype == torch.bfloat16
+    assert runlora.saved_activations == exact.saved_activations

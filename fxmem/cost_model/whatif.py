@@ -73,6 +73,7 @@ class WhatIf:
     rank: int
     dtype: torch.dtype
     optimizer: str
+    adapter_dtype: torch.dtype  # PEFT keeps a bf16/fp16 model's adapters in fp32 (autocast_adapter_dtype)
     costs: list[PresetCost] = field(default_factory=list)
     lora_orders: list[tuple[LoraShape, int, OrderChoice]] = field(default_factory=list)  # (shape, layers, choice)
 
@@ -194,7 +195,7 @@ def whatif(model: str, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     trainable = [p for p in params if p.requires_grad]
     gradients = sum(p.numel() * p.element_size() for p in trainable)
     state = OPTIMIZER_STATES[optimizer] * sum(p.numel() * 4 for p in trainable)  # optimizer state in fp32
-    result = WhatIf(model, batch, seq, rank, torch_dtype, optimizer,
+    result = WhatIf(model, batch, seq, rank, torch_dtype, optimizer, trainable[0].dtype,
                     lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype))
     for preset in presets:
         Config.from_preset(preset).require_built()

@@ -102,6 +102,11 @@ def _mm_users(node: Node) -> list[Node]:
 
 
 def _find_backward(lora: LoraLinear) -> LoraBackward:
+    # Checked before dropout: the analysis follows casts as it follows dropout. PEFT keeps the adapters of a bf16
+    # or fp16 model in fp32 (autocast_adapter_dtype) and casts x for them; the orders here are single-dtype.
+    x_dtype, x_lora_dtype = tensor_val(lora.x).dtype, tensor_val(matmul_operands(lora.xa)[0]).dtype
+    if x_lora_dtype != x_dtype:
+        raise UnsupportedLora(f"LoRA input cast from {x_dtype} to the adapters' {x_lora_dtype}")
     if lora.dropout:
         raise UnsupportedLora("dropout on the LoRA input")
     if lora.base.target is not MM and lora.base.target is not aten.addmm.default:
