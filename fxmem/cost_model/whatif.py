@@ -5,8 +5,9 @@ compute, a real CPU run's dispatch) and traced by fxmem's own backend (the same
 dynamo, AOTAutograd, partition and analysis as a real run), so the
 saved-activation bytes are the analysis's, with each preset's plans priced by
 the cost model. A deep model is traced at a few depths and scaled by its layer
-count when its blocks save alike. Weights, gradients and optimizer state are counted from the
-parameters; the LoRA order per layer shape comes from the FLOPs chooser.
+count when its blocks save alike. Weights, gradients and optimizer state are
+counted from the parameters; the LoRA order per layer shape comes from the
+FLOPs chooser.
 """
 
 from __future__ import annotations
