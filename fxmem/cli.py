@@ -179,7 +179,8 @@ def _whatif(args: argparse.Namespace) -> int:
               f"{OPTIMIZER_STATES[args.optimizer]} fp32 tensor(s) per trainable parameter; saved activations: what "
               "one step holds from forward to backward under the preset (fxmem's analysis of a trace on fake CPU "
               "tensors, priced by the cost model)" + ("; measured: a real compiled step on this CPU" if args.measure
-                                                      else "") + "".join(f"\nsaved activations, {c.preset}: {c.how}" for c in result.costs))
+                                                      else ""))
+    legend += "".join(f"\nsaved activations, {c.preset}: {c.how}" for c in result.costs)
     markdown = args.markdown
     args.markdown = None  # _print_table writes one table; both go to the file below
     _print_table(title, columns, rows, legend, args)
