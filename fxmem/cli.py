@@ -1,4 +1,4 @@
-"""The `fxmem` command: inspect | bench | finetune | ablate | hift | loqt."""
+"""The `fxmem` command: inspect | whatif | bench | bench-lora | finetune | ablate | hift | loqt."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from rich.table import Table
 
 from fxmem.bench import METHODS
 from fxmem.config import BITS_CHOICES, PRESETS, Config
+from fxmem.cost_model.whatif import DTYPES, NAMED_SHAPES, OPTIMIZER_STATES
 from fxmem.inspection import inspect as inspect_model
 from fxmem.report import format_bytes
 from fxmem.train.hift import ORDERS
@@ -52,6 +53,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--device", default="cpu")
     inspect.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the report as JSON")
     inspect.add_argument("--all", action="store_true", help="also list parameters and inputs (they free nothing)")
+
+    whatif = commands.add_parser("whatif", help="memory per preset and LoRA orders of a model, before running it "
+                                                "(no GPU, no weights: meta-device tracing)")
+    whatif.add_argument("model", help=f"a named shape ({', '.join(NAMED_SHAPES)}), a workload "
+                                      f"({', '.join(WORKLOADS)}) or a HuggingFace config.json")
+    whatif.add_argument("--batch", type=_int_at_least(1), default=4)
+    whatif.add_argument("--seq", type=_int_at_least(1), default=512)
+    whatif.add_argument("--rank", type=_int_at_least(1), default=16, help="LoRA rank")
+    whatif.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    whatif.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
+    whatif.add_argument("--presets", nargs="+", choices=list(PRESETS), help="default: every preset that is built")
+    whatif.add_argument("--plot", type=pathlib.Path, metavar="PNG", help="draw the breakdown as stacked bars")
+    whatif.add_argument("--measure", action="store_true",
+                        help="also compile the model on this CPU (random weights) and measure the saved bytes")
+    whatif.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the tables as markdown")
+
+    bench_lora = commands.add_parser("bench-lora", help="one LoRA layer's fwd+bwd time: RunLoRA's orders vs PEFT")
+    bench_lora.add_argument("--shapes", nargs="+", required=True, metavar="N,IN,OUT,R",
+                            help="tokens (batch x seq), in and out features, rank; e.g. 2048,1024,2752,16")
+    bench_lora.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    bench_lora.add_argument("--steps", type=_int_at_least(1), default=10, help="timed steps (median reported)")
+    bench_lora.add_argument("--device", default="cpu")
+    bench_lora.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
 
     bench = commands.add_parser("bench", help="fxmem vs the four baselines on the benchmark workloads")
     bench.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
@@ -146,12 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # bench and finetune compile with caches off on purpose; torch says so once per compile.
     warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
     try:
-        Config.from_preset(getattr(args, "preset", "exact")).require_built()
+        for preset in getattr(args, "presets", None) or [getattr(args, "preset", "exact")]:
+            Config.from_preset(preset).require_built()
     except NotImplementedError as error:
         console.print(f"[red]{error}[/red]")
         return 2
-    return {"inspect": _inspect, "bench": _bench, "finetune": _finetune, "ablate": _ablate,
-            "hift": _hift, "loqt": _loqt}[args.command](args)
+    return {"inspect": _inspect, "whatif": _whatif, "bench-lora": _bench_lora, "bench": _bench,
+            "finetune": _finetune, "ablate": _ablate, "hift": _hift, "loqt": _loqt}[args.command](args)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -168,6 +193,85 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(report.to_json())
         console.print(f"wrote {args.json}")
+    return 0
+
+
+def _whatif(args: argparse.Namespace) -> int:
+    from fxmem.cost_model.whatif import measured_saved_bytes, plot, whatif
+    try:
+        result = whatif(args.model, batch=args.batch, seq=args.seq, rank=args.rank, dtype=args.dtype,
+                        optimizer=args.optimizer, presets=args.presets)
+    except ValueError as error:
+        console.print(f"[red]{error}[/red]")
+        return 2
+    columns = ["preset", "weights", "gradients", "optimizer state", "saved activations", "total"]
+    if args.measure:
+        columns += ["measured saved", "predicted / measured"]
+    rows = []
+    for cost in result.costs:
+        row = [cost.preset, *(format_bytes(b) for b in (cost.weights, cost.gradients, cost.optimizer_state,
+                                                        cost.saved_activations, cost.total))]
+        if args.measure:
+            measured = measured_saved_bytes(args.model, batch=args.batch, seq=args.seq, rank=args.rank,
+                                            dtype=args.dtype, preset=cost.preset)
+            row += [format_bytes(measured), f"{cost.saved_activations / measured:.3f}"]
+        rows.append(row)
+    title = (f"{args.model}: batch {args.batch} x {args.seq}, LoRA r={args.rank}, {args.dtype}, {args.optimizer}")
+    legend = ("weights: every parameter; gradients: the trainable ones, in their dtype; optimizer state: "
+              f"{OPTIMIZER_STATES[args.optimizer]} fp32 tensor(s) per trainable parameter; saved activations: what "
+              "one step holds from forward to backward under the preset (fxmem's analysis of a trace on fake CPU "
+              "tensors, priced by the cost model)" + ("; measured: a real compiled step on this CPU" if args.measure
+                                                      else ""))
+    legend += "".join(f"\nsaved activations, {c.preset}: {c.how}" for c in result.costs)
+    markdown = args.markdown
+    args.markdown = None  # _print_table writes one table; both go to the file below
+    _print_table(title, columns, rows, legend, args)
+    order_columns = ["LoRA shape (in -> out, r)", "layers", "forward", "backward", "GFLOPs fwd+bwd",
+                     "default GFLOPs", "FLOPs saved"]
+    order_rows = [[f"{s.in_features} -> {s.out_features}, r={s.rank}", str(count), c.forward, c.backward,
+                   f"{c.cost.flops / 1e9:.1f}", f"{c.default.flops / 1e9:.1f}", f"{c.flops_saving:+.1%}"]
+                  for s, count, c in result.lora_orders]
+    order_legend = (f"per layer at {args.batch * args.seq} tokens; default: autograd's order, which saves x A^T "
+                    "(RunLoRA's orders recompute it when they need it)")
+    if result.adapter_dtype != result.dtype:
+        order_legend += (f"\nNot applied here: PEFT keeps this {args.dtype} model's adapters in "
+                         f"{str(result.adapter_dtype).removeprefix('torch.')} and casts x for them; the runlora pass "
+                         "leaves such layers as traced, so the runlora preset saves what exact saves")
+    _print_table("LoRA orders (runlora preset, FLOPs chooser)", order_columns, order_rows, order_legend, args)
+    if markdown:
+        lines = [f"`{args.command_line}`", ""]
+        for table_title, table_columns, table_rows, table_legend in ((title, columns, rows, legend), (
+                "LoRA orders", order_columns, order_rows, order_legend)):
+            lines += [f"{table_title}", "", "| " + " | ".join(table_columns) + " |", "|" + "---|" * len(table_columns)]
+            lines += ["| " + " | ".join(row) + " |" for row in table_rows] + ["", table_legend, ""]
+        markdown.write_text("\n".join(lines))
+        console.print(f"wrote {markdown}")
+    if args.plot:
+        plot(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _bench_lora(args: argparse.Namespace) -> int:
+    from fxmem.bench import machine_description
+    from fxmem.cost_model.lora_bench import time_lora_layer
+    from fxmem.cost_model.lora_orders import LoraShape
+    rows = []
+    for text in args.shapes:
+        try:
+            shape = LoraShape(*(int(v) for v in text.split(",")), DTYPES[args.dtype])
+        except (TypeError, ValueError) as error:
+            console.print(f"[red]--shapes takes N,IN,OUT,R (four integers >= 1); got {text!r}: {error}[/red]")
+            return 2
+        t = time_lora_layer(shape, steps=args.steps, device=args.device)
+        rows.append([f"{shape.tokens}, {shape.in_features} -> {shape.out_features}, r={shape.rank}",
+                     f"{t.forward}/{t.backward}", f"{t.flops_saving:+.1%}", f"{t.peft_seconds * 1000:.1f} ms",
+                     f"{t.runlora_seconds * 1000:.1f} ms", f"{t.peft_seconds / t.runlora_seconds:.2f}x"])
+    legend = (f"{datetime.date.today().isoformat()}, {machine_description(args.device)}, {args.dtype}. Median of "
+              f"{args.steps} fwd+bwd steps, the two timed interleaved; PEFT: its eager LoRA Linear (saves x A^T); "
+              "runlora: fxmem.kernels.runlora_linear in the FLOPs chooser's orders; FLOPs saved: vs autograd's order")
+    _print_table("one LoRA layer, forward + backward", ["tokens, in -> out, rank", "orders", "FLOPs saved",
+                                                         "PEFT", "runlora", "speed-up"], rows, legend, args)
     return 0
 
 

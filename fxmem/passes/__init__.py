@@ -4,13 +4,14 @@ from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineSta
 from fxmem.passes.quantize import QuantizeSaved
 from fxmem.passes.recompute_attention import RecomputeAttention
 from fxmem.passes.recompute_logits import RecomputeLogits
+from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
 
 def default_passes() -> list[GraphPass]:
     """Every pass fxmem has, in order; each runs only when the region's config enables it."""
-    return [RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved()]
+    return [RunLora(), RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved()]
 
 
 __all__ = ["GraphPass", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAttention",
-           "RecomputeLogits", "SparsifyAttention", "default_passes"]
+           "RecomputeLogits", "RunLora", "SparsifyAttention", "default_passes"]

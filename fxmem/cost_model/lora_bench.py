@@ -1,0 +1,47 @@
+"""Single LoRA layer forward+backward time: RunLoRA's chosen orders against PEFT's eager layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fxmem.cost_model.lora_orders import LoraShape, choose_by_flops
+from fxmem.kernels.runlora import runlora_linear
+from fxmem.measure import interleaved_step_times, median
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    shape: LoraShape
+    forward: str
+    backward: str
+    flops_saving: float
+    peft_seconds: float
+    runlora_seconds: float
+
+
+def time_lora_layer(shape: LoraShape, *, steps: int, device: str = "cpu") -> LayerTiming:
+    """Median fwd+bwd seconds of a PEFT LoRA Linear (eager) and of runlora_linear in the FLOPs chooser's orders."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(shape.in_features, shape.out_features, bias=False))
+    model = get_peft_model(base, LoraConfig(r=shape.rank, lora_alpha=shape.rank, target_modules=["0"]))
+    model.to(device=device, dtype=shape.dtype)
+    layer = model.base_model.model[0]
+    torch.nn.init.normal_(layer.lora_B["default"].weight)
+    x = torch.randn(shape.tokens, shape.in_features, device=device, dtype=shape.dtype, requires_grad=True)
+    grad_y = torch.randn(shape.tokens, shape.out_features, device=device, dtype=shape.dtype)
+    choice = choose_by_flops(shape)
+    weight, lora_a, lora_b = layer.base_layer.weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight
+
+    def peft_step() -> None:
+        layer(x).backward(grad_y)
+
+    def runlora_step() -> None:
+        runlora_linear(x, weight, None, lora_a, lora_b, 1.0, choice.forward, choice.backward).backward(grad_y)
+
+    times = interleaved_step_times({"peft": peft_step, "runlora": runlora_step}, steps=steps, warmup=2,
+                                   device=device)
+    return LayerTiming(shape, choice.forward, choice.backward, choice.flops_saving, median(times["peft"]),
+                       median(times["runlora"]))

@@ -1,0 +1,302 @@
+"""What a LoRA fine-tune of a model would cost, per preset, before launching it: no GPU, no weights.
+
+The model is built from its config on fake tensors of the CPU (no storage, no
+compute, a real CPU run's dispatch) and traced by fxmem's own backend (the same
+dynamo, AOTAutograd, partition and analysis as a real run), so the
+saved-activation bytes are the analysis's, with each preset's plans priced by
+the cost model. A deep model is traced at a few depths and scaled by its layer
+count when its blocks save alike. Weights, gradients and optimizer state are
+counted from the parameters; the LoRA order per layer shape comes from the
+FLOPs chooser.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxmem.config import Config
+from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
+
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}  # state tensors per trainable parameter
+# Traced on fake tensors of this device, not on meta tensors: on meta, SDPA takes its math path and saves the
+# attention probabilities, where a real CPU (or GPU) run takes a fused kernel that saves only its output and
+# log-sum-exp, and min-cut's choices follow from that.
+TRACE_DEVICE = "cpu"
+# Block counts traced for a deeper model. Not from 1: the first block's input needs no gradient, so it may save
+# differently from the others.
+SCALING_DEPTHS = (2, 3, 4)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Known shapes, built from their published dimensions (no download).
+NAMED_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-7b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000},
+    "llama-13b": {"model_type": "llama", "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                  "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000},
+    "mistral-7b": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "vocab_size": 32000, "sliding_window": None},
+    "roberta-base": {"model_type": "roberta", "hidden_size": 768, "intermediate_size": 3072,
+                     "num_hidden_layers": 12, "num_attention_heads": 12, "vocab_size": 50265,
+                     "max_position_embeddings": 514, "type_vocab_size": 1, "hidden_dropout_prob": 0.0,
+                     "attention_probs_dropout_prob": 0.0},
+}
+
+
+@dataclass(frozen=True)
+class PresetCost:
+    preset: str
+    weights: int
+    gradients: int
+    optimizer_state: int
+    saved_activations: int
+    how: str = ""  # how the saved activations were found: the whole model traced, or a few layers scaled
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer_state + self.saved_activations
+
+
+@dataclass
+class WhatIf:
+    model: str
+    batch: int
+    seq: int
+    rank: int
+    dtype: torch.dtype
+    optimizer: str
+    adapter_dtype: torch.dtype  # PEFT keeps a bf16/fp16 model's adapters in fp32 (autocast_adapter_dtype)
+    costs: list[PresetCost] = field(default_factory=list)
+    lora_orders: list[tuple[LoraShape, int, OrderChoice]] = field(default_factory=list)  # (shape, layers, choice)
+
+
+def hf_config(model: str) -> Any:
+    """A transformers config for a named shape, a benchmark workload, or a config.json (file or directory)."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    from fxmem.workloads import WORKLOADS
+    if model in NAMED_SHAPES:
+        values = dict(NAMED_SHAPES[model])
+        return CONFIG_MAPPING[values.pop("model_type")](**values)
+    if model in WORKLOADS:
+        shape = WORKLOADS[model].llama
+        if shape is None:  # minilm-real: all-MiniLM-L6-v2's BERT shape
+            return CONFIG_MAPPING["bert"](hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
+                                          num_attention_heads=12, vocab_size=30522)
+        return CONFIG_MAPPING["llama"](hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                                       num_key_value_heads=shape.heads, vocab_size=shape.vocab)
+    path = pathlib.Path(model)
+    if not path.exists():
+        raise ValueError(f"unknown model {model!r}: valid names: {', '.join([*NAMED_SHAPES, *WORKLOADS])}, "
+                         "or a path to a HuggingFace config.json")
+    json.loads((path / "config.json" if path.is_dir() else path).read_text())  # a clear error on a bad file
+    return AutoConfig.from_pretrained(path)
+
+
+def build_lora_model(config: Any, rank: int, dtype: torch.dtype, device: torch.device | str = "meta"
+                     ) -> torch.nn.Module:
+    """The model of ``config`` with LoRA (alpha = rank, dropout 0) on every linear of every block."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from fxmem.workloads import LORA_TARGETS
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    causal = config.model_type in ("llama", "mistral")
+    with torch.device(device):
+        model = (AutoModelForCausalLM if causal else AutoModel).from_config(config, dtype=dtype)
+    family = "llama" if causal else "bert"
+    targets = LORA_TARGETS[family] if config.model_type in ("llama", "mistral", "bert") else "all-linear"
+    if config.model_type == "roberta":
+        targets = LORA_TARGETS["bert"]
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=targets))
+    model.train()
+    return model
+
+
+def example_batch(config: Any, batch: int, seq: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    return {"input_ids": ids, "labels": ids} if config.model_type in ("llama", "mistral") else {"input_ids": ids}
+
+
+def fake_lora_model(config: Any, rank: int, dtype: torch.dtype, fake_mode: FakeTensorMode) -> torch.nn.Module:
+    """``build_lora_model``'s model with every parameter and buffer a FakeTensor on ``TRACE_DEVICE``: no storage and
+    no compute, but the dispatch of a real run there (a tensor shared by two modules stays shared)."""
+    model = build_lora_model(config, rank, dtype)
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in fakes:
+            with fake_mode:
+                empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=TRACE_DEVICE)
+            fakes[id(tensor)] = (torch.nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                 if isinstance(tensor, torch.nn.Parameter) else empty)
+        return fakes[id(tensor)]
+
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, tensor in tensors.items():
+                if tensor is not None:
+                    tensors[name] = fake(tensor)
+    return model
+
+
+def predicted_saved_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], preset: str) -> int:
+    """Saved-activation bytes of one step under ``preset``: the analysis's tensors priced by the cost model."""
+    from fxmem.inspection import inspect
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = inspect(model, config=Config.from_preset(preset), **batch)
+    return sum(planned for _, saved, planned in _activation_rows(report))
+
+
+def _activation_rows(report: Any) -> list[tuple[Any, Any, int]]:
+    from fxmem.cost_model.memory import planned_bytes
+    return [(r, s, planned_bytes(s, p)) for r, s, p in report.rows() if s.frees_memory]
+
+
+def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype
+                     ) -> list[tuple[LoraShape, int, OrderChoice]]:
+    """Every LoRA layer shape of ``model``, how many layers have it, and the order the FLOPs chooser picks."""
+    counts: Counter[LoraShape] = Counter()
+    for module in model.modules():
+        lora_a = getattr(module, "lora_A", None)
+        if isinstance(lora_a, torch.nn.ModuleDict) and "default" in lora_a:
+            counts[LoraShape(tokens, module.in_features, module.out_features, lora_a["default"].out_features,
+                             dtype)] += 1
+    return [(shape, count, choose_by_flops(shape)) for shape, count in counts.items()]
+
+
+def whatif(model: str, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf16", optimizer: str = "adamw",
+           presets: list[str] | None = None) -> WhatIf:
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid dtypes: {', '.join(DTYPES)}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZER_STATES)}")
+    if rank < 1:
+        raise ValueError(f"rank must be an integer >= 1; got {rank}")
+    from fxmem.config import PRESETS
+    presets = presets or [p for p in PRESETS if _built(p)]
+    config = hf_config(model)
+    torch_dtype = DTYPES[dtype]
+    lora_model = build_lora_model(config, rank, torch_dtype)
+    params = list(lora_model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    trainable = [p for p in params if p.requires_grad]
+    gradients = sum(p.numel() * p.element_size() for p in trainable)
+    state = OPTIMIZER_STATES[optimizer] * sum(p.numel() * 4 for p in trainable)  # optimizer state in fp32
+    result = WhatIf(model, batch, seq, rank, torch_dtype, optimizer, trainable[0].dtype,
+                    lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype))
+    for preset in presets:
+        Config.from_preset(preset).require_built()
+        saved, how = layer_scaled_saved_bytes(config, rank=rank, dtype=torch_dtype, batch=batch, seq=seq,
+                                              preset=preset)
+        result.costs.append(PresetCost(preset, weights, gradients, state, saved, how))
+    return result
+
+
+def traced_saved_bytes(config: Any, *, layers: int, rank: int, dtype: torch.dtype, batch: int, seq: int,
+                       preset: str) -> int:
+    """``predicted_saved_bytes`` of the model of ``config`` cut to its first ``layers`` blocks, on fake tensors."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (Qwen, Gemma)
+        config.layer_types = config.layer_types[:layers]
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fake_lora_model(config, rank, dtype, fake_mode)
+    with fake_mode:
+        inputs = example_batch(config, batch, seq, TRACE_DEVICE)
+    return predicted_saved_bytes(model, inputs, preset)
+
+
+def layer_scaled_saved_bytes(config: Any, *, rank: int, dtype: torch.dtype, batch: int, seq: int, preset: str
+                             ) -> tuple[int, str]:
+    """Saved-activation bytes of the whole model and how they were found.
+
+    Tracing costs time linear in the depth (about 2 s a llama-7b block on two CPU cores), so a deep model is
+    traced at ``SCALING_DEPTHS`` blocks: when the two steps add the same bytes, the blocks save alike and the
+    total is the shallowest trace plus that step per further block; otherwise the whole model is traced.
+    """
+    depth = config.num_hidden_layers
+    if depth <= SCALING_DEPTHS[-1]:
+        return traced_saved_bytes(config, layers=depth, rank=rank, dtype=dtype, batch=batch, seq=seq,
+                                  preset=preset), f"all {depth} layers traced"
+    first, middle, last = (traced_saved_bytes(config, layers=d, rank=rank, dtype=dtype, batch=batch, seq=seq,
+                                              preset=preset) for d in SCALING_DEPTHS)
+    per_layer = middle - first
+    if last - middle != per_layer:
+        return traced_saved_bytes(config, layers=depth, rank=rank, dtype=dtype, batch=batch, seq=seq,
+                                  preset=preset), f"all {depth} layers traced (blocks do not save alike)"
+    shallowest = SCALING_DEPTHS[0]
+    return first + (depth - shallowest) * per_layer, (
+        f"traced at {', '.join(map(str, SCALING_DEPTHS))} layers, each further layer saves "
+        f"{per_layer / 2**20:.2f} MiB; scaled to {depth}")
+
+
+def _built(preset: str) -> bool:
+    from fxmem.config import PRESETS
+    try:
+        PRESETS[preset].require_built()
+    except NotImplementedError:
+        return False
+    return True
+
+
+def plot(result: WhatIf, path: pathlib.Path) -> None:
+    """Stacked bars, one per preset: weights, gradients, optimizer state, saved activations (GiB)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    parts = [("weights", "weights"), ("gradients", "gradients"), ("optimizer state", "optimizer_state"),
+             ("saved activations", "saved_activations")]
+    names = [c.preset for c in result.costs]
+    figure, axes = plt.subplots(figsize=(1.6 * len(names) + 2.5, 4.2))
+    bottom = [0.0] * len(names)
+    for label, attribute in parts:
+        heights = [getattr(c, attribute) / 2**30 for c in result.costs]
+        axes.bar(names, heights, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for x, total in enumerate(bottom):
+        axes.text(x, total, f"{total:.1f}", ha="center", va="bottom")
+    dtype = str(result.dtype).removeprefix("torch.")
+    axes.set_ylabel("GiB")
+    axes.set_title(f"{result.model}, batch {result.batch} x {result.seq}, LoRA r={result.rank}, {dtype}, "
+                   f"{result.optimizer}", fontsize=10)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def measured_saved_bytes(model: str, *, batch: int, seq: int, rank: int, dtype: str, preset: str) -> int:
+    """Saved-activation bytes of one real compiled training forward on the CPU (random weights), as
+    fxmem.measure defines them: the check on ``predicted_saved_bytes``."""
+    from fxmem.backend import Backend
+    from fxmem.measure import model_tensors, saved_activation_bytes
+    config = hf_config(model)
+    torch.manual_seed(0)
+    lora_model = build_lora_model(config, rank, DTYPES[dtype], device="cpu")
+    inputs = example_batch(config, batch, seq, "cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(lora_model, backend=Backend(Config.from_preset(preset)))
+
+    def forward() -> torch.Tensor:
+        output = compiled(**inputs)
+        return output.loss if getattr(output, "loss", None) is not None else output.last_hidden_state.float().mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved, loss = saved_activation_bytes(forward, [*model_tensors(lora_model), *inputs.values()])
+    loss.backward()
+    return saved

@@ -1,0 +1,100 @@
+"""A LoRA linear computed in a chosen forward and backward order (RunLoRA), torch reference.
+
+The same formulas as fxmem/cost_model/lora_orders.py, as code: ``lora_forward``
+and ``lora_backward`` are what the runlora joint pass inserts into the graph
+(as aten ops, traced through these functions) and what ``RunLoraLinear`` runs
+eagerly. X A^T is never kept from forward to backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, BACKWARD_ORDERS, FORWARD_ORDERS
+
+
+def lora_forward(order: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Y = X W^T + s (X A^T) B^T (+ bias) in ``order``, for 2-D ``x``."""
+    if order == "forward1":
+        y = x @ weight.t() + scaling * ((x @ lora_a.t()) @ lora_b.t())
+    elif order == "forward2":
+        y = x @ (weight + scaling * (lora_b @ lora_a)).t()
+    else:
+        raise ValueError(f"unknown forward order {order!r}; valid orders: {', '.join(FORWARD_ORDERS)}")
+    return y if bias is None else y + bias
+
+
+def lora_backward(order: str, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor,
+                  lora_b: torch.Tensor, scaling: float, needs: frozenset[str]
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dX, dA, dB) for 2-D ``grad_y`` and ``x`` in ``order``; None where ``needs`` lacks "x", "a" or "b"."""
+    if order not in BACKWARD_ASSOCIATIONS:
+        raise ValueError(f"unknown backward order {order!r}; valid orders: {', '.join(BACKWARD_ORDERS)}")
+    assoc_a, assoc_b, assoc_x = BACKWARD_ASSOCIATIONS[order]
+    cached: dict[str, torch.Tensor] = {}
+
+    def z1() -> torch.Tensor:  # s dY B, n x r
+        if "z1" not in cached:
+            cached["z1"] = (grad_y @ lora_b) * scaling
+        return cached["z1"]
+
+    def xtdy() -> torch.Tensor:  # X^T dY, i x o
+        if "xtdy" not in cached:
+            cached["xtdy"] = x.t() @ grad_y
+        return cached["xtdy"]
+
+    grad_x = grad_a = grad_b = None
+    if "a" in needs:
+        grad_a = z1().t() @ x if assoc_a == "z1" else (lora_b.t() @ xtdy().t()) * scaling
+    if "b" in needs:
+        grad_b = (grad_y.t() @ (x @ lora_a.t())) * scaling if assoc_b == "xa" else (xtdy().t() @ lora_a.t()) * scaling
+    if "x" in needs:
+        if assoc_x == "split":
+            grad_x = grad_y @ weight + z1() @ lora_a
+        else:
+            grad_x = grad_y @ (weight + scaling * (lora_b @ lora_a))
+    return grad_x, grad_a, grad_b
+
+
+class RunLoraLinear(torch.autograd.Function):
+    """Eager LoRA linear in the given orders; saves X (and the weights), not X A^T. Any leading dims on x."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scaling: float, forward_order: str, backward_order: str) -> torch.Tensor:
+        y = lora_forward(forward_order, x.reshape(-1, x.shape[-1]), weight, bias, lora_a, lora_b, scaling)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        x, weight, _, lora_a, lora_b, scaling, _, backward_order = inputs
+        ctx.save_for_backward(x, weight, lora_a, lora_b)
+        ctx.scaling, ctx.backward_order = scaling, backward_order
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
+        x, weight, lora_a, lora_b = ctx.saved_tensors
+        wanted = dict(zip(("x", "a", "b"), (ctx.needs_input_grad[i] for i in (0, 3, 4)), strict=True))
+        needs = frozenset(name for name, needed in wanted.items() if needed)
+        grad_x, grad_a, grad_b = lora_backward(ctx.backward_order, grad_y.reshape(-1, grad_y.shape[-1]),
+                                               x.reshape(-1, x.shape[-1]), weight, lora_a, lora_b, ctx.scaling, needs)
+        grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
+        if grad_x is not None:
+            grad_x = grad_x.reshape(x.shape)
+        return grad_x, None, grad_bias, grad_a, grad_b, None, None, None
+
+
+def runlora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                   lora_b: torch.Tensor, scaling: float, forward_order: str = "forward1",
+                   backward_order: str = "backward1") -> torch.Tensor:
+    """A LoRA linear (frozen ``weight``) in the given orders; see fxmem/cost_model/lora_orders.py."""
+    if forward_order not in FORWARD_ORDERS:
+        raise ValueError(f"unknown forward order {forward_order!r}; valid orders: {', '.join(FORWARD_ORDERS)}")
+    if backward_order not in BACKWARD_ORDERS:
+        raise ValueError(f"unknown backward order {backward_order!r}; valid orders: {', '.join(BACKWARD_ORDERS)}")
+    if weight.requires_grad:
+        raise ValueError("runlora_linear computes no gradient for the base weight: freeze it (requires_grad=False)")
+    return RunLoraLinear.apply(x, weight, bias, lora_a, lora_b, scaling, forward_order, backward_order)
