@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--all", action="store_true", help="also list parameters and inputs (they free nothing)")
 
     whatif = commands.add_parser("whatif", help="memory per preset and LoRA orders of a model, before running it "
-                                                "(no GPU, no weights: meta-device tracing)")
+                                                "(no GPU, no weights: traced on fake tensors)")
     whatif.add_argument("model", help=f"a named shape ({', '.join(NAMED_SHAPES)}), a workload "
                                       f"({', '.join(WORKLOADS)}) or a HuggingFace config.json")
     whatif.add_argument("--batch", type=_int_at_least(1), default=4)
