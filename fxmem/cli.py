@@ -94,6 +94,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     hift.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     hift.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
 
+    lowrank_error = commands.add_parser("lowrank-error", help="low-rank reconstruction error and time at equal rank: "
+                                        "LoRAct's sampling vs randomized SVD vs truncated SVD")
+    lowrank_error.add_argument("--rank", type=_lowrank_rank, default=0.125,
+                               help="a ratio in (0, 1) of the last dimension or an integer rank (default 0.125)")
+    lowrank_error.add_argument("--niter", type=_int_at_least(0), default=1, help="power iterations (default 1)")
+    lowrank_error.add_argument("--repeats", type=_int_at_least(1), default=3, help="draws per method and matrix")
+    lowrank_error.add_argument("--sources", nargs="+", choices=["synthetic", "llama-tiny"],
+                               default=["synthetic", "llama-tiny"],
+                               help="low-rank-plus-noise matrices and/or llama-tiny's saved activations")
+    lowrank_error.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.command_line = "fxmem " + " ".join(shlex.quote(a) for a in argv)
@@ -109,7 +120,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"[red]{error}[/red]")
         return 2
     return {"inspect": _inspect, "bench": _bench, "finetune": _finetune, "ablate": _ablate,
-            "hift": _hift}[args.command](args)
+            "hift": _hift, "lowrank-error": _lowrank_error}[args.command](args)
+
+
+def _lowrank_rank(text: str) -> float | int:
+    from fxmem.config import check_lowrank
+    try:
+        value = int(text) if text.isdigit() else float(text)
+        check_lowrank(value, allow_none=False)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
+
+
+LOWRANK_ERROR_COLUMNS = ("matrix", "shape", "rank", "method", "relative error", "vs truncated SVD", "time")
+
+
+def _lowrank_error(args: argparse.Namespace) -> int:
+    from fxmem.bench import machine_description
+    from fxmem.lowrank_error import measure, saved_activations, synthetic_matrices
+    matrices = []
+    with console.status("building matrices"):
+        if "synthetic" in args.sources:
+            matrices += synthetic_matrices()
+        if "llama-tiny" in args.sources:
+            matrices += saved_activations("llama-tiny")
+    with console.status("decomposing"):
+        results = measure(matrices, args.rank, niter=args.niter, repeats=args.repeats)
+    rows = [[r.matrix, "x".join(map(str, r.shape)), str(r.rank), r.method, f"{r.relative_error:.4f}",
+             f"{r.vs_optimal:.3f}x", f"{r.seconds * 1000:.1f} ms"] for r in results]
+    legend = (f"{datetime.date.today().isoformat()}, {machine_description('cpu')}, "
+              f"{torch.get_num_threads()} thread(s). relative error: ||A - UV||_F / ||A||_F, mean of {args.repeats} "
+              f"draws; time: median of the draws, decomposition plus reconstruction.")
+    _print_table("fxmem lowrank-error", LOWRANK_ERROR_COLUMNS, rows, legend, args)
+    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -41,8 +41,9 @@ matmul lowering (in a compiled backward) already run it at GEMM speed, and
 with k much smaller than m and n it is a small share of backward. There is no
 Triton kernel here because none would pay: the three products are GEMMs, the
 QR is cuSOLVER's, and the only elementwise work (column scaling, casts) is
-O((m + n) k). The one fusion worth having, the pre-norm rebuild
-(U @ V) / gamma, is an epilogue inductor fuses where the pass emits it as aten.
+O((m + n) k). The pre-norm rebuild needs no fused epilogue either: a
+per-column scale folds into the thin factor, (U @ V) / gamma = U @ (V / gamma),
+O(k n) work instead of a pass over the m x n result.
 """
 
 from __future__ import annotations
