@@ -181,7 +181,6 @@ def _(x, rank, niter, method):
 def decompose(x: torch.Tensor, rank: float | int, *, method: str = "sampling",  # noqa: PYI041 (int: rank, float: ratio)
               niter: int = DEFAULT_NITER) -> tuple[torch.Tensor, torch.Tensor]:
     """(U, V) of ``x`` (*, m, n) at ``rank``: a ratio in (0, 1) of n or an integer (clamped to min(m, n))."""
-    _check_method(method)
     return lowrank_decompose(x, resolve_rank(rank, x.shape), niter, method)
 
 
