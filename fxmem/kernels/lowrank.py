@@ -167,15 +167,51 @@ def _check_method(method: str) -> None:
 @torch.library.custom_op("fxmem::lowrank_decompose", mutates_args=())
 def lowrank_decompose(x: torch.Tensor, rank: int, niter: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(U, V), ``x``'s dtype, with x ~= U @ V: U (*, m, rank), V (*, rank, n); ``rank`` is the resolved integer
-    (see ``resolve_rank``) and ``method`` one of ``METHODS``. Random: each call samples afresh."""
+    (see ``resolve_rank``) and ``method`` one of ``METHODS``. Random: each call samples afresh.
+
+    A ``rank`` above min(m, n) is allowed here (not in the methods): the factors are computed at min(m, n),
+    which holds x whole, and padded with zeros to ``rank``. A compiled graph fixes ``rank`` from the hidden
+    size while the row count m may be symbolic and, at run time, smaller.
+    """
     _check_method(method)
-    return METHODS[method](x, rank, niter)
+    shorter = min(x.shape[-2], x.shape[-1]) if x.dim() >= 2 else rank
+    u, v = METHODS[method](x, min(rank, shorter) if shorter >= 1 else rank, niter)
+    if u.shape[-1] < rank:
+        u = torch.nn.functional.pad(u, (0, rank - u.shape[-1]))
+        v = torch.nn.functional.pad(v, (0, 0, 0, rank - v.shape[-2]))
+    return u, v
 
 
 @lowrank_decompose.register_fake
 def _(x, rank, niter, method):
     _check_method(method)
     return x.new_empty((*x.shape[:-1], rank)), x.new_empty((*x.shape[:-2], rank, x.shape[-1]))
+
+
+@torch.library.custom_op("fxmem::lowrank_decompose_rows", mutates_args=())
+def lowrank_decompose_rows(x: torch.Tensor, rank: int, niter: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lowrank_decompose`` of ``x`` viewed as one (rows, n) matrix, rows = all leading dimensions, as the paper's
+    code flattens (batch, seq, hidden): U (*x.shape[:-1], rank), V (rank, n). The op does the flattening so a
+    compiled graph needs no (possibly symbolic) sizes to undo it."""
+    u, v = lowrank_decompose(x.reshape(-1, x.shape[-1]), rank, niter, method)
+    return u.reshape(*x.shape[:-1], rank), v
+
+
+@lowrank_decompose_rows.register_fake
+def _(x, rank, niter, method):
+    _check_method(method)
+    return x.new_empty((*x.shape[:-1], rank)), x.new_empty((rank, x.shape[-1]))
+
+
+@torch.library.custom_op("fxmem::lowrank_rebuild_rows", mutates_args=())
+def lowrank_rebuild_rows(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """U @ V for the factors of ``lowrank_decompose_rows``: (*u.shape[:-1], n), contiguous."""
+    return (u.reshape(-1, u.shape[-1]) @ v).reshape(*u.shape[:-1], v.shape[-1])
+
+
+@lowrank_rebuild_rows.register_fake
+def _(u, v):
+    return u.new_empty((*u.shape[:-1], v.shape[-1]))
 
 
 def decompose(x: torch.Tensor, rank: float | int, *, method: str = "sampling",  # noqa: PYI041 (int: rank, float: ratio)
