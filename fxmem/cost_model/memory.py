@@ -43,6 +43,14 @@ def lowrank_bytes(shape: tuple[int, ...], rank: int, element_size: int) -> int:
     return factor_numel(shape, rank) * element_size
 
 
+def prenorm_bytes(rows: int, exact_channels: int, element_size: int) -> int:
+    """A norm input rebuilt from its output's factors: the exactly saved input channels and their ids.
+
+    The output's factors are priced on the output; the per-row rstd is priced where the backward did not
+    save it already."""
+    return rows * exact_channels * element_size + exact_channels * CHANNEL_ID_BYTES
+
+
 def planned_bytes(saved: SavedTensor, plan: Plan) -> int:
     """Bytes held between forward and backward once ``plan`` is applied to ``saved``."""
     if plan.action == "keep" or saved.nbytes == 0:  # a view shares its owner's (already counted) storage

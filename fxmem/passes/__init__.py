@@ -1,5 +1,6 @@
 """Graph rewrites, one file per pass family, run in order by the pass manager."""
 
+from fxmem.passes.lowrank import LowRankSaved
 from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineState
 from fxmem.passes.quantize import QuantizeSaved
 from fxmem.passes.recompute_attention import RecomputeAttention
@@ -9,8 +10,8 @@ from fxmem.passes.sparsify import SparsifyAttention
 
 def default_passes() -> list[GraphPass]:
     """Every pass fxmem has, in order; each runs only when the region's config enables it."""
-    return [RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved()]
+    return [RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved(), LowRankSaved()]
 
 
-__all__ = ["GraphPass", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAttention",
+__all__ = ["GraphPass", "LowRankSaved", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAttention",
            "RecomputeLogits", "SparsifyAttention", "default_passes"]
