@@ -14,7 +14,6 @@ CALIBRATION_CHOICES = ("dynamic", "static")
 # that builds it. A config that turns one on is refused, never silently ignored.
 _NOT_BUILT = {
     "lora_reorder": "LoRA reorder recompute (issue: LoRA reorder recompute and fused epilogues)",
-    "lowrank": "low-rank saved activations (issue: Low-rank saved activations (LoRAct))",
     "runlora": "RunLoRA variant selection (issue: The cost model, RunLoRA variant selection, and fxmem whatif)",
     "memory_budget": "memory-budget planning (issue: The cost model, RunLoRA variant selection, and fxmem whatif)",
 }

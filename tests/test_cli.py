@@ -31,7 +31,7 @@ def test_inspect_a_workload_with_overridden_shape(capsys):
 
 
 def test_inspect_refuses_a_preset_not_built_yet(capsys):
-    assert cli.main(["inspect", "llama-tiny", "--preset", "loract"]) == 2
+    assert cli.main(["inspect", "llama-tiny", "--preset", "runlora"]) == 2
     assert "not built yet" in capsys.readouterr().out
 
 
