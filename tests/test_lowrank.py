@@ -205,3 +205,25 @@ def test_the_error_command_refuses_a_bad_rank(capsys):
     with pytest.raises(SystemExit):
         cli.main(["lowrank-error", "--rank", "1.5"])
     assert "an integer rank >= 1; got 1.5" in capsys.readouterr().err
+
+
+def test_the_row_ops_flatten_leading_dimensions_and_pass_opcheck():
+    a = torch.randn(2, 12, 3) @ torch.randn(3, 16)  # one 24 x 16 matrix of rank 3: one right factor for both
+    u, v = torch.ops.fxmem.lowrank_decompose_rows(a, 4, 1, "sampling")
+    assert u.shape == (2, 12, 4) and v.shape == (4, 16) and u.is_contiguous() and v.is_contiguous()
+    torch.testing.assert_close(torch.ops.fxmem.lowrank_rebuild_rows(u, v), a, atol=1e-4, rtol=1e-4)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.fxmem.lowrank_decompose_rows.default, (a, 4, 1, "rsvd"), test_utils=checks)
+    torch.library.opcheck(torch.ops.fxmem.lowrank_rebuild_rows.default, (u, v))
+    wide_u, wide_v = torch.ops.fxmem.lowrank_decompose_rows(a[:, :4], 4, 1, "sampling")  # 8 x 16: Q from LAPACK
+    assert wide_u.is_contiguous() and wide_v.is_contiguous()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_rank_above_the_row_count_pads_the_factors_with_zeros(method):
+    """A compiled graph fixes the rank from the hidden size; a short batch can have fewer rows than that."""
+    a = torch.randn(5, 32)
+    u, v = torch.ops.fxmem.lowrank_decompose(a, 8, 1, method)
+    assert u.shape == (5, 8) and v.shape == (8, 32)
+    assert not u[:, 5:].any() and not v[5:].any()
+    torch.testing.assert_close(lowrank.reconstruct(u, v), a, atol=1e-5, rtol=1e-5)  # rank 5 holds all 5 rows

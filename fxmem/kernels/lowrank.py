@@ -194,7 +194,8 @@ def lowrank_decompose_rows(x: torch.Tensor, rank: int, niter: int, method: str) 
     code flattens (batch, seq, hidden): U (*x.shape[:-1], rank), V (rank, n). The op does the flattening so a
     compiled graph needs no (possibly symbolic) sizes to undo it."""
     u, v = lowrank_decompose(x.reshape(-1, x.shape[-1]), rank, niter, method)
-    return u.reshape(*x.shape[:-1], rank), v
+    # contiguous, as the fake says: LAPACK's Q (U on a wide matrix) is column-major
+    return u.contiguous().reshape(*x.shape[:-1], rank), v.contiguous()
 
 
 @lowrank_decompose_rows.register_fake

@@ -98,10 +98,13 @@ def _share_prenorm(editor: SavedTensorEditor, members: list[Node], plan: Plan,
     compute_dtype = unit.normalized.meta["val"].dtype
     x_dtype = unit.x.meta["val"].dtype
 
+    leading = [None] * (unit.x.meta["val"].dim() - 1)  # index the last dimension (index_select and index_copy
+    # are decomposed away before partitioning: inductor refuses them in the rewritten graph)
+
     def compress(graph: torch.fx.Graph, x: Node) -> list[Node]:
         magnitude = call(graph, aten.abs.default, (unit.gamma,))
         _, ids = call(graph, aten.topk.default, (magnitude, plan.exact_channels, -1, False), outputs=2)
-        return [call(graph, aten.index_select.default, (x, -1, ids)), ids]
+        return [call(graph, aten.index.Tensor, (x, [*leading, ids])), ids]
 
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
         exact, ids = parts
@@ -111,7 +114,7 @@ def _share_prenorm(editor: SavedTensorEditor, members: list[Node], plan: Plan,
         nonzero = call(graph, aten.add.Tensor, (weight, call(graph, aten.eq.Scalar, (weight, 0))))
         normalized = call(graph, aten.div.Tensor, (output, nonzero))
         x = _cast(graph, call(graph, aten.div.Tensor, (normalized, rstd)), x_dtype)
-        return call(graph, aten.index_copy.default, (x, -1, ids, exact))
+        return call(graph, aten.index_put.default, (x, [*leading, ids], exact))
 
     compress_storage(editor, members, compress, restore)
     return unit.x
