@@ -105,6 +105,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                help="low-rank-plus-noise matrices and/or llama-tiny's saved activations")
     lowrank_error.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
 
+    lowrank_saved = commands.add_parser("lowrank-saved", help="LoRAct's saved-activation bytes and gradient fidelity "
+                                        "per rank ratio, vs eager PEFT LoRA (one batch)")
+    lowrank_saved.add_argument("--workload", choices=list(WORKLOADS), default="llama-tiny")
+    lowrank_saved.add_argument("--ratios", nargs="+", type=_lowrank_rank, default=[0.5, 0.25, 0.125, 0.0625],
+                               help="lowrank values: ratios in (0, 1) of the last dimension or integer ranks")
+    lowrank_saved.add_argument("--lowering", choices=["inductor", "eager"], default="inductor",
+                               help="eager: run the rewritten aten graphs without code generation (same bytes)")
+    lowrank_saved.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.command_line = "fxmem " + " ".join(shlex.quote(a) for a in argv)
@@ -120,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"[red]{error}[/red]")
         return 2
     return {"inspect": _inspect, "bench": _bench, "finetune": _finetune, "ablate": _ablate,
-            "hift": _hift, "lowrank-error": _lowrank_error}[args.command](args)
+            "hift": _hift, "lowrank-error": _lowrank_error, "lowrank-saved": _lowrank_saved}[args.command](args)
 
 
 def _lowrank_rank(text: str) -> float | int:
@@ -153,6 +162,30 @@ def _lowrank_error(args: argparse.Namespace) -> int:
               f"{torch.get_num_threads()} thread(s). relative error: ||A - UV||_F / ||A||_F, mean of {args.repeats} "
               f"draws; time: median of the draws, decomposition plus reconstruction.")
     _print_table("fxmem lowrank-error", LOWRANK_ERROR_COLUMNS, rows, legend, args)
+    return 0
+
+
+LOWRANK_SAVED_COLUMNS = ("lowrank", "saved activations", "planned", "reduction vs eager", "norm inputs shared",
+                         "min grad cos", "median grad rel err")
+
+
+def _lowrank_saved(args: argparse.Namespace) -> int:
+    from fxmem.bench import machine_description
+    from fxmem.lowrank_saved import measure_ratios
+    workload = get_workload(args.workload)
+    with console.status(f"{workload.name}: eager PEFT, then fxmem at {len(args.ratios)} ratio(s)"):
+        results = measure_ratios(workload, args.ratios, lowering=args.lowering)
+    eager = results[0].saved_bytes
+    rows = [[r.setting, format_bytes(r.saved_bytes),
+             "" if r.planned_bytes is None else format_bytes(r.planned_bytes), f"{eager / r.saved_bytes:.2f}x",
+             str(r.prenorm_shared), "" if r.fidelity is None else f"{r.fidelity.min_cosine:.4f}",
+             "" if r.fidelity is None else f"{r.fidelity.median_relative_error:.4f}"] for r in results]
+    legend = (f"{datetime.date.today().isoformat()}, {machine_description('cpu')}, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} thread(s). {workload.name}: {workload.description}, batch "
+              f"{workload.batch} x {workload.seq}, LoRA r=16 on every linear, seeded random weights, one batch of "
+              f"real text. saved: measured (unique storages autograd holds, parameters and inputs excluded); "
+              f"planned: the cost model's; gradients vs eager PEFT's on the same batch and weights.")
+    _print_table("fxmem lowrank-saved", LOWRANK_SAVED_COLUMNS, rows, legend, args)
     return 0
 
 
