@@ -180,7 +180,7 @@ def _lowrank_saved(args: argparse.Namespace) -> int:
              "" if r.planned_bytes is None else format_bytes(r.planned_bytes), f"{eager / r.saved_bytes:.2f}x",
              str(r.prenorm_shared), "" if r.fidelity is None else f"{r.fidelity.min_cosine:.4f}",
              "" if r.fidelity is None else f"{r.fidelity.median_relative_error:.4f}"] for r in results]
-    legend = (f"{datetime.date.today().isoformat()}, {machine_description('cpu')}, torch {torch.__version__}, "
+    legend = (f"{datetime.date.today().isoformat()}, {machine_description('cpu')}, "
               f"{torch.get_num_threads()} thread(s). {workload.name}: {workload.description}, batch "
               f"{workload.batch} x {workload.seq}, LoRA r=16 on every linear, seeded random weights, one batch of "
               f"real text. saved: measured (unique storages autograd holds, parameters and inputs excluded); "

@@ -11,7 +11,7 @@ from torch.fx import Node
 
 from fxmem.analysis import Analysis, Role, SavedTensor
 from fxmem.analysis.graph import memory_order, numel_hint, storage_base, storage_bytes, tensor_val
-from fxmem.analysis.norm import rms_norm_unit
+from fxmem.analysis.norm import norm_unit
 from fxmem.analysis.rope import rope_recompute
 from fxmem.config import Config
 from fxmem.cost_model.memory import lowrank_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
@@ -177,8 +177,9 @@ def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int) -> Plan:
 
 
 def _share_prenorm(analysis: Analysis, plans: list[Plan]) -> None:
-    """LoRAct's pre-norm sharing: an RMSNorm input planned lossy whose output is stored as factors is rebuilt
-    from those factors (output / gamma / rstd) instead of being stored itself, when that costs fewer bytes."""
+    """LoRAct's pre-norm sharing: what a norm's backward saves (RMSNorm's input, LayerNorm's x_hat), planned
+    lossy, whose norm output is stored as factors, is rebuilt from those factors instead of being stored itself,
+    when that costs fewer bytes."""
     owner_index = {}
     for index, saved in enumerate(analysis.saved):
         owner_index.setdefault(saved.storage, index)
@@ -186,7 +187,7 @@ def _share_prenorm(analysis: Analysis, plans: list[Plan]) -> None:
         plan, owner = plans[index], analysis.saved[index]
         if owner.role is not Role.NORM_INPUT or plan.action not in ("lowrank", "quantize"):
             continue
-        unit = rms_norm_unit(storage_base(analysis.nodes[owner.name]))
+        unit = norm_unit(storage_base(analysis.nodes[owner.name]))
         if unit is None or unit.output.name not in owner_index:
             continue
         output_plan = plans[owner_index[unit.output.name]]
@@ -195,12 +196,14 @@ def _share_prenorm(analysis: Analysis, plans: list[Plan]) -> None:
         val = tensor_val(unit.x)
         width = val.shape[-1]
         exact = max(1, math.ceil(PRENORM_EXACT_SHARE * width))
-        rstd_saved = storage_base(unit.rstd).name in analysis.saved_storages
+        rstd_saved = unit.rstd is None or storage_base(unit.rstd).name in analysis.saved_storages
         nbytes = prenorm_bytes(numel_hint(val) // width, exact, val.element_size()) + (
             0 if rstd_saved else storage_bytes(tensor_val(unit.rstd)))
         if nbytes >= plan.nbytes:
             continue
-        shared = Plan("prenorm", f"rebuilt from {unit.output.name}'s rank-{output_plan.rank} factors / gamma / rstd; "
+        formula = "(output - beta) / gamma" if unit.beta is not None else "output / gamma"
+        formula += " / rstd" if unit.rstd is not None else ""
+        shared = Plan("prenorm", f"rebuilt as {formula} from {unit.output.name}'s rank-{output_plan.rank} factors; "
                       f"{exact} smallest-|gamma| channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
                       exact_channels=exact, source=unit.output.name, nbytes=nbytes)
         for member, saved in enumerate(analysis.saved):

@@ -111,6 +111,30 @@ def test_full_rank_rebuild_and_pre_norm_sharing_give_the_exact_gradients(zero_ga
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
+def test_layer_norm_x_hat_is_rebuilt_from_the_output_minus_beta_over_gamma(monkeypatch):
+    """GPT-2's decomposed LayerNorm saves x_hat; at full rank, rebuilt as (output - beta) / gamma with a gamma == 0
+    channel, the gradients are torch's. Dropout off: the decomposition draws random rows, which would shift the
+    dropout masks between the two runs."""
+    _no_byte_limit(monkeypatch)
+    model, batch = tiny_model("gpt2", lora=True)
+    _randomize_lora_b(model)
+    with torch.no_grad():
+        for block in model.base_model.model.transformer.h:
+            block.ln_1.weight[3] = 0
+            block.ln_2.bias.normal_()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    _, _, exact_grads = _exact(model, batch)
+    torch._dynamo.reset()
+    backend = fxmem.Backend(fxmem.Config(lowrank=10_000), lowering="eager")
+    _, _, grads = _run(model, batch, backend)
+    shared = [p for _, s, p in backend.report().rows() if p.action == "prenorm" and s.nbytes > 0]
+    assert len(shared) == 3 and all(p.reason.startswith("rebuilt as (output - beta) / gamma") for p in shared)
+    for name, grad in exact_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
+
+
 def test_with_bits_and_lowrank_each_tensor_gets_the_plan_with_fewer_bytes():
     model, batch = _llama()
     plans = {}

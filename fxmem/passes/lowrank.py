@@ -9,13 +9,14 @@ rank is fixed from the last dimension, which is static, so a symbolic row count
 adds no guard, and the ops flatten themselves, so no size enters the graph.
 
 Pre-norm sharing (section 3.3, equations 8-10): for a storage marked
-``prenorm`` (an RMSNorm input whose output is stored as factors) the forward
-saves only the input channels with the smallest |gamma| and their ids, plus the
-per-row rstd if backward did not keep it already. The backward rebuilds the
-input as output / gamma / rstd from the output's rebuilt factors, then writes
-the exact channels back, so channels where gamma == 0 (whose output carries
-nothing about them) come back exactly. The norm's own backward then runs as
-traced: equations 9 and 10 are what it computes from that input.
+``prenorm`` (what a norm's backward saves, its output stored as factors) the
+forward saves only the channels with the smallest |gamma| and their ids, plus
+the per-row rstd if backward did not keep it already. The backward rebuilds
+RMSNorm's input as output / gamma / rstd, or LayerNorm's x_hat as (output -
+beta) / gamma, from the output's rebuilt factors, then writes the exact
+channels back, so channels where gamma == 0 (whose output carries nothing
+about them) come back exactly. The norm's own backward then runs as traced:
+equations 9 and 10 are what it computes from that value.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from torch.fx import Node
 
 from fxmem.analysis.graph import memory_order, storage_base
-from fxmem.analysis.norm import rms_norm_unit
+from fxmem.analysis.norm import norm_unit
 from fxmem.config import Config
 from fxmem.kernels.lowrank import DEFAULT_NITER
 from fxmem.passes.manager import GraphPass, PipelineState
@@ -84,12 +85,14 @@ def _factor(editor: SavedTensorEditor, members: list[Node], plan: Plan, rebuilt:
 
 def _share_prenorm(editor: SavedTensorEditor, members: list[Node], plan: Plan,
                    rebuilt: dict[Node, list[Node]]) -> Node:
-    unit = rms_norm_unit(storage_base(members[0]))
+    unit = norm_unit(storage_base(members[0]))
     if unit is None or unit.output not in rebuilt:
         raise Unmappable(f"its norm output {plan.source} was not stored as factors")
     output_nodes = rebuilt[unit.output]
     # Parameters and the per-row rstd cost nothing (or what the plan priced) to keep for backward.
-    gamma, rstd = editor.save(unit.gamma), editor.save(unit.rstd)
+    gamma = editor.save(unit.gamma)
+    beta = editor.save(unit.beta) if unit.beta is not None else None
+    rstd = editor.save(unit.rstd) if unit.rstd is not None else None
     first_use = editor.first_backward_use([editor.placeholder_of[m] for m in members])
     position = {n: i for i, n in enumerate(editor.bw.graph.nodes)}
     if position[output_nodes[-1]] > position[first_use]:
@@ -109,11 +112,15 @@ def _share_prenorm(editor: SavedTensorEditor, members: list[Node], plan: Plan,
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
         exact, ids = parts
         output = _cast(graph, output_nodes[-1], compute_dtype)
+        if beta is not None:
+            output = call(graph, aten.sub.Tensor, (output, _cast(graph, beta, compute_dtype)))
         weight = _cast(graph, gamma, compute_dtype)
         # gamma == 0 divides by 1 instead: those channels are written back from the exact copy below
         nonzero = call(graph, aten.add.Tensor, (weight, call(graph, aten.eq.Scalar, (weight, 0))))
-        normalized = call(graph, aten.div.Tensor, (output, nonzero))
-        x = _cast(graph, call(graph, aten.div.Tensor, (normalized, rstd)), x_dtype)
+        x = call(graph, aten.div.Tensor, (output, nonzero))
+        if rstd is not None:
+            x = call(graph, aten.div.Tensor, (x, rstd))
+        x = _cast(graph, x, x_dtype)
         return call(graph, aten.index_put.default, (x, [*leading, ids], exact))
 
     compress_storage(editor, members, compress, restore)
