@@ -89,10 +89,6 @@ def _share_prenorm(editor: SavedTensorEditor, members: list[Node], plan: Plan,
     if unit is None or unit.output not in rebuilt:
         raise Unmappable(f"its norm output {plan.source} was not stored as factors")
     output_nodes = rebuilt[unit.output]
-    # Parameters and the per-row rstd cost nothing (or what the plan priced) to keep for backward.
-    gamma = editor.save(unit.gamma)
-    beta = editor.save(unit.beta) if unit.beta is not None else None
-    rstd = editor.save(unit.rstd) if unit.rstd is not None else None
     first_use = editor.first_backward_use([editor.placeholder_of[m] for m in members])
     position = {n: i for i, n in enumerate(editor.bw.graph.nodes)}
     if position[output_nodes[-1]] > position[first_use]:
@@ -101,8 +97,9 @@ def _share_prenorm(editor: SavedTensorEditor, members: list[Node], plan: Plan,
     compute_dtype = unit.normalized.meta["val"].dtype
     x_dtype = unit.x.meta["val"].dtype
 
-    leading = [None] * (unit.x.meta["val"].dim() - 1)  # index the last dimension (index_select and index_copy
-    # are decomposed away before partitioning: inductor refuses them in the rewritten graph)
+    # Index the last dimension with aten.index / index_put: index_select and index_copy are decomposed away
+    # before partitioning, and inductor refuses them in the rewritten graph.
+    leading = [None] * (unit.x.meta["val"].dim() - 1)
 
     def compress(graph: torch.fx.Graph, x: Node) -> list[Node]:
         magnitude = call(graph, aten.abs.default, (unit.gamma,))
@@ -111,15 +108,17 @@ def _share_prenorm(editor: SavedTensorEditor, members: list[Node], plan: Plan,
 
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
         exact, ids = parts
+        # Saved only now, once compress_storage has checked that backward can rebuild the members: parameters
+        # cost nothing to keep, and rstd only what the plan priced.
         output = _cast(graph, output_nodes[-1], compute_dtype)
-        if beta is not None:
-            output = call(graph, aten.sub.Tensor, (output, _cast(graph, beta, compute_dtype)))
-        weight = _cast(graph, gamma, compute_dtype)
+        if unit.beta is not None:
+            output = call(graph, aten.sub.Tensor, (output, _cast(graph, editor.save(unit.beta), compute_dtype)))
+        weight = _cast(graph, editor.save(unit.gamma), compute_dtype)
         # gamma == 0 divides by 1 instead: those channels are written back from the exact copy below
         nonzero = call(graph, aten.add.Tensor, (weight, call(graph, aten.eq.Scalar, (weight, 0))))
         x = call(graph, aten.div.Tensor, (output, nonzero))
-        if rstd is not None:
-            x = call(graph, aten.div.Tensor, (x, rstd))
+        if unit.rstd is not None:
+            x = call(graph, aten.div.Tensor, (x, editor.save(unit.rstd)))
         x = _cast(graph, x, x_dtype)
         return call(graph, aten.index_put.default, (x, [*leading, ids], exact))
 
