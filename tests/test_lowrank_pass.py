@@ -67,18 +67,20 @@ def test_loract_saves_what_the_plan_says_and_gradients_stay_close():
                                           "from their output's factors"
 
 
+class TwoLinears(torch.nn.Module):
+    """second saves first's output (its input, a 128 x 64 matrix for a 4 x 32 x 64 x) for its weight's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(64, 64, bias=False).requires_grad_(False)
+        self.second = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.second(self.first(x)).square().mean()
+
+
 def test_an_exactly_low_rank_activation_is_rebuilt_exactly():
     torch.manual_seed(0)
-
-    class TwoLinears(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.first = torch.nn.Linear(64, 64, bias=False).requires_grad_(False)
-            self.second = torch.nn.Linear(64, 64, bias=False)
-
-        def forward(self, x):
-            return self.second(self.first(x)).square().mean()
-
     model = TwoLinears()
     x = torch.randn(4, 32, 5) @ torch.randn(5, 64)  # rank 5: first(x), what second saves, is rank 5 too
     model(x).backward()
@@ -89,6 +91,17 @@ def test_an_exactly_low_rank_activation_is_rebuilt_exactly():
     plans = [p for _, s, p in backend.report().rows() if s.role is Role.LINEAR_INPUT]
     assert [p.action for p in plans] == ["lowrank"] and plans[0].rank == 8
     torch.testing.assert_close(model.second.weight.grad, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_tensor_whose_factors_would_not_shrink_it_is_kept_and_the_report_says_why():
+    torch.manual_seed(0)
+    model = TwoLinears()
+    backend = fxmem.Backend(fxmem.Config(lowrank=0.9), lowering="eager")
+    torch.compile(model, backend=backend)(torch.randn(4, 32, 64)).backward()
+    [plan] = [p for _, s, p in backend.report().rows() if s.role is Role.LINEAR_INPUT]
+    # rank floor(0.9 * 64) = 57: (128 + 64) x 57 x 4 bytes against 128 x 64 x 4
+    assert plan.action == "keep" and plan.reason == "rank-57 factors would not shrink it (43776 >= 32768 bytes)"
+    assert "lowrank" not in _passes(backend) or _passes(backend)["lowrank"] == ""
 
 
 @pytest.mark.parametrize("zero_gammas", [0, 1])
