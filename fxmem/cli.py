@@ -158,6 +158,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         experiment.add_argument("--json", type=pathlib.Path, metavar="PATH")
         experiment.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
 
+    lowrank_error = commands.add_parser("lowrank-error", help="low-rank reconstruction error and time at equal rank: "
+                                        "LoRAct's sampling vs randomized SVD vs truncated SVD")
+    lowrank_error.add_argument("--rank", type=_lowrank_rank, default=0.125,
+                               help="a ratio in (0, 1) of the last dimension or an integer rank (default 0.125)")
+    lowrank_error.add_argument("--niter", type=_int_at_least(0), default=1, help="power iterations (default 1)")
+    lowrank_error.add_argument("--repeats", type=_int_at_least(1), default=3, help="draws per method and matrix")
+    lowrank_error.add_argument("--sources", nargs="+", choices=["synthetic", "llama-tiny"],
+                               default=["synthetic", "llama-tiny"],
+                               help="low-rank-plus-noise matrices and/or llama-tiny's saved activations")
+    lowrank_error.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
+
+    lowrank_saved = commands.add_parser("lowrank-saved", help="LoRAct's saved-activation bytes and gradient fidelity "
+                                        "per rank ratio, vs eager PEFT LoRA (one batch)")
+    lowrank_saved.add_argument("--workload", choices=list(WORKLOADS), default="llama-tiny")
+    lowrank_saved.add_argument("--ratios", nargs="+", type=_lowrank_rank, default=[0.5, 0.25, 0.125, 0.0625],
+                               help="lowrank values: ratios in (0, 1) of the last dimension or integer ranks")
+    lowrank_saved.add_argument("--lowering", choices=["inductor", "eager"], default="inductor",
+                               help="eager: run the rewritten aten graphs without code generation (same bytes)")
+    lowrank_saved.add_argument("--markdown", type=pathlib.Path, metavar="PATH", help="write the table as markdown")
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.command_line = "fxmem " + " ".join(shlex.quote(a) for a in argv)
@@ -169,14 +189,66 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     # bench and finetune compile with caches off on purpose; torch says so once per compile.
     warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
-    try:
-        for preset in getattr(args, "presets", None) or [getattr(args, "preset", "exact")]:
-            Config.from_preset(preset).require_built()
-    except NotImplementedError as error:
-        console.print(f"[red]{error}[/red]")
-        return 2
     return {"inspect": _inspect, "whatif": _whatif, "bench-lora": _bench_lora, "bench": _bench,
-            "finetune": _finetune, "ablate": _ablate, "hift": _hift, "loqt": _loqt}[args.command](args)
+            "finetune": _finetune, "ablate": _ablate, "hift": _hift, "loqt": _loqt,
+            "lowrank-error": _lowrank_error, "lowrank-saved": _lowrank_saved}[args.command](args)
+
+
+def _lowrank_rank(text: str) -> float | int:
+    from fxmem.config import check_lowrank
+    try:
+        value = int(text) if text.isdigit() else float(text)
+        check_lowrank(value, allow_none=False)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
+
+
+LOWRANK_ERROR_COLUMNS = ("matrix", "shape", "rank", "method", "relative error", "vs truncated SVD", "time")
+
+
+def _lowrank_error(args: argparse.Namespace) -> int:
+    from fxmem.bench import machine_description
+    from fxmem.lowrank_error import measure, saved_activations, synthetic_matrices
+    matrices = []
+    with console.status("building matrices"):
+        if "synthetic" in args.sources:
+            matrices += synthetic_matrices()
+        if "llama-tiny" in args.sources:
+            matrices += saved_activations("llama-tiny")
+    with console.status("decomposing"):
+        results = measure(matrices, args.rank, niter=args.niter, repeats=args.repeats)
+    rows = [[r.matrix, "x".join(map(str, r.shape)), str(r.rank), r.method, f"{r.relative_error:.4f}",
+             f"{r.vs_optimal:.3f}x", f"{r.seconds * 1000:.1f} ms"] for r in results]
+    legend = (f"{datetime.date.today().isoformat()}, {machine_description('cpu')}, "
+              f"{torch.get_num_threads()} thread(s). relative error: ||A - UV||_F / ||A||_F, mean of {args.repeats} "
+              f"draws; time: median of the draws, decomposition plus reconstruction.")
+    _print_table("fxmem lowrank-error", LOWRANK_ERROR_COLUMNS, rows, legend, args)
+    return 0
+
+
+LOWRANK_SAVED_COLUMNS = ("lowrank", "saved activations", "planned", "reduction vs eager", "norm inputs shared",
+                         "min grad cos", "median grad rel err")
+
+
+def _lowrank_saved(args: argparse.Namespace) -> int:
+    from fxmem.bench import machine_description
+    from fxmem.lowrank_saved import measure_ratios
+    workload = get_workload(args.workload)
+    with console.status(f"{workload.name}: eager PEFT, then fxmem at {len(args.ratios)} ratio(s)"):
+        results = measure_ratios(workload, args.ratios, lowering=args.lowering)
+    eager = results[0].saved_bytes
+    rows = [[r.setting, format_bytes(r.saved_bytes),
+             "" if r.planned_bytes is None else format_bytes(r.planned_bytes), f"{eager / r.saved_bytes:.2f}x",
+             str(r.prenorm_shared), "" if r.fidelity is None else f"{r.fidelity.min_cosine:.4f}",
+             "" if r.fidelity is None else f"{r.fidelity.median_relative_error:.4f}"] for r in results]
+    legend = (f"{datetime.date.today().isoformat()}, {machine_description('cpu')}, "
+              f"{torch.get_num_threads()} thread(s). {workload.name}: {workload.description}, batch "
+              f"{workload.batch} x {workload.seq}, LoRA r=16 on every linear, seeded random weights, one batch of "
+              f"real text. saved: measured (unique storages autograd holds, parameters and inputs excluded); "
+              f"planned: the cost model's; gradients vs eager PEFT's on the same batch and weights.")
+    _print_table("fxmem lowrank-saved", LOWRANK_SAVED_COLUMNS, rows, legend, args)
+    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ CALIBRATION_CHOICES = ("dynamic", "static")
 # that builds it. A config that turns one on is refused, never silently ignored.
 _NOT_BUILT = {
     "lora_reorder": "LoRA reorder recompute (issue: LoRA reorder recompute and fused epilogues)",
-    "lowrank": "low-rank saved activations (issue: Low-rank saved activations (LoRAct))",
     "memory_budget": "memory-budget planning (issue: The cost model, RunLoRA variant selection, and fxmem whatif)",
 }
 
@@ -64,7 +63,7 @@ class Config:
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
         if not isinstance(self.lora_reorder, bool):
             raise ValueError(f"lora_reorder must be True or False; got {self.lora_reorder!r}")
-        _check_lowrank(self.lowrank)
+        check_lowrank(self.lowrank)
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)
         _check_fraction("memory_budget", self.memory_budget, low_open=True, high=1.0, high_open=False,
                         allow_none=True)
@@ -131,15 +130,17 @@ def _check_fraction(name: str, value: Any, *, low_open: bool, high: float, high_
         raise ValueError(f"{name} must be a number in {interval}{suffix}; got {value!r}")
 
 
-def _check_lowrank(value: Any) -> None:
-    if value is None:
+def check_lowrank(value: Any, *, allow_none: bool = True) -> None:
+    """Raise ValueError unless ``value`` is a rank ratio in (0, 1), an integer rank >= 1 (or None, if allowed)."""
+    if value is None and allow_none:
         return
     if isinstance(value, int) and not _is_bool(value) and value >= 1:
         return
     if isinstance(value, float) and 0 < value < 1:
         return
-    raise ValueError("lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1, "
-                     f"or None (off); got {value!r}")
+    off = ", or None (off)" if allow_none else ""
+    raise ValueError(f"lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1{off}; "
+                     f"got {value!r}")
 
 
 PRESETS: dict[str, Config] = {

@@ -11,11 +11,13 @@ from torch.fx import Node
 
 from fxmem.analysis import Analysis, Role, SavedTensor
 from fxmem.analysis.graph import memory_order, numel_hint, storage_base, storage_bytes, tensor_val
+from fxmem.analysis.norm import norm_unit
 from fxmem.analysis.rope import rope_recompute
 from fxmem.config import Config
-from fxmem.cost_model.memory import quantized_bytes, sparse_bytes
+from fxmem.cost_model.memory import lowrank_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
+from fxmem.kernels.lowrank import resolve_rank
 
-Action = Literal["keep", "quantize", "sparsify"]
+Action = Literal["keep", "quantize", "sparsify", "lowrank", "prenorm"]
 
 # Roles HyC-LoRA stores quantized (section 4.1): the inputs of non-linear operators and of linears.
 QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV,
@@ -24,6 +26,12 @@ QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT
 # logits' error would reach every gradient through the loss. (Fused attention's output, ATTN_OUT, is not in
 # QUANTIZED_ROLES: its backward needs it consistent with q, k, v; see passes/recompute_attention.py.)
 EXACT_ROLES = frozenset({Role.LORA_INTERMEDIATE, Role.LOSS_INPUT})
+# Roles LoRAct stores as low-rank factors: their backward needs only the value. Attention's q, k, v, scores and
+# outputs are per-head tensors whose backward mixes them through the softmax; they are left to other techniques.
+LOWRANK_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.LINEAR_INPUT})
+# Pre-norm sharing saves the input channels with the smallest |gamma| exactly: output / gamma carries nothing
+# where gamma == 0 and amplifies the factors' error where |gamma| is small. One channel in 256, at least one.
+PRENORM_EXACT_SHARE = 1 / 256
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,9 @@ class Plan:
     channels: int = 0  # quantize: channels with their own scale (the innermost memory dimension)
     outliers: int = 0  # quantize: channels kept in full precision
     keep: int = 0  # sparsify: values kept per row
-    source: str | None = None  # the node compressed instead of the saved tensor (x before RoPE)
+    rank: int = 0  # lowrank: rank of the factors of the (rows, last dimension) matrix
+    exact_channels: int = 0  # prenorm: input channels (smallest |gamma|) saved exactly
+    source: str | None = None  # the node compressed instead of the saved tensor (x before RoPE, a norm's output)
     nbytes: int | None = None  # bytes after the plan (cost model), None for keep
 
     def to_dict(self) -> dict:
@@ -65,6 +75,8 @@ def plan_region(analysis: Analysis, config: Config) -> list[Plan]:
             plan = Plan("keep", f"shares storage with {owner.name}" if saved.frees_memory
                         else "frees nothing: not an activation")
         plans.append(plan)
+    if config.lowrank is not None:
+        _share_prenorm(analysis, plans)
     return plans
 
 
@@ -81,10 +93,22 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
         return Plan("keep", f"kept exact: {', '.join(exact)}")
     if owner.role is Role.ATTN_PROBS and owner.detail == "probabilities" and config.attn_sparsity is not None:
         return _sparsify(owner, analysis, config.attn_sparsity)
-    quantizable = all(s.role in QUANTIZED_ROLES for s in group)
-    if config.bits is not None and quantizable:
-        return _quantize(owner, analysis, config, tables_saved)
-    return Plan("keep", f"no enabled technique applies to {owner.role.value}")
+    candidates: list[tuple[Plan, set[str]]] = []  # each with the RoPE tables it would save
+    if config.bits is not None and all(s.role in QUANTIZED_ROLES for s in group):
+        tables = set(tables_saved)
+        candidates.append((_quantize(owner, analysis, config, tables), tables))
+    if config.lowrank is not None and all(s.role in LOWRANK_ROLES for s in group):
+        candidates.append((_lowrank(owner, analysis, config.lowrank), tables_saved))
+    if not candidates:
+        return Plan("keep", f"no enabled technique applies to {owner.role.value}")
+    compressing = [c for c in candidates if c[0].action != "keep"]
+    if not compressing:
+        return Plan("keep", "; ".join(plan.reason for plan, _ in candidates))
+    # Both bits and lowrank on: the plan with the fewest bytes under the cost model; a tie goes to quantization
+    # (listed first), the cheaper one to compute.
+    plan, tables = min(compressing, key=lambda c: c[0].nbytes)
+    tables_saved.update(tables)
+    return plan
 
 
 def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_saved: set[str]) -> Plan:
@@ -132,3 +156,57 @@ def _sparsify(owner: SavedTensor, analysis: Analysis, ratio: float) -> Plan:
     keep = max(1, math.ceil(ratio * row))
     return Plan("sparsify", f"largest {keep} of {row} per row kept", keep=keep,
                 nbytes=sparse_bytes(numel_hint(val), row, keep, val.element_size()))
+
+
+def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int) -> Plan:  # noqa: PYI041 (int: rank, float: ratio)
+    val = tensor_val(storage_base(analysis.nodes[owner.name]))
+    if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
+        return Plan("keep", "not a floating tensor with rows and a last dimension")
+    order = memory_order(val)
+    if order is None:
+        return Plan("keep", "not dense in memory: no rows x last-dimension matrix to factor")
+    width = val.shape[order[-1]]
+    if not isinstance(width, int):
+        return Plan("keep", "symbolic last dimension: the rank is a fixed share of it")
+    k = resolve_rank(rank, (width, width))  # from the last dimension alone: the row count may be symbolic
+    rows = numel_hint(val) // width
+    nbytes = lowrank_bytes((rows, width), k, val.element_size())
+    if nbytes >= owner.nbytes:
+        return Plan("keep", f"rank-{k} factors would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
+    return Plan("lowrank", f"rank {k} of {width}, as {rows} x {width}", rank=k, nbytes=nbytes)
+
+
+def _share_prenorm(analysis: Analysis, plans: list[Plan]) -> None:
+    """LoRAct's pre-norm sharing: what a norm's backward saves (RMSNorm's input, LayerNorm's x_hat), planned
+    lossy, whose norm output is stored as factors, is rebuilt from those factors instead of being stored itself,
+    when that costs fewer bytes."""
+    owner_index = {}
+    for index, saved in enumerate(analysis.saved):
+        owner_index.setdefault(saved.storage, index)
+    for storage, index in owner_index.items():
+        plan, owner = plans[index], analysis.saved[index]
+        if owner.role is not Role.NORM_INPUT or plan.action not in ("lowrank", "quantize"):
+            continue
+        unit = norm_unit(storage_base(analysis.nodes[owner.name]))
+        if unit is None or unit.output.name not in owner_index:
+            continue
+        output_plan = plans[owner_index[unit.output.name]]
+        if output_plan.action != "lowrank":
+            continue
+        val = tensor_val(unit.x)
+        width = val.shape[-1]
+        exact = max(1, math.ceil(PRENORM_EXACT_SHARE * width))
+        rstd_saved = unit.rstd is None or storage_base(unit.rstd).name in analysis.saved_storages
+        nbytes = prenorm_bytes(numel_hint(val) // width, exact, val.element_size()) + (
+            0 if rstd_saved else storage_bytes(tensor_val(unit.rstd)))
+        if nbytes >= plan.nbytes:
+            continue
+        formula = "(output - beta) / gamma" if unit.beta is not None else "output / gamma"
+        formula += " / rstd" if unit.rstd is not None else ""
+        shared = Plan("prenorm", f"rebuilt as {formula} from {unit.output.name}'s rank-{output_plan.rank} factors; "
+                      f"{exact} smallest-|gamma| channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
+                      exact_channels=exact, source=unit.output.name, nbytes=nbytes)
+        for member, saved in enumerate(analysis.saved):
+            if saved.storage == storage:
+                plans[member] = shared if member == index else dataclasses.replace(
+                    shared, reason=f"view of {owner.name}, compressed with it", nbytes=None)

@@ -93,7 +93,7 @@ class Report:
         tensors = Table(title="Tensors saved for backward", title_justify="left")
         for column in ("region", "#", "tensor", "role", "detail", "module", "shape", "dtype"):
             tensors.add_column(column)
-        for column in ("bytes", "plan", "bits", "outliers", "after"):
+        for column in ("bytes", "plan", "bits", "outliers", "rank", "after"):
             tensors.add_column(column, justify="right" if column != "plan" else "left")
         hidden = 0
         for region, saved, plan in self.rows():
@@ -105,7 +105,7 @@ class Report:
             tensors.add_row(str(region.index), str(saved.index), saved.name, saved.role.value, saved.detail,
                             saved.module.removeprefix(prefix).lstrip(".") or "(top)", saved.shape_text,
                             saved.dtype, shown, plan.action, str(plan.bits or ""), str(plan.outliers or ""),
-                            format_bytes(planned_bytes(saved, plan)))
+                            str(plan.rank or ""), format_bytes(planned_bytes(saved, plan)))
         parts: list[RenderableType] = [tensors,
                                        _totals_table("By role", "role", self.by_role(), describe_roles=True),
                                        _totals_table("By layer", "layer", self.by_layer())]

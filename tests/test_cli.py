@@ -30,11 +30,6 @@ def test_inspect_a_workload_with_overridden_shape(capsys):
     assert "lora_intermediate" not in printed  # --lora-rank 0: full fine-tuning
 
 
-def test_inspect_refuses_a_preset_not_built_yet(capsys):
-    assert cli.main(["inspect", "llama-tiny", "--preset", "loract"]) == 2
-    assert "not built yet" in capsys.readouterr().out
-
-
 def test_bad_counts_are_usage_errors(capsys):
     with pytest.raises(SystemExit):
         cli.main(["finetune", "--steps", "2"])

@@ -53,7 +53,6 @@ def test_unknown_preset_and_option_name_the_valid_ones():
 
 @pytest.mark.parametrize("overrides, topic", [
     ({"lora_reorder": True}, "LoRA reorder recompute and fused epilogues"),
-    ({"lowrank": 0.125}, "Low-rank saved activations"),
     ({"memory_budget": 0.5}, "memory-budget planning"),
 ])
 def test_techniques_not_built_yet_are_refused_with_their_topic(overrides, topic):
@@ -64,20 +63,14 @@ def test_techniques_not_built_yet_are_refused_with_their_topic(overrides, topic)
         fxmem.backend(**overrides)
 
 
-@pytest.mark.parametrize("preset", [p for p in PRESETS if p not in ("exact", "hyclora-4bit", "hyclora-2bit", "runlora")])
-def test_presets_of_later_issues_are_refused_not_ignored(preset):
-    with pytest.raises(NotImplementedError, match="not built yet"):
-        fxmem.backend(preset=preset)
-
-
 def test_backend_options_are_validated_before_compiling():
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         fxmem_backend(gm, [torch.randn(1, 2)], options={"preset": "nope"})
     with pytest.raises(ValueError, match="unknown fxmem option"):
         fxmem_backend(gm, [torch.randn(1, 2)], options={"bitz": 2})
-    with pytest.raises(NotImplementedError, match="Low-rank saved activations"):
-        fxmem_backend(gm, [torch.randn(1, 2)], options={"lowrank": 4})
+    with pytest.raises(NotImplementedError, match="memory-budget planning"):
+        fxmem_backend(gm, [torch.randn(1, 2)], options={"memory_budget": 0.5})
 
 
 def test_backend_rejects_unknown_lowering():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fxmem.kernels.lowrank import factor_numel
 from fxmem.kernels.quantize import packed_numel
 
 if TYPE_CHECKING:
@@ -30,6 +31,24 @@ def sparse_bytes(numel: int, row_length: int, keep: int, element_size: int) -> i
     """The ``keep`` largest values of every row and their column indices."""
     rows = numel // row_length
     return rows * keep * (element_size + sparse_index_bytes(row_length))
+
+
+def lowrank_bytes(shape: tuple[int, ...], rank: int, element_size: int) -> int:
+    """Factors U (*, m, rank) and V (*, rank, n) of a (*, m, n) tensor, kept in the tensor's dtype.
+
+    ``rank`` is the resolved integer (``fxmem.kernels.lowrank.resolve_rank``). The shape is the one the pass
+    decomposes: a (batch, seq, hidden) activation flattened to (batch * seq, hidden) costs (batch * seq + hidden)
+    * rank values, a batch of matrices pays the hidden side once per matrix.
+    """
+    return factor_numel(shape, rank) * element_size
+
+
+def prenorm_bytes(rows: int, exact_channels: int, element_size: int) -> int:
+    """A norm input rebuilt from its output's factors: the exactly saved input channels and their ids.
+
+    The output's factors are priced on the output; the per-row rstd is priced where the backward did not
+    save it already."""
+    return rows * exact_channels * element_size + exact_channels * CHANNEL_ID_BYTES
 
 
 def planned_bytes(saved: SavedTensor, plan: Plan) -> int:

@@ -1,5 +1,6 @@
 """Graph rewrites, one file per pass family, run in order by the pass manager."""
 
+from fxmem.passes.lowrank import LowRankSaved
 from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineState
 from fxmem.passes.quantize import QuantizeSaved
 from fxmem.passes.recompute_attention import RecomputeAttention
@@ -10,8 +11,8 @@ from fxmem.passes.sparsify import SparsifyAttention
 
 def default_passes() -> list[GraphPass]:
     """Every pass fxmem has, in order; each runs only when the region's config enables it."""
-    return [RunLora(), RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved()]
+    return [RunLora(), RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved(), LowRankSaved()]
 
 
-__all__ = ["GraphPass", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAttention",
-           "RecomputeLogits", "RunLora", "SparsifyAttention", "default_passes"]
+__all__ = ["GraphPass", "LowRankSaved", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
+           "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention", "default_passes"]

@@ -139,7 +139,7 @@ def rewrite_planned(state: PipelineState, action: str,
             done.append(rewrite(editor, members, owner_plan))
         except Unmappable as error:
             for i in indices:
-                state.plans[i] = Plan("keep", f"not {action}d: {error}")
+                state.plans[i] = Plan("keep", f"planned {action}, left as it was: {error}")
     return done
 
 

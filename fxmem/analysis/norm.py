@@ -1,0 +1,105 @@
+"""Norm units in a forward graph: the tensor a norm's backward saves, and the output the next linears read.
+
+LoRAct's pre-norm sharing (section 3.3) saves only the output, which the
+following linears save anyway, and rebuilds what the norm's backward needs
+from it. Two forms are matched:
+
+- RMSNorm as HF's Llama family writes it (the backward saves the input x and
+  rstd): output = gamma * (x * rstd), so x = output / gamma / rstd.
+- LayerNorm decomposed by AOTAutograd (the backward saves x_hat = (x - mean)
+  * rstd and rstd): output = x_hat * gamma (+ beta), so x_hat = (output -
+  beta) / gamma.
+
+This module finds the pieces; the policy decides and ``passes/lowrank.py``
+rewrites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.fx import Node
+
+from fxmem.analysis.graph import DTYPE_CASTS, aten, original_op, tensor_args, tensor_val, walk_back
+
+LAYER_NORMS = frozenset({"native_layer_norm", "layer_norm"})
+
+
+@dataclass(frozen=True)
+class NormUnit:
+    x: Node  # what the norm's backward saves: RMSNorm's input, or LayerNorm's x_hat
+    normalized: Node  # the normalized value that gamma scales, in the compute dtype
+    rstd: Node | None  # RMSNorm: 1 / sqrt(mean(x**2, -1) + eps), one per row; None when x is already normalized
+    gamma: Node  # the weight, a graph input of shape (hidden,)
+    beta: Node | None  # LayerNorm's bias, a graph input of shape (hidden,)
+    output: Node  # normalized * gamma (+ beta): what the following linears read
+
+
+def _casts_of(node: Node) -> list[Node]:
+    return [node] + [u for u in node.users if u.target in DTYPE_CASTS]
+
+
+def _is_rstd_of(stat: Node, x_forms: list[Node]) -> bool:
+    """``stat`` is rsqrt(mean(x**2, -1) + eps) for x one of ``x_forms`` (x and its casts)."""
+    if stat.target is not aten.rsqrt.default:
+        return False
+    for producer in walk_back(stat, through=("add", "rsqrt"), depth=4):
+        if producer.target is aten.mean.dim and producer.args[1] in ([-1], (-1,), [len(tensor_val(stat).shape) - 1]):
+            square = producer.args[0]
+            return (isinstance(square, Node) and square.target is aten.pow.Tensor_Scalar and square.args[1] == 2
+                    and square.args[0] in x_forms)
+    return False
+
+
+def _is_weight(node: Node, width: int) -> bool:
+    val = tensor_val(node)
+    return node.op == "placeholder" and val is not None and val.dim() == 1 and val.shape[0] == width
+
+
+def _scaled_output(normalized: Node, x: Node) -> tuple[Node, Node, Node | None] | None:
+    """(output, gamma, beta) for output = normalized * gamma (+ beta), through casts; None if not so."""
+    width = tensor_val(x).shape[-1]
+    for cast in _casts_of(normalized):
+        for scaled in cast.users:
+            operands = tensor_args(scaled)
+            if scaled.target is not aten.mul.Tensor or len(operands) != 2 or cast not in operands:
+                continue
+            gamma = operands[1] if operands[0] is cast else operands[0]
+            if not _is_weight(gamma, width):
+                continue
+            output, beta = scaled, None
+            shifts = [u for u in scaled.users if u.target is aten.add.Tensor and len(tensor_args(u)) == 2]
+            if len(scaled.users) == 1 and len(shifts) == 1:
+                other = [a for a in tensor_args(shifts[0]) if a is not scaled]
+                if len(other) == 1 and _is_weight(other[0], width):
+                    output, beta = shifts[0], other[0]
+            if tuple(tensor_val(output).shape) == tuple(tensor_val(x).shape):
+                return output, gamma, beta
+    return None
+
+
+def norm_unit(x: Node) -> NormUnit | None:
+    """The norm whose backward saves ``x`` (a storage base) and whose scaled output is a separate tensor; None if
+    ``x`` is no such thing. Fused ``rms_norm`` / ``layer_norm`` ops (not decomposed) are not matched."""
+    x_val = tensor_val(x)
+    if x_val is None or x_val.dim() < 2 or not x_val.dtype.is_floating_point:
+        return None
+    if original_op(x) in LAYER_NORMS:  # x is x_hat
+        found = _scaled_output(x, x)
+        if found is not None:
+            output, gamma, beta = found
+            return NormUnit(x=x, normalized=x, rstd=None, gamma=gamma, beta=beta, output=output)
+        return None
+    x_forms = _casts_of(x)
+    for form in x_forms:
+        for normalized in form.users:
+            operands = tensor_args(normalized)
+            if normalized.target is not aten.mul.Tensor or len(operands) != 2 or form not in operands:
+                continue
+            rstd = operands[1] if operands[0] is form else operands[0]
+            if not _is_rstd_of(rstd, x_forms):
+                continue
+            found = _scaled_output(normalized, x)
+            if found is not None and found[2] is None:
+                return NormUnit(x=x, normalized=normalized, rstd=rstd, gamma=found[1], beta=None, output=found[0])
+    return None
