@@ -29,7 +29,8 @@ class RecomputeLogits(GraphPass):
     stage = "joint"
 
     def enabled(self, config: Config) -> bool:
-        return config.bits is not None
+        # Every compressing technique: the logits stay exact under each, so recomputing them is what shrinks them.
+        return config.bits is not None or config.lowrank is not None
 
     def run(self, state: PipelineState) -> str:
         heads: dict[Node, set[Node]] = {}
