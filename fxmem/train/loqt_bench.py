@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fxmem.report import format_bytes
+from fxmem.train.hift import optimizer_state_bytes, tensor_bytes
 from fxmem.train.loqt import LoQT, LoQTConfig, convert, loqt_layers, weight_nbytes
 from fxmem.workloads import LORA_TARGETS, Setup, Workload
 
@@ -80,11 +81,6 @@ def _eval_loss(setup: Setup, model: nn.Module, batches: list[Batch]) -> float:
         return sum(setup.loss(model, b).item() for b in batches) / len(batches)
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
-               if isinstance(t, torch.Tensor))
-
-
 def loqt_weight_bits(model: nn.Module) -> float:
     """Stored bits per parameter of the LoQT layers' W (NF4 codes and scales, or the unquantized dtype)."""
     layers = loqt_layers(model).values()
@@ -138,7 +134,7 @@ def train(workload: Workload, setting: Setting, *, steps: int, lr: float, loqt_l
     state_bytes = []
 
     def measure_state(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        state_bytes.append(optimizer_state_bytes(optimizer))
+        state_bytes.append(optimizer_state_bytes(optimizer, model.parameters()))
 
     optimizer.register_step_post_hook(measure_state)  # before LoQT's hook: B's state is measured before a reset
     loqt = LoQT(model, setting.config, optimizer, gradient_loss) if setting.method == "loqt" else None
@@ -219,16 +215,16 @@ def memory_row(workload: Workload, setting: Setting, *, adapter_only: bool) -> M
         selector = LoQTConfig(rank=1, target=rf"{LORA_TARGETS[workload.family]}(\.base_layer)?")
         weights = [m.weight for name, m in model.named_modules() if selector.selects(name, m)]
         weight_params = sum(w.numel() for w in weights)
-        weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+        weight_bytes = tensor_bytes(weights)
         projection_bytes = 0
-        adapter_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".lora_" in name)
+        adapter_bytes = tensor_bytes(p for name, p in model.named_parameters() if ".lora_" in name)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable)
     for p in trainable:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     return MemoryRow(method=setting.name, trainable_params=sum(p.numel() for p in trainable),
-                     optimizer_state_bytes=optimizer_state_bytes(optimizer), weight_params=weight_params,
+                     optimizer_state_bytes=optimizer_state_bytes(optimizer, trainable), weight_params=weight_params,
                      weight_bytes=weight_bytes, projection_bytes=projection_bytes, adapter_bytes=adapter_bytes)
 
 
