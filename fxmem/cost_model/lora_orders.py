@@ -184,6 +184,12 @@ def choose_by_flops(shape: LoraShape, needs: frozenset[str] = frozenset(GRADIENT
     needs = _check_needs(needs)
     forward = _cheapest(FORWARD_ORDERS, lambda order: forward_cost(order, shape))
     backward = _cheapest(BACKWARD_ORDERS, lambda order: backward_cost(order, shape, needs))
+    return order_choice(forward, backward, shape, needs)
+
+
+def order_choice(forward: str, backward: str, shape: LoraShape,
+                 needs: frozenset[str] = frozenset(GRADIENTS)) -> OrderChoice:
+    """``forward`` and ``backward`` for ``shape``, with their summed cost and the default's."""
     f, b = forward_cost(forward, shape), backward_cost(backward, shape, needs)
     return OrderChoice(forward, backward, Cost(f.flops + b.flops, f.bytes_moved + b.bytes_moved),
                        default_cost(shape, needs))

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
-
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -15,27 +11,13 @@ from fxmem.cost_model.lora_orders import (
     GRADIENTS,
     LoraShape,
     OrderChoice,
-    backward_cost,
-    default_cost,
-    forward_cost,
+    order_choice,
 )
 from fxmem.kernels.runlora import lora_backward, lora_forward
+from fxmem.measure import median, step_times
 
 _CHOICES: dict[tuple[LoraShape, frozenset[str], str], OrderChoice] = {}
 REPEATS = 3
-
-
-def _median_seconds(run: Callable[[], object], device: torch.device) -> float:
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    run()  # warm-up: allocator, kernel selection
-    samples = []
-    for _ in range(REPEATS):
-        sync()
-        start = time.perf_counter()
-        run()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def choose_by_time(shape: LoraShape, needs: frozenset[str] = frozenset(GRADIENTS),
@@ -55,12 +37,12 @@ def choose_by_time(shape: LoraShape, needs: frozenset[str] = frozenset(GRADIENTS
     # fake tensors and the "fastest" would be noise.
     with _disable_current_modes(), torch.no_grad():
         x, weight, lora_a, lora_b, grad_y = rand(n, i), rand(o, i), rand(r, i), rand(o, r), rand(n, o)
-        forward = min(FORWARD_ORDERS, key=lambda order: _median_seconds(
-            lambda: lora_forward(order, x, weight, None, lora_a, lora_b, 1.0), device))
-        backward = min(BACKWARD_ORDERS, key=lambda order: _median_seconds(
-            lambda: lora_backward(order, grad_y, x, weight, lora_a, lora_b, 1.0, frozenset(needs)), device))
-    f, b = forward_cost(forward, shape), backward_cost(backward, shape, needs)
-    choice = OrderChoice(forward, backward, type(f)(f.flops + b.flops, f.bytes_moved + b.bytes_moved),
-                         default_cost(shape, needs))
+        # one warm-up (allocator, kernel selection), then the median of REPEATS timed runs
+        forward = min(FORWARD_ORDERS, key=lambda order: median(step_times(
+            lambda: lora_forward(order, x, weight, None, lora_a, lora_b, 1.0), steps=REPEATS, device=device)))
+        backward = min(BACKWARD_ORDERS, key=lambda order: median(step_times(
+            lambda: lora_backward(order, grad_y, x, weight, lora_a, lora_b, 1.0, frozenset(needs)), steps=REPEATS,
+            device=device)))
+    choice = order_choice(forward, backward, shape, frozenset(needs))
     _CHOICES[key] = choice
     return choice
