@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     whatif.add_argument("--rank", type=_int_at_least(1), default=16, help="LoRA rank")
     whatif.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     whatif.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
-    whatif.add_argument("--presets", nargs="+", choices=list(PRESETS), help="default: every preset that is built")
+    whatif.add_argument("--presets", nargs="+", choices=list(PRESETS), help="default: every preset")
     whatif.add_argument("--plot", type=pathlib.Path, metavar="PNG", help="draw the breakdown as stacked bars")
     whatif.add_argument("--measure", action="store_true",
                         help="also compile the model on this CPU (random weights) and measure the saved bytes")

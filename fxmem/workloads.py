@@ -89,12 +89,17 @@ def get_workload(name: str) -> Workload:
     return WORKLOADS[name]
 
 
+def llama_config(shape: LlamaShape) -> Any:
+    """The transformers LlamaConfig of ``shape`` (SDPA attention, no KV cache)."""
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
+                       num_attention_heads=shape.heads, num_key_value_heads=shape.heads, vocab_size=shape.vocab,
+                       attn_implementation="sdpa", use_cache=False)
+
+
 def _build_llama(shape: LlamaShape) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
-                         num_attention_heads=shape.heads, num_key_value_heads=shape.heads, vocab_size=shape.vocab,
-                         attn_implementation="sdpa", use_cache=False)
-    return LlamaForCausalLM(config)
+    from transformers import LlamaForCausalLM
+    return LlamaForCausalLM(llama_config(shape))
 
 
 def minilm_dir() -> pathlib.Path:

@@ -69,7 +69,7 @@ def test_whatif_command_prints_presets_and_plots(tiny_config, tmp_path, capsys):
 def test_predicted_saved_bytes_are_within_10_percent_of_a_real_compiled_step(tiny_config):
     # seq 128: a meta-device trace (SDPA's math path, saving the attention probabilities) predicts 1.24x the
     # measured bytes for exact and 0.87x for hyclora-2bit here, so a trace that dispatches unlike the run fails.
-    result = whatif(str(tiny_config), batch=2, seq=128, rank=8, dtype="fp32")  # every built preset
+    result = whatif(str(tiny_config), batch=2, seq=128, rank=8, dtype="fp32")  # every preset
     assert {c.preset for c in result.costs} >= {"exact", "runlora", "hyclora-4bit", "hyclora-2bit"}
     for cost in result.costs:
         measured = measured_saved_bytes(str(tiny_config), batch=2, seq=128, rank=8, dtype="fp32", preset=cost.preset)

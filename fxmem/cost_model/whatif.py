@@ -83,7 +83,7 @@ def hf_config(model: str) -> Any:
     """A transformers config for a named shape, a benchmark workload, or a config.json (file or directory)."""
     from transformers import CONFIG_MAPPING, AutoConfig
 
-    from fxmem.workloads import WORKLOADS
+    from fxmem.workloads import WORKLOADS, llama_config
     if model in NAMED_SHAPES:
         values = dict(NAMED_SHAPES[model])
         return CONFIG_MAPPING[values.pop("model_type")](**values)
@@ -92,9 +92,7 @@ def hf_config(model: str) -> Any:
         if shape is None:  # minilm-real: all-MiniLM-L6-v2's BERT shape
             return CONFIG_MAPPING["bert"](hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
                                           num_attention_heads=12, vocab_size=30522)
-        return CONFIG_MAPPING["llama"](hidden_size=shape.hidden, intermediate_size=shape.ffn,
-                                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                                       num_key_value_heads=shape.heads, vocab_size=shape.vocab)
+        return llama_config(shape)
     path = pathlib.Path(model)
     if not path.exists():
         raise ValueError(f"unknown model {model!r}: valid names: {', '.join([*NAMED_SHAPES, *WORKLOADS])}, "
@@ -187,7 +185,7 @@ def whatif(model: str, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     if rank < 1:
         raise ValueError(f"rank must be an integer >= 1; got {rank}")
     from fxmem.config import PRESETS
-    presets = presets or [p for p in PRESETS if _built(p)]
+    presets = presets or list(PRESETS)
     config = hf_config(model)
     torch_dtype = DTYPES[dtype]
     lora_model = build_lora_model(config, rank, torch_dtype)
@@ -199,7 +197,6 @@ def whatif(model: str, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     result = WhatIf(model, batch, seq, rank, torch_dtype, optimizer, trainable[0].dtype,
                     lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype))
     for preset in presets:
-        Config.from_preset(preset).require_built()
         saved, how = layer_scaled_saved_bytes(config, rank=rank, dtype=torch_dtype, batch=batch, seq=seq,
                                               preset=preset)
         result.costs.append(PresetCost(preset, weights, gradients, state, saved, how))
@@ -242,15 +239,6 @@ def layer_scaled_saved_bytes(config: Any, *, rank: int, dtype: torch.dtype, batc
     return first + (depth - shallowest) * per_layer, (
         f"traced at {', '.join(map(str, SCALING_DEPTHS))} layers, each further layer saves "
         f"{per_layer / 2**20:.2f} MiB; scaled to {depth}")
-
-
-def _built(preset: str) -> bool:
-    from fxmem.config import PRESETS
-    try:
-        PRESETS[preset].require_built()
-    except NotImplementedError:
-        return False
-    return True
 
 
 def plot(result: WhatIf, path: pathlib.Path) -> None:
