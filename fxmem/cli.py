@@ -314,8 +314,7 @@ def _whatif(args: argparse.Namespace) -> int:
         lines = [f"`{args.command_line}`", ""]
         for table_title, table_columns, table_rows, table_legend in ((title, columns, rows, legend), (
                 "LoRA orders", order_columns, order_rows, order_legend)):
-            lines += [f"{table_title}", "", "| " + " | ".join(table_columns) + " |", "|" + "---|" * len(table_columns)]
-            lines += ["| " + " | ".join(row) + " |" for row in table_rows] + ["", table_legend, ""]
+            lines += [table_title, "", *_markdown_table(table_columns, table_rows, table_legend)]
         markdown.write_text("\n".join(lines))
         console.print(f"wrote {markdown}")
     if args.plot:
@@ -432,13 +431,10 @@ def _bench_table(rows: list[list[str]]) -> Table:
 
 
 def _markdown(rows: list[list[str]], metadata: dict) -> str:
-    header = list(BENCH_COLUMNS)
+    legend = "\n".join(f"- {name}: {meaning}" for name, meaning in BENCH_LEGEND.items())
     lines = [f"Date: {metadata['date']}. Machine: {metadata['machine']}. Preset: `{metadata['preset']}`.",
-             f"Command: `{metadata['command']}`", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    lines += [""] + [f"- {name}: {meaning}" for name, meaning in BENCH_LEGEND.items()]
-    return "\n".join(lines) + "\n"
+             f"Command: `{metadata['command']}`", "", *_markdown_table(BENCH_COLUMNS, rows, legend)]
+    return "\n".join(lines)
 
 
 def _finetune(args: argparse.Namespace) -> int:
@@ -501,9 +497,7 @@ def _ablate(args: argparse.Namespace) -> int:
               "weights, probed after calibration, mid-way and at the end (minimum cosine, median relative L2 "
               "error). final loss: mean of the last 5 steps; vs compile: relative to torch.compile's.")
     _print_table(f"{workload.name}: {args.steps} steps", ABLATE_COLUMNS, rows, legend, args)
-    if args.json:
-        args.json.write_text(json.dumps({"command": args.command_line, "results": [r.to_dict() for r in results]},
-                                        indent=2))
+    _write_results_json(results, args)
     return 0
 
 
@@ -552,9 +546,7 @@ def _loqt(args: argparse.Namespace) -> int:
                   "after conversion, before training. merges: LoQT's, after the first projection. W bits/param: "
                   "stored bits of the converted (or targeted) linears' weights per parameter.")
     _print_table(title, columns, rows, when + legend, args)
-    if args.json:
-        args.json.write_text(json.dumps({"command": args.command_line, "results": [r.to_dict() for r in results]},
-                                        indent=2))
+    _write_results_json(results, args)
     return 0
 
 
@@ -604,9 +596,20 @@ def _print_table(title: str, columns: Sequence[str], rows: list[list[str]], lege
     console.print(table)
     console.print(legend)
     if args.markdown:
-        lines = [f"`{args.command_line}`", "", "| " + " | ".join(columns) + " |",
-                 "|" + "---|" * len(columns)] + ["| " + " | ".join(row) + " |" for row in rows]
-        args.markdown.write_text("\n".join(lines + ["", legend, ""]))
+        args.markdown.write_text("\n".join([f"`{args.command_line}`", "", *_markdown_table(columns, rows, legend)]))
+
+
+def _write_results_json(results: Sequence, args: argparse.Namespace) -> None:
+    """With --json, write the command line and every result's ``to_dict()``."""
+    if args.json:
+        args.json.write_text(json.dumps({"command": args.command_line, "results": [r.to_dict() for r in results]},
+                                        indent=2))
+
+
+def _markdown_table(columns: Sequence[str], rows: list[list[str]], legend: str) -> list[str]:
+    """The lines of a markdown table and its legend, ending with a blank line."""
+    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            + ["| " + " | ".join(row) + " |" for row in rows] + ["", legend, ""])
 
 
 def _mean_max(values: list[int]) -> str:
