@@ -29,7 +29,14 @@ from fxmem.analysis.norm import norm_unit
 from fxmem.config import Config
 from fxmem.kernels.lowrank import DEFAULT_NITER
 from fxmem.passes.manager import GraphPass, PipelineState
-from fxmem.passes.saved_rewrite import SavedTensorEditor, Unmappable, call, compress_storage, rewrite_planned
+from fxmem.passes.saved_rewrite import (
+    SavedTensorEditor,
+    Unmappable,
+    call,
+    compress_storage,
+    permute_back,
+    rewrite_planned,
+)
 from fxmem.policy import Plan
 
 aten = torch.ops.aten
@@ -74,8 +81,7 @@ def _factor(editor: SavedTensorEditor, members: list[Node], plan: Plan, rebuilt:
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
         nodes = [call(graph, torch.ops.fxmem.lowrank_rebuild_rows.default, tuple(parts))]
         if permuted:
-            nodes.append(call(graph, aten.permute.default, (nodes[-1], sorted(range(len(order)),
-                                                                                key=order.__getitem__))))
+            nodes.append(permute_back(graph, nodes[-1], order))
         rebuilt[base] = nodes
         return nodes[-1]
 

@@ -20,7 +20,7 @@ from fxmem.analysis.rope import rope_recompute
 from fxmem.calibration import QuantSlot, register
 from fxmem.config import Config
 from fxmem.passes.manager import GraphPass, PipelineState
-from fxmem.passes.saved_rewrite import SavedTensorEditor, call, compress_storage, rewrite_planned
+from fxmem.passes.saved_rewrite import SavedTensorEditor, call, compress_storage, permute_back, rewrite_planned
 from fxmem.policy import Plan
 
 aten = torch.ops.aten
@@ -56,7 +56,7 @@ def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, config:
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
         restored = call(graph, torch.ops.fxmem.dequantize.default, (*parts, plan.bits))
         if permuted:
-            restored = call(graph, aten.permute.default, (restored, sorted(range(len(order)), key=order.__getitem__)))
+            restored = permute_back(graph, restored, order)
         return restored
 
     slot_id = register(slot)

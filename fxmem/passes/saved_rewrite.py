@@ -172,6 +172,11 @@ def compress_storage(editor: SavedTensorEditor, members: list[Node],
         editor.unsave(member)
 
 
+def permute_back(graph: torch.fx.Graph, node: Node, order: list[int]) -> Node:
+    """Undo ``permute(x, order)``: a tensor permuted into memory order, back to its logical dimension order."""
+    return call(graph, torch.ops.aten.permute.default, (node, sorted(range(len(order)), key=order.__getitem__)))
+
+
 def call(graph: torch.fx.Graph, target: Callable, args: tuple, outputs: int = 0,
          kwargs: dict[str, Any] | None = None) -> Node | list[Node]:
     """Insert ``target(*args, **kwargs)`` with its fake value; with ``outputs`` > 0, its first getitems."""
