@@ -16,6 +16,7 @@ rewrites.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch.fx import Node
@@ -39,6 +40,15 @@ def _casts_of(node: Node) -> list[Node]:
     return [node] + [u for u in node.users if u.target in DTYPE_CASTS]
 
 
+def _products(factors: list[Node]) -> Iterator[tuple[Node, Node]]:
+    """(product, other factor) for every two-tensor ``mul`` that reads one of ``factors``."""
+    for factor in factors:
+        for product in factor.users:
+            operands = tensor_args(product)
+            if product.target is aten.mul.Tensor and len(operands) == 2 and factor in operands:
+                yield product, operands[1] if operands[0] is factor else operands[0]
+
+
 def _is_rstd_of(stat: Node, x_forms: list[Node]) -> bool:
     """``stat`` is rsqrt(mean(x**2, -1) + eps) for x one of ``x_forms`` (x and its casts)."""
     if stat.target is not aten.rsqrt.default:
@@ -59,22 +69,17 @@ def _is_weight(node: Node, width: int) -> bool:
 def _scaled_output(normalized: Node, x: Node) -> tuple[Node, Node, Node | None] | None:
     """(output, gamma, beta) for output = normalized * gamma (+ beta), through casts; None if not so."""
     width = tensor_val(x).shape[-1]
-    for cast in _casts_of(normalized):
-        for scaled in cast.users:
-            operands = tensor_args(scaled)
-            if scaled.target is not aten.mul.Tensor or len(operands) != 2 or cast not in operands:
-                continue
-            gamma = operands[1] if operands[0] is cast else operands[0]
-            if not _is_weight(gamma, width):
-                continue
-            output, beta = scaled, None
-            shifts = [u for u in scaled.users if u.target is aten.add.Tensor and len(tensor_args(u)) == 2]
-            if len(scaled.users) == 1 and len(shifts) == 1:
-                other = [a for a in tensor_args(shifts[0]) if a is not scaled]
-                if len(other) == 1 and _is_weight(other[0], width):
-                    output, beta = shifts[0], other[0]
-            if tuple(tensor_val(output).shape) == tuple(tensor_val(x).shape):
-                return output, gamma, beta
+    for scaled, gamma in _products(_casts_of(normalized)):
+        if not _is_weight(gamma, width):
+            continue
+        output, beta = scaled, None
+        shifts = [u for u in scaled.users if u.target is aten.add.Tensor and len(tensor_args(u)) == 2]
+        if len(scaled.users) == 1 and len(shifts) == 1:
+            other = [a for a in tensor_args(shifts[0]) if a is not scaled]
+            if len(other) == 1 and _is_weight(other[0], width):
+                output, beta = shifts[0], other[0]
+        if tuple(tensor_val(output).shape) == tuple(tensor_val(x).shape):
+            return output, gamma, beta
     return None
 
 
@@ -91,15 +96,10 @@ def norm_unit(x: Node) -> NormUnit | None:
             return NormUnit(x=x, normalized=x, rstd=None, gamma=gamma, beta=beta, output=output)
         return None
     x_forms = _casts_of(x)
-    for form in x_forms:
-        for normalized in form.users:
-            operands = tensor_args(normalized)
-            if normalized.target is not aten.mul.Tensor or len(operands) != 2 or form not in operands:
-                continue
-            rstd = operands[1] if operands[0] is form else operands[0]
-            if not _is_rstd_of(rstd, x_forms):
-                continue
-            found = _scaled_output(normalized, x)
-            if found is not None and found[2] is None:
-                return NormUnit(x=x, normalized=normalized, rstd=rstd, gamma=found[1], beta=None, output=found[0])
+    for normalized, rstd in _products(x_forms):
+        if not _is_rstd_of(rstd, x_forms):
+            continue
+        found = _scaled_output(normalized, x)
+        if found is not None and found[2] is None:
+            return NormUnit(x=x, normalized=normalized, rstd=rstd, gamma=found[1], beta=None, output=found[0])
     return None
