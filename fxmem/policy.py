@@ -60,23 +60,23 @@ def plan_region(analysis: Analysis, config: Config) -> list[Plan]:
     by_storage: dict[str, list[SavedTensor]] = {}
     for saved in analysis.saved:
         by_storage.setdefault(saved.storage, []).append(saved)
-    plans = []
     tables_saved: set[str] = set()  # RoPE tables already paid for by an earlier plan
-    owner_plans: dict[str, Plan] = {}
+    # the analysis counts a storage's bytes on its first saved tensor, its owner
+    owner_plans = {storage: _plan_storage(group[0], group, analysis, config, tables_saved)
+                   for storage, group in by_storage.items()}
+    if config.lowrank is not None:
+        _share_prenorm(analysis, by_storage, owner_plans)
+    plans = []
     for saved in analysis.saved:
-        group = by_storage[saved.storage]
-        owner = group[0]  # the analysis counts a storage's bytes on its first saved tensor
+        owner, owner_plan = by_storage[saved.storage][0], owner_plans[saved.storage]
         if saved is owner:
-            plan = owner_plans[saved.storage] = _plan_storage(owner, group, analysis, config, tables_saved)
-        elif owner_plans[saved.storage].action != "keep":
-            plan = dataclasses.replace(owner_plans[saved.storage], reason=f"view of {owner.name}, compressed with it",
-                                       nbytes=None)
+            plan = owner_plan
+        elif owner_plan.action != "keep":
+            plan = dataclasses.replace(owner_plan, reason=f"view of {owner.name}, compressed with it", nbytes=None)
         else:
             plan = Plan("keep", f"shares storage with {owner.name}" if saved.frees_memory
                         else "frees nothing: not an activation")
         plans.append(plan)
-    if config.lowrank is not None:
-        _share_prenorm(analysis, plans)
     return plans
 
 
@@ -176,21 +176,19 @@ def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int) -> Plan:
     return Plan("lowrank", f"rank {k} of {width}, as {rows} x {width}", rank=k, nbytes=nbytes)
 
 
-def _share_prenorm(analysis: Analysis, plans: list[Plan]) -> None:
+def _share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan]
+                   ) -> None:
     """LoRAct's pre-norm sharing: what a norm's backward saves (RMSNorm's input, LayerNorm's x_hat), planned
     lossy, whose norm output is stored as factors, is rebuilt from those factors instead of being stored itself,
     when that costs fewer bytes."""
-    owner_index = {}
-    for index, saved in enumerate(analysis.saved):
-        owner_index.setdefault(saved.storage, index)
-    for storage, index in owner_index.items():
-        plan, owner = plans[index], analysis.saved[index]
+    for storage, group in by_storage.items():
+        plan, owner = owner_plans[storage], group[0]
         if owner.role is not Role.NORM_INPUT or plan.action not in ("lowrank", "quantize"):
             continue
         unit = norm_unit(storage_base(analysis.nodes[owner.name]))
-        if unit is None or unit.output.name not in owner_index:
+        if unit is None or unit.output.name not in owner_plans:
             continue
-        output_plan = plans[owner_index[unit.output.name]]
+        output_plan = owner_plans[unit.output.name]
         if output_plan.action != "lowrank":
             continue
         val = tensor_val(unit.x)
@@ -203,10 +201,7 @@ def _share_prenorm(analysis: Analysis, plans: list[Plan]) -> None:
             continue
         formula = "(output - beta) / gamma" if unit.beta is not None else "output / gamma"
         formula += " / rstd" if unit.rstd is not None else ""
-        shared = Plan("prenorm", f"rebuilt as {formula} from {unit.output.name}'s rank-{output_plan.rank} factors; "
-                      f"{exact} smallest-|gamma| channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
-                      exact_channels=exact, source=unit.output.name, nbytes=nbytes)
-        for member, saved in enumerate(analysis.saved):
-            if saved.storage == storage:
-                plans[member] = shared if member == index else dataclasses.replace(
-                    shared, reason=f"view of {owner.name}, compressed with it", nbytes=None)
+        owner_plans[storage] = Plan(
+            "prenorm", f"rebuilt as {formula} from {unit.output.name}'s rank-{output_plan.rank} factors; "
+            f"{exact} smallest-|gamma| channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
+            exact_channels=exact, source=unit.output.name, nbytes=nbytes)
