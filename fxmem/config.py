@@ -13,7 +13,6 @@ CALIBRATION_CHOICES = ("dynamic", "static")
 # Techniques whose switch exists but whose pass is not built yet, and the issue
 # that builds it. A config that turns one on is refused, never silently ignored.
 _NOT_BUILT = {
-    "lora_reorder": "LoRA reorder recompute (issue: LoRA reorder recompute and fused epilogues)",
     "memory_budget": "memory-budget planning (issue: The cost model, RunLoRA variant selection, and fxmem whatif)",
 }
 
@@ -30,7 +29,11 @@ class Config:
     calibration_steps: training forwards that gather quantization statistics before freezing them.
     calibration: "dynamic" recomputes scales and outlier channels from every batch; "static" freezes
         them after calibration_steps (the paper; values outside the calibrated range are clamped).
-    lora_reorder: save quantized X W plus X A and rebuild the LoRA output in backward.
+    lora_reorder: for a LoRA linear feeding SiLU/GELU, a Hadamard product or attention, save X W (quantized
+        to ``bits``) and X A (exact) and rebuild the output and its element-wise epilogue in backward
+        (HyC-LoRA's inter-operator compression). Needs ``bits``.
+    intra: quantize every saved activation whose role allows it (HyC-LoRA's intra-operator compression);
+        False quantizes only the X W that lora_reorder saves (needs lora_reorder).
     lowrank: low-rank saved activations, as a ratio of the last dimension in (0, 1)
         or an integer rank >= 1; None is off.
     runlora: how a LoRA linear's forward/backward order is chosen: "off" (as traced),
@@ -46,6 +49,7 @@ class Config:
     calibration_steps: int = 5
     calibration: str = "dynamic"
     lora_reorder: bool = False
+    intra: bool = True
     lowrank: float | int | None = None
     runlora: str = "off"
     memory_budget: float | None = None
@@ -61,8 +65,13 @@ class Config:
                 or self.calibration_steps < 1:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
-        if not isinstance(self.lora_reorder, bool):
-            raise ValueError(f"lora_reorder must be True or False; got {self.lora_reorder!r}")
+        for name in ("lora_reorder", "intra"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if self.lora_reorder and self.bits is None:
+            raise ValueError("lora_reorder stores X W quantized: set bits (one of 1, 2, 4, 8) too")
+        if not self.intra and not self.lora_reorder:
+            raise ValueError("intra=False quantizes only what lora_reorder saves: set lora_reorder=True too")
         check_lowrank(self.lowrank)
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)
         _check_fraction("memory_budget", self.memory_budget, low_open=True, high=1.0, high_open=False,
@@ -145,8 +154,8 @@ def check_lowrank(value: Any, *, allow_none: bool = True) -> None:
 
 PRESETS: dict[str, Config] = {
     "exact": Config(),
-    "hyclora-4bit": Config(bits=4, attn_sparsity=0.05),
-    "hyclora-2bit": Config(bits=2, attn_sparsity=0.05),
+    "hyclora-4bit": Config(bits=4, attn_sparsity=0.05, lora_reorder=True),
+    "hyclora-2bit": Config(bits=2, attn_sparsity=0.05, lora_reorder=True),
     "loract": Config(lowrank=0.125),
     "runlora": Config(runlora="flops"),
 }

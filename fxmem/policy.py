@@ -11,6 +11,7 @@ from torch.fx import Node
 
 from fxmem.analysis import Analysis, Role, SavedTensor
 from fxmem.analysis.graph import memory_order, numel_hint, storage_base, storage_bytes, tensor_val
+from fxmem.analysis.lora import LORA_REORDERED
 from fxmem.analysis.norm import norm_unit
 from fxmem.analysis.rope import rope_recompute
 from fxmem.config import Config
@@ -21,7 +22,7 @@ Action = Literal["keep", "quantize", "sparsify", "lowrank", "prenorm"]
 
 # Roles HyC-LoRA stores quantized (section 4.1): the inputs of non-linear operators and of linears.
 QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV,
-                             Role.LINEAR_INPUT})
+                             Role.LINEAR_INPUT, Role.LORA_BASE_OUTPUT})
 # Kept exact even when the tensor also serves a quantized role: x @ A carries what LoRA learns, and the
 # logits' error would reach every gradient through the loss. (Fused attention's output, ATTN_OUT, is not in
 # QUANTIZED_ROLES: its backward needs it consistent with q, k, v; see passes/recompute_attention.py.)
@@ -94,12 +95,16 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
     if owner.role is Role.ATTN_PROBS and owner.detail == "probabilities" and config.attn_sparsity is not None:
         return _sparsify(owner, analysis, config.attn_sparsity)
     candidates: list[tuple[Plan, set[str]]] = []  # each with the RoPE tables it would save
-    if config.bits is not None and all(s.role in QUANTIZED_ROLES for s in group):
+    # intra=False: only what lora_reorder saves (x W) is quantized, the paper's inter-only ablation row.
+    quantizable = QUANTIZED_ROLES if config.intra else {Role.LORA_BASE_OUTPUT}
+    if config.bits is not None and all(s.role in quantizable for s in group):
         tables = set(tables_saved)
         candidates.append((_quantize(owner, analysis, config, tables), tables))
     if config.lowrank is not None and all(s.role in LOWRANK_ROLES for s in group):
         candidates.append((_lowrank(owner, analysis, config.lowrank), tables_saved))
     if not candidates:
+        if config.bits is not None and all(s.role in QUANTIZED_ROLES for s in group):
+            return Plan("keep", "intra-operator quantization off (intra=False)")
         return Plan("keep", f"no enabled technique applies to {owner.role.value}")
     compressing = [c for c in candidates if c[0].action != "keep"]
     if not compressing:
@@ -114,7 +119,8 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
 def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_saved: set[str]) -> Plan:
     node = storage_base(analysis.nodes[owner.name])
     bits = config.bits
-    if owner.role is Role.ATTN_QKV and owner.detail in ("q", "k") and config.qk_bits is not None:
+    if config.qk_bits is not None and ((owner.role is Role.ATTN_QKV and owner.detail in ("q", "k")) or (
+            owner.role is Role.LORA_BASE_OUTPUT and node.meta.get(LORA_REORDERED) in ("q", "k"))):
         bits = config.qk_bits
     reason = f"{bits}-bit per channel"
     source = None

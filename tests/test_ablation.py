@@ -3,14 +3,22 @@
 import pytest
 
 from fxmem.ablation import ablate, hyclora_settings, probe_steps
+from fxmem.config import Config
 
 from .conftest import TINY_LLAMA
 
 
-def test_settings_cover_bits_outliers_and_the_papers_static_calibration():
-    names = [s.name for s in hyclora_settings([4, 2])]
-    assert names == ["eager PEFT", "torch.compile", "4-bit + outliers", "4-bit, no outliers", "2-bit + outliers",
-                     "2-bit, no outliers", "4-bit + outliers, q/k 4-bit", "4-bit + outliers, static"]
+def test_settings_cover_bits_intra_inter_outliers_and_the_papers_static_calibration():
+    settings = hyclora_settings([4, 2])
+    names = [s.name for s in settings]
+    assert names == ["eager PEFT", "torch.compile", "4-bit intra + inter", "4-bit intra", "4-bit intra, no outliers",
+                     "4-bit inter", "2-bit intra + inter", "2-bit intra", "2-bit intra, no outliers", "2-bit inter",
+                     "4-bit intra + inter, q/k 4-bit", "4-bit intra + inter, static"]
+    by_name = {s.name: s.config for s in settings}
+    assert by_name["2-bit intra + inter"] == Config.from_preset("hyclora-2bit")
+    assert (by_name["4-bit intra"].lora_reorder, by_name["4-bit intra"].intra) == (False, True)
+    assert (by_name["4-bit inter"].lora_reorder, by_name["4-bit inter"].intra) == (True, False)
+    assert by_name["4-bit intra, no outliers"].outlier_ratio == 0.0
     paper_qk, static = (s.config for s in hyclora_settings([4])[-2:])
     assert (paper_qk.bits, paper_qk.qk_bits, paper_qk.calibration) == (4, None, "dynamic")
     assert (static.bits, static.qk_bits, static.calibration, static.outlier_ratio) == (4, 8, "static", 0.005)
@@ -18,7 +26,7 @@ def test_settings_cover_bits_outliers_and_the_papers_static_calibration():
 
 
 def test_ablate_trains_every_setting_on_the_same_batches_and_probes_the_compressed_ones():
-    settings = [s for s in hyclora_settings([4]) if s.name in ("eager PEFT", "torch.compile", "4-bit + outliers")]
+    settings = [s for s in hyclora_settings([4]) if s.name in ("eager PEFT", "torch.compile", "4-bit intra + inter")]
     eager, compiled, four = ablate(TINY_LLAMA, settings, steps=3, lora_rank=4)
     assert eager.losses[0] == pytest.approx(compiled.losses[0], rel=1e-5) == pytest.approx(four.losses[0], rel=1e-5)
     assert four.saved_bytes * 3 < compiled.saved_bytes < eager.saved_bytes

@@ -22,6 +22,9 @@ def test_defaults_are_the_exact_preset():
     ("calibration_steps", 0, "calibration_steps must be an integer >= 1"),
     ("calibration_steps", 2.5, "calibration_steps must be an integer >= 1"),
     ("lora_reorder", 1, "lora_reorder must be True or False"),
+    ("lora_reorder", True, "lora_reorder stores X W quantized: set bits (one of 1, 2, 4, 8) too"),
+    ("intra", 0, "intra must be True or False"),
+    ("intra", False, "intra=False quantizes only what lora_reorder saves: set lora_reorder=True too"),
     ("lowrank", 1.0, "lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1"),
     ("lowrank", 0, "lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1"),
     ("lowrank", True, "lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1"),
@@ -38,7 +41,7 @@ def test_bad_values_name_the_valid_range(field, value, expected):
 
 @pytest.mark.parametrize("field, value", [
     ("bits", 1), ("bits", 8), ("outlier_ratio", 0.0), ("attn_sparsity", 1.0), ("calibration_steps", 100),
-    ("lora_reorder", True), ("lowrank", 0.125), ("lowrank", 32), ("runlora", "time"), ("memory_budget", 0.5),
+    ("lowrank", 0.125), ("lowrank", 32), ("runlora", "time"), ("memory_budget", 0.5),
 ])
 def test_good_values_are_accepted(field, value):
     assert getattr(Config(**{field: value}), field) == value
@@ -52,7 +55,6 @@ def test_unknown_preset_and_option_name_the_valid_ones():
 
 
 @pytest.mark.parametrize("overrides, topic", [
-    ({"lora_reorder": True}, "LoRA reorder recompute and fused epilogues"),
     ({"memory_budget": 0.5}, "memory-budget planning"),
 ])
 def test_techniques_not_built_yet_are_refused_with_their_topic(overrides, topic):
@@ -88,4 +90,6 @@ def test_calibration_mode_is_validated():
 def test_hyclora_presets_quantize_and_prune():
     four, two = Config.from_preset("hyclora-4bit"), Config.from_preset("hyclora-2bit")
     assert (four.bits, two.bits, four.attn_sparsity, four.outlier_ratio, four.calibration_steps) == (4, 2, 0.05, 0.005, 5)
+    assert four.lora_reorder and two.lora_reorder and four.intra and two.intra  # the paper's best rows: intra + inter
+    assert Config(bits=2, lora_reorder=True, intra=False).intra is False
     fxmem.backend(preset="hyclora-2bit", outlier_ratio=0.0, calibration_steps=2)  # built: no NotImplementedError

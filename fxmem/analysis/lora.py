@@ -30,6 +30,9 @@ from fxmem.analysis.graph import (
 MATMULS = frozenset({aten.mm.default, aten.addmm.default})
 # A LoRA linear's three products: a matmul, or x @ deq(W)^T with W stored NF4 (operands: x, packed W).
 LINEAR_PRODUCTS = MATMULS | {torch.ops.fxmem.nf4_linear.default}
+# Meta key the lora_reorder pass sets on a LoRA linear's frozen product x W^T when the layer's output is rebuilt
+# in backward from it: the non-linear consumer it feeds ('silu', 'gelu', 'product', 'q', 'k', 'v').
+LORA_REORDERED = "fxmem_lora_reorder"
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,13 @@ from fxmem.analysis.graph import (
     users_through_views,
     walk_back,
 )
-from fxmem.analysis.lora import MATMULS, LoraLinear, matmul_operands
+from fxmem.analysis.lora import LORA_REORDERED, MATMULS, LoraLinear, matmul_operands
 
 
 class Role(str, Enum):
     LINEAR_INPUT = "linear_input"
     LORA_INTERMEDIATE = "lora_intermediate"
+    LORA_BASE_OUTPUT = "lora_base_output"
     NORM_INPUT = "norm_input"
     ACT_INPUT = "act_input"
     PRODUCT_INPUT = "product_input"
@@ -60,6 +61,7 @@ FREES_NOTHING = frozenset({Role.PARAMETER, Role.INPUT_VIEW})
 ROLE_DESCRIPTIONS = {
     Role.LINEAR_INPUT: "input of a linear layer, kept for its weight's (or LoRA A's) gradient",
     Role.LORA_INTERMEDIATE: "x @ A of a LoRA linear (rank r), kept for B's gradient",
+    Role.LORA_BASE_OUTPUT: "x @ W of a LoRA linear whose output backward rebuilds as x W + s (x A) B (lora_reorder)",
     Role.NORM_INPUT: "input, or normalized input, of a LayerNorm/RMSNorm",
     Role.ACT_INPUT: "input (or precomputed derivative) of an activation function",
     Role.PRODUCT_INPUT: "operand of an elementwise product of two activations (SwiGLU's up * act(gate))",
@@ -189,13 +191,29 @@ def _eager_attention(f: TensorFacts) -> Match | None:
     if _feeds(f.base, SOFTMAXES):
         return Role.ATTN_PROBS, "scores (softmax input)"
     for user in f.fw_users:
-        if user.target not in BATCHED_MATMULS:
-            continue
-        lhs, rhs = matmul_operands(user)
-        if _from_softmax(lhs) and storage_base(rhs) is f.base:
-            return Role.ATTN_QKV, "v"
-        if _feeds(user, SOFTMAXES):
-            return Role.ATTN_QKV, "q" if storage_base(lhs) is f.base else "k"
+        operand = eager_attention_operand(user, f.base)
+        if operand is not None:
+            return Role.ATTN_QKV, operand
+    return None
+
+
+def eager_attention_operand(matmul: Node, storage: Node) -> str | None:
+    """'q', 'k' or 'v' if ``matmul`` is eager attention's scores (q k^T) or output (P v) matmul and reads
+    ``storage`` as that operand; else None."""
+    if matmul.target not in BATCHED_MATMULS:
+        return None
+    lhs, rhs = matmul_operands(matmul)
+    if _from_softmax(lhs) and storage_base(rhs) is storage:
+        return "v"
+    if _feeds(matmul, SOFTMAXES):
+        return "q" if storage_base(lhs) is storage else "k"
+    return None
+
+
+def _lora_base_output(f: TensorFacts) -> Match | None:
+    consumer = f.base.meta.get(LORA_REORDERED)
+    if consumer is not None:
+        return Role.LORA_BASE_OUTPUT, f"output rebuilt for {consumer}"
     return None
 
 
@@ -327,7 +345,7 @@ def _small_or_index(f: TensorFacts) -> Match | None:
 
 
 RULES: tuple[Callable[[TensorFacts], Match | None], ...] = (
-    _parameter, _dropout_mask, _fused_attention, _lora_intermediate, _eager_attention, _norm, _activation,
+    _parameter, _lora_base_output, _dropout_mask, _fused_attention, _lora_intermediate, _eager_attention, _norm, _activation,
     _loss_input, _rope_table, _product, _linear_input, _small_or_index, _recompute_source,
 )
 

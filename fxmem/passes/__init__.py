@@ -1,5 +1,6 @@
 """Graph rewrites, one file per pass family, run in order by the pass manager."""
 
+from fxmem.passes.lora_reorder import LoraReorder
 from fxmem.passes.lowrank import LowRankSaved
 from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineState
 from fxmem.passes.quantize import QuantizeSaved
@@ -11,8 +12,8 @@ from fxmem.passes.sparsify import SparsifyAttention
 
 def default_passes() -> list[GraphPass]:
     """Every pass fxmem has, in order; each runs only when the region's config enables it."""
-    return [RunLora(), RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved(), LowRankSaved()]
+    return [LoraReorder(), RunLora(), RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved(), LowRankSaved()]
 
 
-__all__ = ["GraphPass", "LowRankSaved", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
+__all__ = ["GraphPass", "LoraReorder", "LowRankSaved", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
            "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention", "default_passes"]

@@ -25,7 +25,7 @@ from torch.fx import Graph, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis.graph import aten, hint, is_view, storage_base, strip, tensor_val, users_through_views
-from fxmem.analysis.lora import LoraLinear, find_lora_linears, matmul_operands
+from fxmem.analysis.lora import LORA_REORDERED, LoraLinear, find_lora_linears, matmul_operands
 from fxmem.config import Config
 from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.lora_timing import choose_by_time
@@ -102,6 +102,8 @@ def _mm_users(node: Node) -> list[Node]:
 
 
 def _find_backward(lora: LoraLinear) -> LoraBackward:
+    if lora.base.meta.get(LORA_REORDERED):
+        raise UnsupportedLora(f"output rebuilt in backward by lora_reorder ({lora.base.meta[LORA_REORDERED]})")
     # Checked before dropout: the analysis follows casts as it follows dropout. PEFT keeps the adapters of a bf16
     # or fp16 model in fp32 (autocast_adapter_dtype) and casts x for them; the orders here are single-dtype.
     x_dtype, x_lora_dtype = tensor_val(lora.x).dtype, tensor_val(matmul_operands(lora.xa)[0]).dtype

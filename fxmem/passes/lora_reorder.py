@@ -1,0 +1,161 @@
+"""HyC-LoRA's inter-operator compression: rebuild a LoRA linear's output in backward instead of saving it.
+
+A non-linear operator right after a LoRA linear (SwiGLU's SiLU and Hadamard
+product, BERT's GELU, RoPE and attention for q/k/v) saves Y = X W^T + s (X A^T) B^T
+or values derived from it element by element. This pass tags Y, the LoRA
+branch that builds it and every element-wise value derived from it up to the
+next matmul, attention or reduction (the epilogue) must-recompute. Torch's
+min-cut then saves only what the epilogue is rebuilt from: the frozen product
+X W^T, which the quantize pass stores quantized (role lora_base_output), the
+rank-r X A^T, which stays exact, and B, a parameter. The quantization error
+thus never touches what LoRA learned, and the SiLU output, the Hadamard
+product and the rotated q/k are not saved at all.
+
+A LoRA linear with dropout on its input is left as is (its LoRA branch reads a
+random mask that backward would have to replay); so is one whose output feeds
+no non-linear operator (o_proj, down_proj: a residual add saves nothing).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Graph, Node
+from torch.utils.checkpoint import CheckpointPolicy
+
+from fxmem.analysis.graph import DTYPE_CASTS, is_view, original_op, storage_base, strip, users_through_views
+from fxmem.analysis.lora import LORA_REORDERED, LoraLinear, find_lora_linears
+from fxmem.analysis.roles import (
+    ACTIVATIONS,
+    NONLINEAR_POINTWISE,
+    eager_attention_operand,
+    is_fused_attention,
+    rope_trig,
+)
+from fxmem.config import Config
+from fxmem.passes.manager import GraphPass, PipelineState
+
+aten = torch.ops.aten
+# Non-pointwise ops an epilogue may pass through: RoPE's rotate_half is slice, neg, cat.
+_EPILOGUE_SHAPE_OPS = frozenset({aten.cat.default, aten.clone.default})
+_CONSTANTS = frozenset({aten.full.default, aten.scalar_tensor.default})
+
+
+class LoraReorder(GraphPass):
+    name = "lora_reorder"
+    stage = "joint"
+
+    def enabled(self, config: Config) -> bool:
+        return config.lora_reorder
+
+    def run(self, state: PipelineState) -> str:
+        graph = state.joint.graph
+        params = frozenset(n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
+        loras = [lora for lora in find_lora_linears(graph, params) if lora.base.target is not
+                 torch.ops.fxmem.nf4_linear.default]
+        dropout = [lora for lora in loras if lora.dropout]
+        followed = [lora for lora in loras if not lora.dropout]
+        epilogue = _epilogue(graph, {lora.output for lora in followed}, params)
+        kinds: dict[str, int] = {}
+        linear_consumers = 0
+        for lora in followed:
+            reach = _reach(lora.output, epilogue)
+            kind = _consumer_kind(lora, reach, epilogue)
+            if kind is None:
+                linear_consumers += 1
+                continue
+            lora.base.meta[LORA_REORDERED] = kind
+            for node in [*_lora_branch(lora), *reach]:
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            kinds[kind] = kinds.get(kind, 0) + 1
+        if not kinds and not dropout:
+            return ""
+        parts = []
+        if kinds:
+            rebuilt = ", ".join(f"{count}x {kind}" for kind, count in sorted(kinds.items()))
+            parts.append(f"{sum(kinds.values())} LoRA output(s) rebuilt in backward from x W and x A ({rebuilt})")
+        if dropout:
+            parts.append(f"left as is, dropout on the LoRA input: {', '.join(lora.module for lora in dropout)}")
+        if linear_consumers:
+            parts.append(f"{linear_consumers} feeding no activation, Hadamard product or fused attention left as is")
+        return "; ".join(parts)
+
+
+def _backward_nodes(graph: Graph) -> set[Node]:
+    """Nodes that depend on a tangent: the backward half of the joint graph."""
+    backward: set[Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+                i in backward for i in node.all_input_nodes):
+            backward.add(node)
+    return backward
+
+
+def _epilogue_op(node: Node) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    tags = node.target.tags
+    if torch.Tag.nondeterministic_seeded in tags:
+        return False  # a random op would not be replayed identically
+    return is_view(node) or node.target in DTYPE_CASTS or node.target in _EPILOGUE_SHAPE_OPS \
+        or torch.Tag.pointwise in tags
+
+
+def _free_input(node: Node, params: frozenset[Node]) -> bool:
+    """An input an epilogue may read besides LoRA outputs: a parameter, a constant or a RoPE table."""
+    return strip(node) in params or node.target in _CONSTANTS or rope_trig(storage_base(node)) is not None
+
+
+def _epilogue(graph: Graph, outputs: set[Node], params: frozenset[Node]) -> set[Node]:
+    """The LoRA outputs and every forward value computed from them alone by element-wise and view ops."""
+    backward = _backward_nodes(graph)
+    epilogue = set(outputs)
+    for node in graph.nodes:  # topological order: a node's inputs are decided before it
+        if node in epilogue or node in backward or not _epilogue_op(node):
+            continue
+        inputs = node.all_input_nodes
+        if any(i in epilogue for i in inputs) and all(i in epilogue or _free_input(i, params) for i in inputs):
+            epilogue.add(node)
+    return epilogue
+
+
+def _reach(output: Node, epilogue: set[Node]) -> list[Node]:
+    """The epilogue nodes computed from ``output``, ``output`` first."""
+    found, stack = [output], [output]
+    while stack:
+        for user in stack.pop().users:
+            if user in epilogue and user not in found:
+                found.append(user)
+                stack.append(user)
+    return found
+
+
+def _consumer_kind(lora: LoraLinear, reach: list[Node], epilogue: set[Node]) -> str | None:
+    """What non-linear operator reads the output ('silu', 'product', 'q', ...); None if only linear ones."""
+    for node in reach:
+        name = original_op(node)
+        if name in ACTIVATIONS or name in NONLINEAR_POINTWISE:
+            return name
+    own = set(reach)
+    for node in reach:
+        if node.target is aten.mul.Tensor and len(node.all_input_nodes) == 2 and all(
+                i in epilogue for i in node.all_input_nodes) and not all(i in own for i in node.all_input_nodes):
+            return "product"  # a Hadamard product with another LoRA output's epilogue (SwiGLU's up)
+    for node in reach:
+        for user in users_through_views(node):
+            if is_fused_attention(user):
+                position = next(i for i, a in enumerate(user.args) if isinstance(a, Node) and a in own)
+                return "qkv"[position] if position < 3 else None
+            operand = eager_attention_operand(user, storage_base(node))
+            if operand is not None:
+                return operand
+    return None
+
+
+def _lora_branch(lora: LoraLinear) -> list[Node]:
+    """(x A^T) B^T, the views and scalings that carry it to the add, and the views of x W^T before the add."""
+    nodes = [lora.xab]
+    for side in lora.output.args:
+        while isinstance(side, Node) and side not in (lora.xab, lora.base):
+            nodes.append(side)
+            side = next(a for a in side.args if isinstance(a, Node))
+    return nodes

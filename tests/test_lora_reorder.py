@@ -1,0 +1,93 @@
+"""lora_reorder (HyC-LoRA inter-operator): what is saved instead of LoRA outputs, and the gradients it gives."""
+
+import torch
+
+import fxmem
+from fxmem.analysis import Role
+from fxmem.measure import gradient_fidelity
+
+from .conftest import loss_and_grads, tiny_model
+from .test_quantize_pass import _randomize_lora_b, _run
+
+
+def _saved_rows(backend):
+    return [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
+
+
+def _summary(backend, name="lora_reorder"):
+    return {p.name: p.summary for p in backend.regions[0].passes}[name]
+
+
+def test_llama_saves_x_w_quantized_and_x_a_exact_instead_of_the_mlp_and_qkv_outputs():
+    model, batch = tiny_model("llama", lora=True)
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit"), lowering="eager")
+    saved, _, _ = _run(model, batch, backend)
+    assert saved == backend.report().planned_bytes
+    assert _summary(backend).startswith("10 LoRA output(s) rebuilt in backward from x W and x A "
+                                        "(2x k, 2x product, 2x q, 2x silu, 2x v)")
+    assert "4 feeding no activation, Hadamard product or fused attention left as is" in _summary(backend)
+    rows = _saved_rows(backend)
+    rebuilt = [(s, p) for s, p in rows if s.role is Role.LORA_BASE_OUTPUT]
+    assert sorted(s.detail.removeprefix("output rebuilt for ") for s, _ in rebuilt) == sorted(
+        ["q", "k", "v", "silu", "product"] * 2)
+    # x W at bits (q and k at qk_bits), x A exact; SiLU's input and output, up, the product and q/k after RoPE
+    # are not saved at all.
+    assert all(p.action == "quantize" and p.bits == (8 if s.detail[-1] in "qk" else 2) for s, p in rebuilt)
+    assert all(p.action == "keep" for s, p in rows if s.role is Role.LORA_INTERMEDIATE)
+    assert not [s for s, _ in rows if s.role in (Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV)]
+    # What down_proj reads (the product) is no longer a saved linear input: only the norm outputs are.
+    widths = {s.shape[-1] for s, _ in rows if s.role is Role.LINEAR_INPUT}
+    assert widths == {64}
+
+
+def test_inter_improves_gradient_fidelity_over_intra_at_equal_bits_and_honours_the_lora_scaling():
+    model, batch = tiny_model("llama", lora=True)  # lora_alpha 32, r 8: scaling 4
+    _randomize_lora_b(model)
+    _, _, exact = _run(model, batch, fxmem.Backend(lowering="eager"))
+    cosine = {}
+    for name, overrides in [("intra", {"lora_reorder": False}), ("intra+inter", {}),
+                            ("inter 8-bit", {"bits": 8, "intra": False})]:
+        torch._dynamo.reset()
+        config = fxmem.Config.from_preset("hyclora-2bit", **overrides)
+        _, _, grads = _run(model, batch, fxmem.Backend(config, lowering="eager"))
+        cosine[name] = gradient_fidelity(exact, grads).min_cosine
+    assert cosine["intra+inter"] > cosine["intra"] + 0.02, cosine
+    assert cosine["inter 8-bit"] > 0.9995, cosine  # only x W is rounded, to 8 bits: a wrong rebuild would show
+
+
+def test_bert_gelu_ffn_and_qkv_are_rebuilt_and_the_gradients_hold():
+    model, batch = tiny_model("bert", lora=True)
+    _randomize_lora_b(model)
+    _, exact_loss, exact = _run(model, batch, fxmem.Backend(lowering="eager"))
+    torch._dynamo.reset()
+    backend = fxmem.Backend(fxmem.Config(bits=8, lora_reorder=True, intra=False), lowering="eager")
+    _, loss, grads = _run(model, batch, backend)
+    # eager attention here (attention dropout): q/k reach the softmax through matmuls; tanh: the pooler
+    assert _summary(backend).startswith("9 LoRA output(s) rebuilt in backward from x W and x A "
+                                        "(2x gelu, 2x k, 2x q, 1x tanh, 2x v)")
+    assert torch.equal(loss, exact_loss)  # same dropout masks: the forward is untouched
+    assert gradient_fidelity(exact, grads).min_cosine > 0.999
+
+
+def test_lora_dropout_layers_are_left_as_is_and_named():
+    model, batch = tiny_model("llama", lora=True, lora_dropout=0.1, layers=1)
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit"), lowering="eager")
+    forward = torch.compile(model, backend=backend)
+    loss, grads = loss_and_grads(forward, model, batch)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+    summary = _summary(backend)
+    assert summary.startswith("left as is, dropout on the LoRA input: ") and "mlp.gate_proj" in summary
+    assert not [s for s, _ in _saved_rows(backend) if s.role is Role.LORA_BASE_OUTPUT]
+
+
+def test_runlora_leaves_the_rebuilt_layers_to_lora_reorder_and_gradients_still_match():
+    model, batch = tiny_model("llama", lora=True, layers=1)
+    _randomize_lora_b(model)
+    _, _, exact = _run(model, batch, fxmem.Backend(lowering="eager"))
+    torch._dynamo.reset()
+    backend = fxmem.Backend(fxmem.Config(bits=8, lora_reorder=True, intra=False, runlora="flops"), lowering="eager")
+    _, _, grads = _run(model, batch, backend)
+    runlora = _summary(backend, "runlora")
+    assert runlora.startswith("2 LoRA linear(s) reordered")  # o_proj and down_proj
+    assert runlora.count("output rebuilt in backward by lora_reorder") == 5
+    assert gradient_fidelity(exact, grads).min_cosine > 0.9995
