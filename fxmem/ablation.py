@@ -90,11 +90,15 @@ def ablate(workload: Workload, settings: Sequence[Setting], *, steps: int, lr: f
     runs = [FinetuneRun(workload, s.method, config=s.config, lr=lr, device=device, lora_rank=lora_rank)
             for s in settings]
     probes: list[list[Fidelity]] = [[] for _ in runs]
-    for step, index in round_robin(len(runs), steps):
-        run, setting = runs[index], settings[index]
-        on_step(setting.name, step, run.step())
-        if setting.method == "fxmem" and step in probe_steps(steps, setting.config.calibration_steps):
-            probes[index].append(run.gradient_probe())
+    # Every setting compiles the same model class: past dynamo's recompile limit (8) the rest would silently
+    # run eager and report uncompressed numbers.
+    limit = max(torch._dynamo.config.recompile_limit, len(settings))
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for step, index in round_robin(len(runs), steps):
+            run, setting = runs[index], settings[index]
+            on_step(setting.name, step, run.step())
+            if setting.method == "fxmem" and step in probe_steps(steps, setting.config.calibration_steps):
+                probes[index].append(run.gradient_probe())
     torch._dynamo.reset()
     results = []
     for setting, run, fidelity in zip(settings, runs, probes, strict=True):
