@@ -96,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finetune.add_argument("--preset", default="exact", choices=list(PRESETS))
     finetune.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
-    ablate = commands.add_parser("ablate", help="accuracy of the quantizing presets: bits x intra/inter-operator x outlier channels")
+    ablate = commands.add_parser(
+        "ablate", help="accuracy of the quantizing presets: bits x intra/inter-operator x outlier channels")
     ablate.add_argument("--workload", default="llama-tiny", choices=list(WORKLOADS))
     ablate.add_argument("--steps", type=_int_at_least(3), default=200)
     ablate.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=BITS_CHOICES)

@@ -70,6 +70,17 @@ def tiny_model(family: str, *, lora: bool, attn: str = "sdpa", seed: int = 0, lo
     return model, batch
 
 
+def train_at_sequence_lengths(forward, model, lengths) -> None:
+    """One training step per sequence length (batch 2, random ids); the loss and every gradient stay finite."""
+    for seq in lengths:
+        ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(seq))
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        model.zero_grad()
+
+
 def loss_and_grads(forward, model, batch, seed: int = 0):
     torch.manual_seed(seed)  # the same dropout draws for every run
     loss = forward(**batch).loss

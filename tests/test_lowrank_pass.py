@@ -8,7 +8,7 @@ from fxmem import policy
 from fxmem.analysis import Role
 from fxmem.measure import gradient_fidelity
 
-from .conftest import tiny_model
+from .conftest import tiny_model, train_at_sequence_lengths
 from .test_quantize_pass import _randomize_lora_b, _run
 
 
@@ -174,14 +174,8 @@ def test_with_bits_and_lowrank_each_tensor_gets_the_plan_with_fewer_bytes():
 def test_varying_sequence_lengths_train_with_rows_fewer_than_the_rank():
     model, _ = tiny_model("llama", lora=True)
     backend = fxmem.Backend(fxmem.Config.from_preset("loract"), lowering="eager")
-    forward = torch.compile(model, backend=backend)
-    for seq in (16, 24, 3):  # seq 3: 6 rows, below rank 8: factors padded with zeros
-        ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(seq))
-        loss = forward(input_ids=ids, labels=ids).loss
-        loss.backward()
-        assert torch.isfinite(loss)
-        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-        model.zero_grad()
+    # seq 3: 6 rows, below rank 8: factors padded with zeros
+    train_at_sequence_lengths(torch.compile(model, backend=backend), model, (16, 24, 3))
     assert len(backend.regions) == 2 and "low-rank factors" in _passes(backend)["lowrank"]
 
 

@@ -7,7 +7,7 @@ import fxmem
 from fxmem.analysis import Role
 from fxmem.measure import gradient_fidelity, model_tensors, saved_activation_bytes
 
-from .conftest import loss_and_grads, tiny_model
+from .conftest import loss_and_grads, tiny_model, train_at_sequence_lengths
 
 
 def _randomize_lora_b(model):
@@ -133,12 +133,5 @@ def test_inductor_lowering_matches_the_eager_lowering(attn):
 def test_varying_sequence_lengths_compile_at_most_twice_and_train():
     model, _ = tiny_model("llama", lora=True)
     backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit"), lowering="eager")
-    forward = torch.compile(model, backend=backend)
-    for seq in (16, 24, 32, 40):
-        ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(seq))
-        loss = forward(input_ids=ids, labels=ids).loss
-        loss.backward()
-        assert torch.isfinite(loss)
-        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-        model.zero_grad()
+    train_at_sequence_lengths(torch.compile(model, backend=backend), model, (16, 24, 32, 40))
     assert len(backend.regions) <= 2

@@ -345,8 +345,8 @@ def _small_or_index(f: TensorFacts) -> Match | None:
 
 
 RULES: tuple[Callable[[TensorFacts], Match | None], ...] = (
-    _parameter, _lora_base_output, _dropout_mask, _fused_attention, _lora_intermediate, _eager_attention, _norm, _activation,
-    _loss_input, _rope_table, _product, _linear_input, _small_or_index, _recompute_source,
+    _parameter, _lora_base_output, _dropout_mask, _fused_attention, _lora_intermediate, _eager_attention, _norm,
+    _activation, _loss_input, _rope_table, _product, _linear_input, _small_or_index, _recompute_source,
 )
 
 

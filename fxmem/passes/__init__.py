@@ -12,7 +12,8 @@ from fxmem.passes.sparsify import SparsifyAttention
 
 def default_passes() -> list[GraphPass]:
     """Every pass fxmem has, in order; each runs only when the region's config enables it."""
-    return [LoraReorder(), RunLora(), RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved(), LowRankSaved()]
+    return [LoraReorder(), RunLora(), RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved(),
+            LowRankSaved()]
 
 
 __all__ = ["GraphPass", "LoraReorder", "LowRankSaved", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",

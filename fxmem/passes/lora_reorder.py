@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 from torch.fx import Graph, Node
-from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis.graph import DTYPE_CASTS, is_view, original_op, storage_base, strip, users_through_views
 from fxmem.analysis.lora import LORA_REORDERED, LoraLinear, find_lora_linears
@@ -32,7 +31,7 @@ from fxmem.analysis.roles import (
     rope_trig,
 )
 from fxmem.config import Config
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
 
 aten = torch.ops.aten
 # Non-pointwise ops an epilogue may pass through: RoPE's rotate_half is slice, neg, cat.
@@ -49,7 +48,7 @@ class LoraReorder(GraphPass):
 
     def run(self, state: PipelineState) -> str:
         graph = state.joint.graph
-        params = frozenset(n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
+        params = joint_primals(graph)
         loras = [lora for lora in find_lora_linears(graph, params) if lora.base.target is not
                  torch.ops.fxmem.nf4_linear.default]
         dropout = [lora for lora in loras if lora.dropout]
@@ -59,13 +58,12 @@ class LoraReorder(GraphPass):
         linear_consumers = 0
         for lora in followed:
             reach = _reach(lora.output, epilogue)
-            kind = _consumer_kind(lora, reach, epilogue)
+            kind = _consumer_kind(reach, epilogue)
             if kind is None:
                 linear_consumers += 1
                 continue
             lora.base.meta[LORA_REORDERED] = kind
-            for node in [*_lora_branch(lora), *reach]:
-                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            tag_must_recompute([*_lora_branch(lora), *reach])
             kinds[kind] = kinds.get(kind, 0) + 1
         if not kinds and not dropout:
             return ""
@@ -129,7 +127,7 @@ def _reach(output: Node, epilogue: set[Node]) -> list[Node]:
     return found
 
 
-def _consumer_kind(lora: LoraLinear, reach: list[Node], epilogue: set[Node]) -> str | None:
+def _consumer_kind(reach: list[Node], epilogue: set[Node]) -> str | None:
     """What non-linear operator reads the output ('silu', 'product', 'q', ...); None if only linear ones."""
     for node in reach:
         name = original_op(node)

@@ -13,11 +13,12 @@ import copy
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from torch.fx import GraphModule
+from torch.fx import Graph, GraphModule, Node
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis import Analysis
 from fxmem.calibration import QuantSlot
@@ -80,6 +81,17 @@ def copy_graph_module(gm: GraphModule) -> GraphModule:
         warnings.simplefilter("ignore", FutureWarning)
         graph = copy.deepcopy(gm.graph)
     return GraphModule(gm, graph, gm.__class__.__name__)
+
+
+def joint_primals(graph: Graph) -> frozenset[Node]:
+    """The joint graph's forward inputs (parameters, buffers and user inputs): AOTAutograd names them primals_*."""
+    return frozenset(n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
+
+
+def tag_must_recompute(nodes: Iterable[Node]) -> None:
+    """Make torch's min-cut partitioner recompute these joint-graph nodes in backward instead of saving them."""
+    for node in nodes:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
 class PassManager:

@@ -18,11 +18,10 @@ from __future__ import annotations
 import operator
 
 from torch.fx import Node
-from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis.roles import is_fused_attention
 from fxmem.config import Config
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
 
 
 class RecomputeAttention(GraphPass):
@@ -40,8 +39,7 @@ class RecomputeAttention(GraphPass):
             if _dropout_p(node):
                 skipped += 1
                 continue
-            for target in [node, *(u for u in node.users if u.target is operator.getitem)]:
-                target.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            tag_must_recompute([node, *(u for u in node.users if u.target is operator.getitem)])
             tagged += 1
         parts = [f"{tagged} attention op(s) recomputed in backward"] if tagged else []
         if skipped:

@@ -15,13 +15,12 @@ exact, for 1 MiB of 83).
 from __future__ import annotations
 
 from torch.fx import Node
-from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis.graph import DTYPE_CASTS, is_view, numel_hint, original_op, storage_bytes, tensor_val
 from fxmem.analysis.lora import MATMULS, matmul_operands
 from fxmem.analysis.roles import LOG_SOFTMAXES
 from fxmem.config import Config
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
 
 
 class RecomputeLogits(GraphPass):
@@ -42,8 +41,7 @@ class RecomputeLogits(GraphPass):
                 if chain is not None:
                     heads.setdefault(chain[0], set()).update(chain)
         for chain in heads.values():
-            for node in chain:
-                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            tag_must_recompute(chain)
         if not heads:
             return ""
         freed = sum(storage_bytes(tensor_val(head)) for head in heads)

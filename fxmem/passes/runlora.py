@@ -22,14 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch.fx import Graph, Node
-from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis.graph import aten, hint, is_view, storage_base, strip, tensor_val, users_through_views
 from fxmem.analysis.lora import LORA_REORDERED, LoraLinear, find_lora_linears, matmul_operands
 from fxmem.config import Config
 from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.lora_timing import choose_by_time
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
 from fxmem.passes.saved_rewrite import call
 
 MM = aten.mm.default
@@ -66,7 +65,7 @@ class RunLora(GraphPass):
 
     def run(self, state: PipelineState) -> str:
         graph = state.joint.graph
-        params = frozenset(n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
+        params = joint_primals(graph)
         decisions: dict[tuple[LoraShape, str, str], int] = {}
         skipped: list[str] = []
         for lora in find_lora_linears(graph, params):
@@ -140,11 +139,6 @@ def _find_backward(lora: LoraLinear) -> LoraBackward:
                         grad_x_base=grad_x_base, grad_y=grad_x_base.args[0] if grad_x_base is not None else None)
 
 
-def _recompute(*nodes: Node) -> None:
-    for node in nodes:
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-
-
 def _merged_weight_t(graph: Graph, lora: LoraLinear) -> Node:
     """(W + s B A)^T = W^T + s A^T B^T, from the operands the traced matmuls use; rebuilt wherever needed."""
     weight_t, lora_a_t, lora_b_t = (matmul_operands(lora.base)[1], matmul_operands(lora.xa)[1],
@@ -152,7 +146,7 @@ def _merged_weight_t(graph: Graph, lora: LoraLinear) -> Node:
     product = call(graph, MM, (lora_a_t, lora_b_t))
     scaled = call(graph, aten.mul.Tensor, (product, lora.scaling))
     merged = call(graph, aten.add.Tensor, (weight_t, scaled))
-    _recompute(product, scaled, merged)
+    tag_must_recompute((product, scaled, merged))
     return merged
 
 
@@ -166,7 +160,7 @@ def _rewrite(graph: Graph, lora: LoraLinear, backward: LoraBackward, choice: Ord
     lora_a_t = matmul_operands(lora.xa)[1]
     lora_b_t = matmul_operands(lora.xab)[1]
 
-    _recompute(lora.xa, *[u for u in lora.xa.users if is_view(u)])
+    tag_must_recompute([lora.xa, *[u for u in lora.xa.users if is_view(u)]])
     if choice.forward == "forward2":
         with graph.inserting_before(lora.output):
             merged = _merged_weight_t(graph, lora)
