@@ -47,6 +47,16 @@ def hyclora_settings(bits: Sequence[int] = (4, 2)) -> list[Setting]:
     return settings
 
 
+def select_settings(settings: Sequence[Setting], names: Sequence[str]) -> list[Setting]:
+    """The baselines and the named settings, in ``settings``' order."""
+    valid = [s.name for s in settings if s.method == "fxmem"]
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        raise ValueError(f"unknown setting {', '.join(map(repr, unknown))}; valid settings: "
+                         f"{', '.join(map(repr, valid))}")
+    return [s for s in settings if s.method != "fxmem" or s.name in names]
+
+
 @dataclass
 class AblationResult:
     setting: str

@@ -101,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ablate.add_argument("--workload", default="llama-tiny", choices=list(WORKLOADS))
     ablate.add_argument("--steps", type=_int_at_least(3), default=200)
     ablate.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=BITS_CHOICES)
+    ablate.add_argument("--settings", nargs="+", metavar="NAME",
+                        help="run only these fxmem settings (names as the table prints them), beside the baselines")
     ablate.add_argument("--lr", type=float, default=1e-3)
     ablate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ablate.add_argument("--json", type=pathlib.Path, metavar="PATH")
@@ -474,9 +476,15 @@ ABLATE_COLUMNS = ("setting", "saved activations", "vs eager", "min grad cosine",
 
 
 def _ablate(args: argparse.Namespace) -> int:
-    from fxmem.ablation import ablate, hyclora_settings
+    from fxmem.ablation import ablate, hyclora_settings, select_settings
     workload = get_workload(args.workload)
     settings = hyclora_settings(args.bits)
+    if args.settings:
+        try:
+            settings = select_settings(settings, args.settings)
+        except ValueError as error:
+            console.print(f"[red]{error}[/red]")
+            return 2
     console.print(f"{workload.name} ({workload.description}): {args.steps} LoRA steps on Python standard-library "
                   f"source, AdamW lr {args.lr}, {len(settings)} settings round-robin")
     with Progress(TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),

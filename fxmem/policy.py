@@ -33,6 +33,12 @@ LOWRANK_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, 
 # Pre-norm sharing saves the input channels with the smallest |gamma| exactly: output / gamma carries nothing
 # where gamma == 0 and amplifies the factors' error where |gamma| is small. One channel in 256, at least one.
 PRENORM_EXACT_SHARE = 1 / 256
+# LoRA outputs feeding these are not rebuilt below 8 bits. Without the rebuild torch saves the activation's
+# derivative (and output), which are bounded; rounding the wide-ranged input instead and replaying the
+# activation doubles the derivative's error (pretrained MiniLM's FFN at 2 bits: 0.49 against 0.23 relative
+# error; docs/quantization.md). SiLU is rebuilt: there torch saves the input, the same value the rebuild rounds.
+DERIVATIVE_SAVED_ACTIVATIONS = frozenset({"gelu", "tanh"})
+REBUILD_ALL_ACTIVATIONS_BITS = 8
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,15 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v not in (None, 0) or k in ("action", "reason")}
+
+
+def rebuild_refusal(consumer: str, config: Config) -> str | None:
+    """Why lora_reorder should leave a LoRA output feeding ``consumer`` as is, or None to rebuild it."""
+    bits = config.bits or 0
+    if consumer in DERIVATIVE_SAVED_ACTIVATIONS and bits < REBUILD_ALL_ACTIVATIONS_BITS:
+        return (f"feeding {consumer} left as is: at {bits} bits the saved {consumer} derivative is more "
+                "faithful than a rebuilt input")
+    return None
 
 
 def plan_region(analysis: Analysis, config: Config) -> list[Plan]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fxmem.ablation import ablate, hyclora_settings, probe_steps
+from fxmem.ablation import ablate, hyclora_settings, probe_steps, select_settings
 from fxmem.config import Config
 
 from .conftest import TINY_LLAMA
@@ -23,6 +23,14 @@ def test_settings_cover_bits_intra_inter_outliers_and_the_papers_static_calibrat
     assert (paper_qk.bits, paper_qk.qk_bits, paper_qk.calibration) == (4, None, "dynamic")
     assert (static.bits, static.qk_bits, static.calibration, static.outlier_ratio) == (4, 8, "static", 0.005)
     assert probe_steps(200, 5) == [6, 100, 200]
+
+
+def test_select_settings_keeps_the_baselines_and_names_the_valid_choices():
+    settings = hyclora_settings([4, 2])
+    chosen = select_settings(settings, ["2-bit inter", "4-bit intra"])
+    assert [s.name for s in chosen] == ["eager PEFT", "torch.compile", "4-bit intra", "2-bit inter"]
+    with pytest.raises(ValueError, match="unknown setting '3-bit'; valid settings: '4-bit intra \\+ inter', "):
+        select_settings(settings, ["3-bit"])
 
 
 def test_ablate_trains_every_setting_on_the_same_batches_and_probes_the_compressed_ones():

@@ -91,3 +91,27 @@ def test_runlora_leaves_the_rebuilt_layers_to_lora_reorder_and_gradients_still_m
     assert runlora.startswith("2 LoRA linear(s) reordered")  # o_proj and down_proj
     assert runlora.count("output rebuilt in backward by lora_reorder") == 5
     assert gradient_fidelity(exact, grads).min_cosine > 0.9995
+
+
+def test_below_8_bits_gelu_and_tanh_outputs_keep_torchs_saved_derivative():
+    model, batch = tiny_model("bert", lora=True, layers=1)
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit"), lowering="eager")
+    _run(model, batch, backend)
+    summary = _summary(backend)
+    assert summary.startswith("3 LoRA output(s) rebuilt in backward from x W and x A (1x k, 1x q, 1x v)"), summary
+    assert ("1 feeding gelu left as is: at 2 bits the saved gelu derivative is more faithful than a rebuilt "
+            "input") in summary
+    assert "1 feeding tanh left as is" in summary  # the pooler
+    details = {s.detail for s, _ in _saved_rows(backend) if s.role is Role.LORA_BASE_OUTPUT}
+    assert details == {"output rebuilt for q", "output rebuilt for k", "output rebuilt for v"}
+    assert "gelu derivative" in {s.detail for s, _ in _saved_rows(backend) if s.role is Role.ACT_INPUT}
+
+
+def test_rebuild_refusal_depends_on_the_activation_and_the_bits():
+    from fxmem.policy import rebuild_refusal
+    for bits in (2, 4):
+        assert rebuild_refusal("gelu", fxmem.Config(bits=bits)) is not None
+        assert rebuild_refusal("tanh", fxmem.Config(bits=bits)) is not None
+        for kind in ("silu", "product", "q", "v"):
+            assert rebuild_refusal(kind, fxmem.Config(bits=bits)) is None
+    assert rebuild_refusal("gelu", fxmem.Config(bits=8)) is None

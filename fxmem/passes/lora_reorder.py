@@ -13,7 +13,9 @@ product and the rotated q/k are not saved at all.
 
 A LoRA linear with dropout on its input is left as is (its LoRA branch reads a
 random mask that backward would have to replay); so is one whose output feeds
-no non-linear operator (o_proj, down_proj: a residual add saves nothing).
+no non-linear operator (o_proj, down_proj: a residual add saves nothing), and,
+below 8 bits, one feeding GELU or tanh, whose saved derivative quantizes better
+than their input (policy.rebuild_refusal).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from fxmem.analysis.roles import (
 )
 from fxmem.config import Config
 from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
+from fxmem.policy import rebuild_refusal
 
 aten = torch.ops.aten
 # Non-pointwise ops an epilogue may pass through: RoPE's rotate_half is slice, neg, cat.
@@ -55,6 +58,7 @@ class LoraReorder(GraphPass):
         followed = [lora for lora in loras if not lora.dropout]
         epilogue = _epilogue(graph, {lora.output for lora in followed}, params)
         kinds: dict[str, int] = {}
+        refused: dict[str, int] = {}
         linear_consumers = 0
         for lora in followed:
             reach = _reach(lora.output, epilogue)
@@ -62,10 +66,14 @@ class LoraReorder(GraphPass):
             if kind is None:
                 linear_consumers += 1
                 continue
+            refusal = rebuild_refusal(kind, state.config)
+            if refusal is not None:
+                refused[refusal] = refused.get(refusal, 0) + 1
+                continue
             lora.base.meta[LORA_REORDERED] = kind
             tag_must_recompute([*_lora_branch(lora), *reach])
             kinds[kind] = kinds.get(kind, 0) + 1
-        if not kinds and not dropout:
+        if not kinds and not dropout and not refused:
             return ""
         parts = []
         if kinds:
@@ -73,6 +81,7 @@ class LoraReorder(GraphPass):
             parts.append(f"{sum(kinds.values())} LoRA output(s) rebuilt in backward from x W and x A ({rebuilt})")
         if dropout:
             parts.append(f"left as is, dropout on the LoRA input: {', '.join(lora.module for lora in dropout)}")
+        parts += [f"{count} {refusal}" for refusal, count in refused.items()]
         if linear_consumers:
             parts.append(f"{linear_consumers} feeding no activation, Hadamard product or fused attention left as is")
         return "; ".join(parts)
