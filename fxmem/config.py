@@ -31,7 +31,8 @@ class Config:
         them after calibration_steps (the paper; values outside the calibrated range are clamped).
     lora_reorder: for a LoRA linear feeding SiLU/GELU, a Hadamard product or attention, save X W (quantized
         to ``bits``) and X A (exact) and rebuild the output and its element-wise epilogue in backward
-        (HyC-LoRA's inter-operator compression). Needs ``bits``.
+        (HyC-LoRA's inter-operator compression). Needs ``bits``. GELU and tanh consumers only at 8 bits
+        (policy.rebuild_refusal says why).
     intra: quantize every saved activation whose role allows it (HyC-LoRA's intra-operator compression);
         False quantizes only the X W that lora_reorder saves (needs lora_reorder).
     lowrank: low-rank saved activations, as a ratio of the last dimension in (0, 1)
