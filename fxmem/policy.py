@@ -59,10 +59,10 @@ class Plan:
 
 
 def rebuild_refusal(consumer: str, config: Config) -> str | None:
-    """Why lora_reorder should leave a LoRA output feeding ``consumer`` as is, or None to rebuild it."""
-    bits = config.bits or 0
-    if consumer in DERIVATIVE_SAVED_ACTIVATIONS and bits < REBUILD_ALL_ACTIVATIONS_BITS:
-        return (f"feeding {consumer} left as is: at {bits} bits the saved {consumer} derivative is more "
+    """Why lora_reorder should leave a LoRA output feeding ``consumer`` as is, or None to rebuild it.
+    ``config`` has ``bits`` (Config refuses lora_reorder without them)."""
+    if consumer in DERIVATIVE_SAVED_ACTIVATIONS and config.bits < REBUILD_ALL_ACTIVATIONS_BITS:
+        return (f"feeding {consumer} left as is: at {config.bits} bits the saved {consumer} derivative is more "
                 "faithful than a rebuilt input")
     return None
 
@@ -110,15 +110,15 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
     if owner.role is Role.ATTN_PROBS and owner.detail == "probabilities" and config.attn_sparsity is not None:
         return _sparsify(owner, analysis, config.attn_sparsity)
     candidates: list[tuple[Plan, set[str]]] = []  # each with the RoPE tables it would save
+    quantized_role = config.bits is not None and all(s.role in QUANTIZED_ROLES for s in group)
     # intra=False: only what lora_reorder saves (x W) is quantized, the paper's inter-only ablation row.
-    quantizable = QUANTIZED_ROLES if config.intra else {Role.LORA_BASE_OUTPUT}
-    if config.bits is not None and all(s.role in quantizable for s in group):
+    if quantized_role and (config.intra or all(s.role is Role.LORA_BASE_OUTPUT for s in group)):
         tables = set(tables_saved)
         candidates.append((_quantize(owner, analysis, config, tables), tables))
     if config.lowrank is not None and all(s.role in LOWRANK_ROLES for s in group):
         candidates.append((_lowrank(owner, analysis, config.lowrank), tables_saved))
     if not candidates:
-        if config.bits is not None and all(s.role in QUANTIZED_ROLES for s in group):
+        if quantized_role:
             return Plan("keep", "intra-operator quantization off (intra=False)")
         return Plan("keep", f"no enabled technique applies to {owner.role.value}")
     compressing = [c for c in candidates if c[0].action != "keep"]

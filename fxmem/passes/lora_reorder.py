@@ -20,6 +20,8 @@ than their input (policy.rebuild_refusal).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch.fx import Graph, Node
 
@@ -57,8 +59,8 @@ class LoraReorder(GraphPass):
         dropout = [lora for lora in loras if lora.dropout]
         followed = [lora for lora in loras if not lora.dropout]
         epilogue = _epilogue(graph, {lora.output for lora in followed}, params)
-        kinds: dict[str, int] = {}
-        refused: dict[str, int] = {}
+        kinds: Counter[str] = Counter()
+        refused: Counter[str] = Counter()
         linear_consumers = 0
         for lora in followed:
             reach = _reach(lora.output, epilogue)
@@ -68,11 +70,11 @@ class LoraReorder(GraphPass):
                 continue
             refusal = rebuild_refusal(kind, state.config)
             if refusal is not None:
-                refused[refusal] = refused.get(refusal, 0) + 1
+                refused[refusal] += 1
                 continue
             lora.base.meta[LORA_REORDERED] = kind
             tag_must_recompute([*_lora_branch(lora), *reach])
-            kinds[kind] = kinds.get(kind, 0) + 1
+            kinds[kind] += 1
         if not kinds and not dropout and not refused:
             return ""
         parts = []
