@@ -58,3 +58,13 @@ def planned_bytes(saved: SavedTensor, plan: Plan) -> int:
     if plan.nbytes is None:
         raise ValueError(f"plan {plan.action!r} for {saved.name} carries no byte count")
     return plan.nbytes
+
+
+def epilogue_traffic_saved(numel: int, element_size: int, lora_sums: int, *, backward: bool) -> int:
+    """Memory traffic a fused LoRA epilogue (fxmem/kernels/lora_epilogue.py, Triton) avoids.
+
+    Unfused, each LoRA sum base + s (X A^T) B^T writes its (X A^T) B^T product and reads it back, and in backward
+    also its dequantized base; the fused kernel computes both tile by tile in registers. The packed codes, X A^T, B,
+    the incoming gradient and the outputs move the same bytes either way.
+    """
+    return lora_sums * numel * element_size * (4 if backward else 2)

@@ -325,7 +325,8 @@ if triton is not None:
         return a
 
 
-def _uses_triton(t: torch.Tensor) -> bool:
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether the ops run their Triton kernel on ``t``'s device (else their torch reference)."""
     return t.device.type == "cuda" and triton is not None
 
 
@@ -343,7 +344,7 @@ def lora_swiglu_backward(
     """
     _check_swiglu_backward(grad_h, gate_packed, gate_scale, gate_zero, gate_xa, gate_b, up_packed, up_scale,
                            up_zero, up_xa, up_b, bits)
-    implementation = lora_swiglu_backward_triton if _uses_triton(grad_h) else lora_swiglu_backward_reference
+    implementation = lora_swiglu_backward_triton if uses_triton(grad_h) else lora_swiglu_backward_reference
     return implementation(grad_h, gate_packed, gate_scale, gate_zero, gate_xa, gate_b, gate_scaling, up_packed,
                           up_scale, up_zero, up_xa, up_b, up_scaling, bits)
 
@@ -369,7 +370,7 @@ def lora_swiglu_forward(gate_base: torch.Tensor, gate_xa: torch.Tensor, gate_b: 
                         up_scaling: float) -> torch.Tensor:
     """h = silu(gate) up with gate = gate_base + s (XA) B^T and up likewise; shapes as ``lora_swiglu_backward``."""
     _check_swiglu_forward(gate_base, gate_xa, gate_b, up_base, up_xa, up_b)
-    implementation = lora_swiglu_forward_triton if _uses_triton(gate_base) else lora_swiglu_forward_reference
+    implementation = lora_swiglu_forward_triton if uses_triton(gate_base) else lora_swiglu_forward_reference
     return implementation(gate_base, gate_xa, gate_b, gate_scaling, up_base, up_xa, up_b, up_scaling)
 
 
@@ -390,7 +391,7 @@ def lora_gelu_backward(grad_a: torch.Tensor, packed: torch.Tensor, scale: torch.
                        approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/dy, a) for a = gelu(y, approximate), y rebuilt from quantized Y_W plus the LoRA term."""
     _check_gelu_backward(grad_a, packed, scale, zero, xa, b, bits, approximate)
-    implementation = lora_gelu_backward_triton if _uses_triton(grad_a) else lora_gelu_backward_reference
+    implementation = lora_gelu_backward_triton if uses_triton(grad_a) else lora_gelu_backward_reference
     return implementation(grad_a, packed, scale, zero, xa, b, scaling, bits, approximate)
 
 
@@ -411,7 +412,7 @@ def lora_gelu_forward(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, sca
                       approximate: str) -> torch.Tensor:
     """a = gelu(base + s (XA) B^T, approximate)."""
     _check_gelu_forward(base, xa, b, approximate)
-    implementation = lora_gelu_forward_triton if _uses_triton(base) else lora_gelu_forward_reference
+    implementation = lora_gelu_forward_triton if uses_triton(base) else lora_gelu_forward_reference
     return implementation(base, xa, b, scaling, approximate)
 
 

@@ -1,5 +1,6 @@
 """Graph rewrites, one file per pass family, run in order by the pass manager."""
 
+from fxmem.passes.fuse_epilogue import FuseEpilogue
 from fxmem.passes.lora_reorder import LoraReorder
 from fxmem.passes.lowrank import LowRankSaved
 from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineState
@@ -13,8 +14,8 @@ from fxmem.passes.sparsify import SparsifyAttention
 def default_passes() -> list[GraphPass]:
     """Every pass fxmem has, in order; each runs only when the region's config enables it."""
     return [LoraReorder(), RunLora(), RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved(),
-            LowRankSaved()]
+            LowRankSaved(), FuseEpilogue()]
 
 
-__all__ = ["GraphPass", "LoraReorder", "LowRankSaved", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
+__all__ = ["FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
            "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention", "default_passes"]

@@ -1,0 +1,443 @@
+"""Fuse rebuilt LoRA outputs with their activation: one kernel for SwiGLU (gate, up), one for GELU.
+
+After lora_reorder and quantize, backward rebuilds each reordered LoRA output
+as view(deq(X W^T)) + s view((X A^T) B^T) and runs the activation's derivative
+on it element by element; forward computes the same sum from the unquantized
+X W^T. This pass finds those sums, grows the element-wise region computed from
+them (plus, in backward, the one incoming gradient), and replaces the region's
+activation output and gradients by one call to fxmem::lora_swiglu_forward /
+_backward or fxmem::lora_gelu_forward / _backward (fxmem/kernels/lora_epilogue.py).
+On CUDA the dequantized X W^T, the (X A^T) B^T product and the rebuilt output
+then never reach memory.
+
+Which region node is h = silu(gate) up, dL/dgate, dL/dup (or gelu(y), dL/dy)
+is decided by evaluating the region on sample values against the kernels' own
+torch reference, not by matching op spellings: torch's decompositions of SiLU
+and GELU and their derivatives differ between versions, the values do not. A
+region whose values match no kernel (RoPE after q and k, a lone SiLU) is left
+to inductor.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import numbers
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx import Graph, GraphModule, Node
+from torch.utils._pytree import tree_map_only
+
+import fxmem.kernels.lora_epilogue as epilogue
+from fxmem.analysis.graph import DTYPE_CASTS, is_view, numel_hint, tensor_val
+from fxmem.config import Config
+from fxmem.cost_model.memory import epilogue_traffic_saved
+from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.saved_rewrite import call
+
+aten = torch.ops.aten
+_CONSTANTS = frozenset({aten.full.default, aten.scalar_tensor.default})
+_SAMPLES = 257  # values per sample tensor: enough that no two different element-wise formulas agree by chance
+
+
+@dataclass(frozen=True)
+class LoraSum:
+    """A LoRA linear's output computed as base + s (X A^T) B^T, base = X W^T or its dequantized copy."""
+
+    node: Node  # the add
+    base: Node  # the frozen side as the add reads it (a view of the matmul or of the dequantize)
+    xa: Node  # X A^T, (n, r)
+    b: Node  # B, (o, r)
+    scaling: float
+    quantized: tuple[Node, Node, Node, int] | None  # (packed, scale, zero, bits) when base is dequantized
+
+
+class FuseEpilogue(GraphPass):
+    """Fuses where the kernels run as Triton (CUDA). On CPU their torch reference materializes the same tensors
+    as inductor's unfused code, so CPU graphs are left to inductor unless ``on_reference`` (tests use it)."""
+
+    name = "fuse_epilogue"
+    stage = "partitioned"
+
+    def __init__(self, *, on_reference: bool = False) -> None:
+        self.on_reference = on_reference
+
+    def enabled(self, config: Config) -> bool:
+        return config.lora_reorder
+
+    def run(self, state: PipelineState) -> str:
+        found = [(f"{e.kind} ({side})", e) for side, gm in (("forward", state.fw), ("backward", state.bw))
+                 for e in fuse_graph(gm, backward=side == "backward", on_reference=self.on_reference)]
+        parts = []
+        for fused, text in ((True, "fused with the LoRA rebuild: {kinds}, {traffic} less memory traffic"),
+                            (False, "{kinds} left to inductor: the fused kernels are Triton (CUDA), where they would "
+                                    "save {traffic} of memory traffic; their CPU path, the torch reference, does not")):
+            kinds = Counter(what for what, e in found if e.fused is fused)
+            if kinds:
+                traffic = _mib(sum(e.traffic_saved for _, e in found if e.fused is fused))
+                parts.append(text.format(kinds=", ".join(f"{count}x {what}" for what, count in sorted(kinds.items())),
+                                         traffic=traffic))
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    kind: str  # 'swiglu' or 'gelu'
+    fused: bool
+    traffic_saved: int  # bytes, under the cost model, when fused
+
+
+def fuse_graph(gm: GraphModule, *, backward: bool, on_reference: bool) -> list[Epilogue]:
+    """Find every SwiGLU and GELU epilogue of a LoRA sum in ``gm``; fuse those the Triton kernels would run
+    (all of them with ``on_reference``)."""
+    graph = gm.graph
+    sums = {s.node: s for s in map(lora_sum, graph.nodes) if s is not None}
+    if backward:  # backward rebuilds from the quantized copy; an exact one is a saved output, nothing to fuse
+        sums = {node: s for node, s in sums.items() if s.quantized is not None}
+    found = []
+    for group in _groups(graph, list(sums)):
+        region = Region.grow(graph, group, backward)
+        rewrite = _rewrite(region, [sums[node] for node in group], backward) if region is not None else None
+        if rewrite is None:
+            continue
+        val = tensor_val(group[0])
+        fuse = on_reference or epilogue.uses_triton(val)
+        if fuse:
+            rewrite(graph)
+        found.append(Epilogue(rewrite.kind, fuse, epilogue_traffic_saved(
+            numel_hint(val), val.element_size(), len(group), backward=backward)))
+    if any(e.fused for e in found):
+        _stable_sort(graph)  # a kernel call goes after its last operand; users of its outputs may precede it
+        graph.eliminate_dead_code()
+    return found
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def lora_sum(node: Node) -> LoraSum | None:
+    if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    for base, lora in (node.args, node.args[::-1]):
+        if not (isinstance(base, Node) and isinstance(lora, Node)):
+            return None
+        scaling = 1.0
+        if lora.target in (aten.mul.Tensor, aten.mul.Scalar):
+            constants = [a for a in lora.args if isinstance(a, numbers.Number)]
+            tensors = [a for a in lora.args if isinstance(a, Node)]
+            if len(constants) != 1 or len(tensors) != 1:
+                continue
+            scaling, lora = float(constants[0]), tensors[0]
+        factors = _lora_product(lora)
+        frozen = _reshaped_from(base)
+        if factors is None or frozen is None:
+            continue
+        xa, b = factors
+        channels = tensor_val(b).shape[0]
+        if tensor_val(frozen).shape != (tensor_val(xa).shape[0], channels):
+            continue
+        if frozen.target is torch.ops.fxmem.dequantize.default:
+            packed, _, scale, zero, outlier_ids, bits = frozen.args
+            if tensor_val(outlier_ids).shape[0] != 0:
+                continue  # outlier channels are not part of the fused kernels' input
+            return LoraSum(node, base, xa, b, scaling, (packed, scale, zero, bits))
+        if frozen.target in (aten.mm.default, aten.addmm.default):
+            return LoraSum(node, base, xa, b, scaling, None)
+    return None
+
+
+def _reshaped_from(node: Node) -> Node | None:
+    """The 2-D tensor ``node`` is a row-major reshape of (through view ops that keep the last dim), else None."""
+    val = tensor_val(node)
+    if val is None or val.dim() == 0:
+        return None
+    last = val.shape[-1]
+    while is_view(node):
+        if node.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            return None
+        node = node.args[0]
+        if tensor_val(node).shape[-1] != last:
+            return None
+    val = tensor_val(node)
+    return node if val.dim() == 2 and val.is_contiguous() else None
+
+
+def _lora_product(node: Node) -> tuple[Node, Node] | None:
+    """(X A^T, B) for a reshape of mm(X A^T, permute(B, [1, 0]))."""
+    product = _reshaped_from(node)
+    if product is None or product.target is not aten.mm.default:
+        return None
+    xa, b_t = product.args
+    if not (b_t.target is aten.permute.default and list(b_t.args[1]) == [1, 0]):
+        return None
+    b = b_t.args[0]
+    if b.op != "placeholder" or tensor_val(b).dim() != 2 or not tensor_val(xa).is_contiguous():
+        return None
+    return xa, b
+
+
+def _pointwise(node: Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.pointwise in target.tags or target in DTYPE_CASTS) and (
+        torch.Tag.nondeterministic_seeded not in target.tags)
+
+
+def _scalar_constant(node: Node) -> bool:
+    return node.target in _CONSTANTS and tensor_val(node).dim() == 0
+
+
+def _groups(graph: Graph, seeds: list[Node]) -> list[list[Node]]:
+    """Seeds whose element-wise consumers meet (SwiGLU's gate and up), each group in graph order."""
+    reach: dict[Node, set[Node]] = {}
+    for seed in seeds:
+        found, stack = {seed}, [seed]
+        while stack:
+            for user in stack.pop().users:
+                if user not in found and _pointwise(user):
+                    found.add(user)
+                    stack.append(user)
+        reach[seed] = found
+    groups: list[list[Node]] = []
+    for seed in seeds:
+        joined = [g for g in groups if any(reach[seed] & reach[other] for other in g)]
+        merged = [seed] + [s for g in joined for s in g]
+        groups = [g for g in groups if g not in joined] + [merged]
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return [sorted(g, key=order.__getitem__) for g in groups]
+
+
+@dataclass
+class Region:
+    """The element-wise nodes computed from ``seeds`` and at most one other full-size tensor, in graph order."""
+
+    seeds: list[Node]
+    nodes: list[Node]
+    incoming: Node | None  # the one other full-size input (backward: the gradient arriving at the activation)
+
+    @classmethod
+    def grow(cls, graph: Graph, seeds: list[Node], allow_incoming: bool) -> Region | None:
+        shape = tensor_val(seeds[0]).shape
+        if any(tensor_val(s).shape != shape for s in seeds):
+            return None
+        inside, nodes, incoming = set(seeds), [], None
+        for node in graph.nodes:
+            if node in inside or not _pointwise(node) or not any(i in inside for i in node.all_input_nodes):
+                continue
+            others = {i for i in node.all_input_nodes if i not in inside and not _scalar_constant(i)}
+            if incoming is not None:
+                others.discard(incoming)
+            if len(others) > 1 or (others and (not allow_incoming or incoming is not None)):
+                continue
+            if tensor_val(node).shape != shape or any(tensor_val(o).shape != shape for o in others):
+                continue
+            if others:
+                (incoming,) = others
+            inside.add(node)
+            nodes.append(node)
+        return cls(seeds, nodes, incoming) if nodes else None
+
+    def evaluate(self, inputs: dict[Node, torch.Tensor]) -> dict[Node, torch.Tensor]:
+        """Run the region's ops on CPU sample tensors standing for its seeds and incoming tensor."""
+        values = dict(inputs)
+
+        def value(node: Node) -> torch.Tensor:
+            if node not in values:  # a scalar constant
+                kwargs = {**node.kwargs, "device": torch.device("cpu")}
+                values[node] = node.target(*node.args, **kwargs)
+            return values[node]
+
+        for node in self.nodes:
+            args, kwargs = tree_map_only(Node, value, (node.args, node.kwargs))
+            values[node] = node.target(*args, **kwargs)
+        return values
+
+
+def _samples(node: Node, generator: torch.Generator, spread: float) -> torch.Tensor:
+    return (torch.randn(_SAMPLES, generator=generator, dtype=torch.float64) * spread).to(tensor_val(node).dtype)
+
+
+def _error(value: torch.Tensor, target: torch.Tensor) -> float:
+    """Largest difference relative to the target's largest magnitude, if within ``value``'s dtype's rounding."""
+    target = target.double()
+    error = float((value.double() - target).abs().max() / target.abs().max().clamp_min(1e-30))
+    # fp32: far below the gap between GELU's erf and tanh forms (~5e-5), far above formula spellings' (~1e-7).
+    return error if error <= max(2e-6, 4 * torch.finfo(value.dtype).eps) else float("inf")
+
+
+def _match(region: Region, values: dict[Node, torch.Tensor], targets: dict[str, torch.Tensor]
+           ) -> tuple[dict[str, Node], float]:
+    """For each target, the first region node with its value in the kernel's output dtype; the largest error.
+
+    The kernels return the dtype of their first tensor: the incoming gradient in backward, the base in forward
+    (a bf16 model's backward may upcast the gradient to fp32 for the activation's derivative)."""
+    dtype = tensor_val(region.incoming if region.incoming is not None else region.seeds[0]).dtype
+    found: dict[str, Node] = {}
+    worst = 0.0
+    for node in region.nodes:
+        if tensor_val(node).dtype != dtype:
+            continue
+        for name, target in targets.items():
+            error = _error(values[node], target) if name not in found else float("inf")
+            if error != float("inf"):
+                found[name] = node
+                worst = max(worst, error)
+    return found, worst
+
+
+def _swiglu_targets(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    grad_gate, grad_up, h = epilogue._swiglu_grads(
+        (grad if grad is not None else torch.zeros_like(gate)).double(), gate.double(), up.double())
+    return {"h": h} if grad is None else {"grad_gate": grad_gate, "grad_up": grad_up, "h": h}
+
+
+def _gelu_targets(y: torch.Tensor, grad: torch.Tensor | None, approximate: str) -> dict[str, torch.Tensor]:
+    y = y.double()
+    targets = {"a": torch.nn.functional.gelu(y, approximate=approximate)}
+    if grad is not None:
+        targets["grad_y"] = torch.ops.aten.gelu_backward(grad.double(), y, approximate=approximate)
+    return targets
+
+
+def _identify(region: Region, backward: bool) -> tuple[str, tuple, dict[str, Node]] | None:
+    """(kernel kind, kernel-specific layout, matched nodes) for the region, or None if no kernel computes it."""
+    with unset_fake_temporarily():  # the partitioner runs under fake mode; the samples are real values
+        return _identify_real(region, backward)
+
+
+def _identify_real(region: Region, backward: bool) -> tuple[str, tuple, dict[str, Node]] | None:
+    generator = torch.Generator().manual_seed(0)
+    seeds = {seed: _samples(seed, generator, 3.0) for seed in region.seeds}
+    inputs = dict(seeds)
+    grad = None
+    if region.incoming is not None:
+        grad = inputs[region.incoming] = _samples(region.incoming, generator, 1.0)
+    values = region.evaluate(inputs)
+    if len(region.seeds) == 2:
+        required, layouts = ({"grad_gate", "grad_up"} if backward else {"h"}), (region.seeds, region.seeds[::-1])
+        candidates = [("swiglu", (gate, up), *_match(region, values, _swiglu_targets(seeds[gate], seeds[up], grad)))
+                      for gate, up in layouts]
+    elif len(region.seeds) == 1:
+        required, y = ({"grad_y"} if backward else {"a"}), seeds[region.seeds[0]]
+        candidates = [("gelu", (approximate,), *_match(region, values, _gelu_targets(y, grad, approximate)))
+                      for approximate in epilogue.GELU_APPROXIMATIONS]
+    else:
+        return None
+    # In bf16 both GELU forms may pass: the closer one is the graph's.
+    matching = [c for c in candidates if required <= c[2].keys()]
+    if not matching:
+        return None
+    kind, layout, found, _ = min(matching, key=lambda c: c[3])
+    return kind, layout, found
+
+
+def _needs_seed(region: Region, matched: set[Node]) -> set[Node]:
+    """Region nodes that still read a seed when the matched nodes come from the kernel."""
+    needing = set(region.seeds)
+    for node in region.nodes:
+        if node not in matched and any(i in needing for i in node.all_input_nodes):
+            needing.add(node)
+    return needing
+
+
+def _depends_on(node: Node, targets: set[Node]) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in targets:
+            return True
+        for i in current.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return False
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """The kernel call replacing a region: ``op(*args)``, whose outputs ``names`` stand for ``found``'s nodes."""
+
+    kind: str
+    op: torch._ops.OpOverload
+    args: tuple
+    names: tuple[str, ...]
+    found: dict[str, Node]
+
+    def __call__(self, graph: Graph) -> None:
+        with graph.inserting_after(_last(graph, [a for a in self.args if isinstance(a, Node)])):
+            outputs = call(graph, self.op, self.args, outputs=len(self.names)) if len(self.names) > 1 else [
+                call(graph, self.op, self.args)]
+        for name, output in zip(self.names, outputs, strict=True):
+            if name in self.found:
+                self.found[name].replace_all_uses_with(output)
+
+
+def _rewrite(region: Region, sums: list[LoraSum], backward: bool) -> KernelCall | None:
+    """The kernel call that computes what the rest of the graph reads from ``region``, if there is one."""
+    identified = _identify(region, backward)
+    if identified is None:
+        return None
+    kind, layout, found = identified
+    matched = set(found.values())
+    inside = set(region.nodes) | set(region.seeds)
+    needing = _needs_seed(region, matched)
+    if any(user not in inside for node in needing for user in node.users):
+        return None  # something outside still reads the rebuilt output: fusing would only duplicate the work
+    if region.incoming is not None and _depends_on(region.incoming, matched):
+        return None
+    by_node = {s.node: s for s in sums}
+    if kind == "swiglu":
+        gate, up = (by_node[n] for n in layout)
+        if not backward:
+            return KernelCall(kind, torch.ops.fxmem.lora_swiglu_forward.default,
+                              (gate.base, gate.xa, gate.b, gate.scaling, up.base, up.xa, up.b, up.scaling),
+                              ("h",), found)
+        if gate.quantized[3] != up.quantized[3]:
+            return None
+        return KernelCall(kind, torch.ops.fxmem.lora_swiglu_backward.default,
+                          (region.incoming, *_quantized_args(gate), *_quantized_args(up), gate.quantized[3]),
+                          ("grad_gate", "grad_up", "h"), found)
+    (y,), (approximate,) = sums, layout
+    if not backward:
+        return KernelCall(kind, torch.ops.fxmem.lora_gelu_forward.default,
+                          (y.base, y.xa, y.b, y.scaling, approximate), ("a",), found)
+    return KernelCall(kind, torch.ops.fxmem.lora_gelu_backward.default,
+                      (region.incoming, *_quantized_args(y), y.quantized[3], approximate), ("grad_y", "a"), found)
+
+
+def _quantized_args(s: LoraSum) -> tuple:
+    packed, scale, zero, _ = s.quantized
+    return packed, scale, zero, s.xa, s.b, s.scaling
+
+
+def _last(graph: Graph, nodes: list[Node]) -> Node:
+    wanted = set(nodes)
+    last = None
+    for node in graph.nodes:
+        if node in wanted:
+            last = node
+    return last
+
+
+def _stable_sort(graph: Graph) -> None:
+    """Reorder ``graph`` topologically, keeping each node as early as its inputs and its old position allow."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    waiting = {node: len(node.all_input_nodes) for node in graph.nodes}
+    ready = [(position[n], n) for n, count in waiting.items() if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        order.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, (position[user], user))
+    if len(order) != len(position):
+        raise RuntimeError("fuse_epilogue made the graph cyclic")
+    for before, node in itertools.pairwise(order):
+        before.append(node)

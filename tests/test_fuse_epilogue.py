@@ -1,0 +1,148 @@
+"""fuse_epilogue: rebuilt LoRA outputs and their SwiGLU / GELU replaced by one fused kernel call, same values."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fxmem
+from fxmem.kernels import lora_epilogue
+from fxmem.kernels.quantize import quant_params
+from fxmem.passes import FuseEpilogue, PassManager, default_passes
+from fxmem.passes.fuse_epilogue import fuse_graph
+
+from .conftest import loss_and_grads, tiny_model
+from .test_quantize_pass import _randomize_lora_b
+
+ROWS, CHANNELS, IN, RANK = 24, 40, 16, 4
+
+
+def _lora(x, w, xa, b, scaling):
+    return torch.mm(x, w.permute(1, 0)) + torch.mm(xa, b.permute(1, 0)) * scaling
+
+
+def _swiglu(x, w_gate, xa_gate, b_gate, w_up, xa_up, b_up):
+    return torch.nn.functional.silu(_lora(x, w_gate, xa_gate, b_gate, 2.0)) * _lora(x, w_up, xa_up, b_up, 0.5)
+
+
+def _quick_gelu(x, w, xa, b):
+    y = _lora(x, w, xa, b, 2.0)
+    return y * torch.sigmoid(1.702 * y)  # looks like GELU, is not: must be left alone
+
+
+def _gelu_tanh(x, w, xa, b):
+    return torch.nn.functional.gelu(_lora(x, w, xa, b, 2.0), approximate="tanh")
+
+
+def _inputs(count_lora, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS, IN, generator=generator)
+    factors = []
+    for _ in range(count_lora):
+        factors += [torch.randn(CHANNELS, IN, generator=generator) / 4, torch.randn(ROWS, RANK, generator=generator),
+                    torch.randn(CHANNELS, RANK, generator=generator) / 4]
+    return [t.to(dtype) for t in (x, *factors)]
+
+
+def _targets(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_swiglu_becomes_one_kernel_call_with_the_same_output(dtype):
+    inputs = _inputs(2, dtype)
+    gm = make_fx(_swiglu, tracing_mode="fake")(*inputs)
+    found = fuse_graph(gm, backward=False, on_reference=True)
+    gm.recompile()
+    assert [(e.kind, e.fused) for e in found] == [("swiglu", True)]
+    # Per lora sum its (x A) B product is written and read back: 2 x (rows x channels) per sum, two sums.
+    assert found[0].traffic_saved == 2 * 2 * ROWS * CHANNELS * inputs[0].element_size()
+    targets = _targets(gm)
+    assert "fxmem.lora_swiglu_forward.default" in targets and "aten.silu.default" not in targets
+    tol = 1e-5 if dtype is torch.float32 else 2e-2
+    torch.testing.assert_close(gm(*inputs), _swiglu(*inputs), rtol=tol, atol=tol)
+
+
+def test_gelu_approximation_is_read_from_the_values_and_a_lookalike_is_left_alone():
+    inputs = _inputs(1, torch.float32)
+    gm = make_fx(_gelu_tanh, tracing_mode="fake")(*inputs)
+    assert [e.kind for e in fuse_graph(gm, backward=False, on_reference=True)] == ["gelu"]
+    gm.recompile()
+    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.fxmem.lora_gelu_forward.default]
+    assert call.args[-2:] == (2.0, "tanh")
+    torch.testing.assert_close(gm(*inputs), _gelu_tanh(*inputs))
+
+    lookalike = make_fx(_quick_gelu, tracing_mode="fake")(*inputs)
+    before = _targets(lookalike)
+    assert fuse_graph(lookalike, backward=False, on_reference=True) == []
+    assert _targets(lookalike) == before
+
+
+def _quantized(y, bits=4):
+    scale, zero = quant_params(y.amin(0), y.amax(0), bits)
+    empty = torch.empty(0, dtype=torch.long)
+    packed, outliers = torch.ops.fxmem.quantize(y, scale, zero, empty, bits)
+    return packed, outliers, scale, zero, empty
+
+
+def _gelu_backward_graph(also_return_y):
+    def backward(grad, packed, outliers, scale, zero, ids, xa, b):
+        y = torch.ops.fxmem.dequantize(packed, outliers, scale, zero, ids, 4) + torch.mm(xa, b.permute(1, 0)) * 2.0
+        grad_y = torch.ops.aten.gelu_backward(grad, y)
+        return (grad_y, y) if also_return_y else (grad_y,)
+
+    generator = torch.Generator().manual_seed(1)
+    y_w = torch.randn(ROWS, CHANNELS, generator=generator)
+    args = [torch.randn(ROWS, CHANNELS, generator=generator), *_quantized(y_w),
+            torch.randn(ROWS, RANK, generator=generator), torch.randn(CHANNELS, RANK, generator=generator) / 4]
+    return backward, args
+
+
+def test_backward_gelu_rebuild_is_fused_unless_the_rebuilt_output_is_read_elsewhere():
+    backward, args = _gelu_backward_graph(also_return_y=False)
+    gm = make_fx(backward, tracing_mode="fake")(*args)
+    found = fuse_graph(gm, backward=True, on_reference=True)
+    gm.recompile()
+    assert [(e.kind, e.fused) for e in found] == [("gelu", True)]
+    assert found[0].traffic_saved == 4 * ROWS * CHANNELS * 4  # the dequantized x W and the LoRA product
+    targets = _targets(gm)
+    assert "fxmem.lora_gelu_backward.default" in targets and "fxmem.dequantize.default" not in targets
+    torch.testing.assert_close(gm(*args), backward(*args), rtol=1e-5, atol=1e-5)
+
+    # y itself is a graph output: the kernel would have to rebuild it once more, so nothing is fused.
+    backward, args = _gelu_backward_graph(also_return_y=True)
+    gm = make_fx(backward, tracing_mode="fake")(*args)
+    assert fuse_graph(gm, backward=True, on_reference=True) == []
+
+
+def _backend(config, on_reference):
+    passes = [p for p in default_passes() if not isinstance(p, FuseEpilogue)]
+    return fxmem.Backend(config, lowering="eager", passes=PassManager([*passes, FuseEpilogue(on_reference=on_reference)]))
+
+
+@pytest.mark.parametrize("family, overrides, kind, reference", [
+    ("llama", {}, "swiglu", "lora_swiglu_backward_reference"),
+    ("bert", {"bits": 8}, "gelu", "lora_gelu_backward_reference"),  # below 8 bits GELU is not rebuilt
+])
+def test_fused_training_step_gives_the_unfused_gradients(family, overrides, kind, reference, monkeypatch):
+    model, batch = tiny_model(family, lora=True)
+    _randomize_lora_b(model)
+    config = fxmem.Config.from_preset("hyclora-2bit", **overrides)
+    unfused = _backend(config, on_reference=False)
+    _, expected = loss_and_grads(torch.compile(model, backend=unfused), model, batch)
+    summary = {p.name: p.summary for p in unfused.regions[0].passes}["fuse_epilogue"]
+    assert summary.startswith(f"2x {kind} (backward), 2x {kind} (forward) left to inductor: the fused kernels are "
+                              "Triton (CUDA), where they would save ")
+    traffic = summary.split("would save ")[1].split(" MiB")[0]
+    torch._dynamo.reset()
+
+    calls = []
+    original = getattr(lora_epilogue, reference)
+    monkeypatch.setattr(lora_epilogue, reference, lambda *a: calls.append(1) or original(*a))
+    fused = _backend(config, on_reference=True)
+    _, grads = loss_and_grads(torch.compile(model, backend=fused), model, batch)
+    summary = {p.name: p.summary for p in fused.regions[0].passes}["fuse_epilogue"]
+    assert summary == (f"fused with the LoRA rebuild: 2x {kind} (backward), 2x {kind} (forward), {traffic} MiB less "
+                       "memory traffic")
+    assert len(calls) == 2  # one backward kernel call per layer
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
