@@ -33,8 +33,8 @@ def _gelu_tanh(x, w, xa, b):
     return torch.nn.functional.gelu(_lora(x, w, xa, b, 2.0), approximate="tanh")
 
 
-def _inputs(count_lora, dtype, seed=0):
-    generator = torch.Generator().manual_seed(seed)
+def _inputs(count_lora, dtype):
+    generator = torch.Generator().manual_seed(0)
     x = torch.randn(ROWS, IN, generator=generator)
     factors = []
     for _ in range(count_lora):
@@ -62,19 +62,38 @@ def test_forward_swiglu_becomes_one_kernel_call_with_the_same_output(dtype):
     torch.testing.assert_close(gm(*inputs), _swiglu(*inputs), rtol=tol, atol=tol)
 
 
-def test_gelu_approximation_is_read_from_the_values_and_a_lookalike_is_left_alone():
-    inputs = _inputs(1, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_approximation_is_read_from_the_values_and_a_lookalike_is_left_alone(dtype):
+    inputs = _inputs(1, dtype)
     gm = make_fx(_gelu_tanh, tracing_mode="fake")(*inputs)
     assert [e.kind for e in fuse_graph(gm, backward=False, on_reference=True)] == ["gelu"]
     gm.recompile()
     (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.fxmem.lora_gelu_forward.default]
     assert call.args[-2:] == (2.0, "tanh")
-    torch.testing.assert_close(gm(*inputs), _gelu_tanh(*inputs))
+    tol = 1e-5 if dtype is torch.float32 else 2e-2
+    torch.testing.assert_close(gm(*inputs), _gelu_tanh(*inputs), rtol=tol, atol=tol)
+    # x sigmoid(1.702 x) is within bf16 rounding of GELU on most inputs; the region is compared in float64.
+    _assert_left_alone(_quick_gelu, inputs, backward=False)
 
-    lookalike = make_fx(_quick_gelu, tracing_mode="fake")(*inputs)
-    before = _targets(lookalike)
-    assert fuse_graph(lookalike, backward=False, on_reference=True) == []
-    assert _targets(lookalike) == before
+
+def _assert_left_alone(fn, inputs, *, backward, tracing_mode="fake"):
+    gm = make_fx(fn, tracing_mode=tracing_mode)(*inputs)
+    before = _targets(gm)
+    assert fuse_graph(gm, backward=backward, on_reference=True) == []
+    assert _targets(gm) == before
+
+
+def test_a_broadcasting_sum_and_a_symbolic_graph_are_left_alone():
+    x, w, xa, b = _inputs(1, torch.float32)
+
+    def broadcast(x, w, xa, b):  # (1, rows, o) + (rows, 1, o): the sum is (rows, rows, o), not the kernel's shape
+        base = torch.mm(x, w.permute(1, 0)).view(1, ROWS, CHANNELS)
+        lora = (torch.mm(xa, b.permute(1, 0)) * 2.0).view(ROWS, 1, CHANNELS)
+        return torch.nn.functional.gelu(base + lora)
+
+    _assert_left_alone(broadcast, [x, w, xa, b], backward=False)
+    # Symbolic sizes: comparing them would add guards after dynamo is done; the pass must not raise either.
+    _assert_left_alone(_gelu_tanh, [x, w, xa, b], backward=False, tracing_mode="symbolic")
 
 
 def _quantized(y, bits=4):
@@ -110,20 +129,20 @@ def test_backward_gelu_rebuild_is_fused_unless_the_rebuilt_output_is_read_elsewh
 
     # y itself is a graph output: the kernel would have to rebuild it once more, so nothing is fused.
     backward, args = _gelu_backward_graph(also_return_y=True)
-    gm = make_fx(backward, tracing_mode="fake")(*args)
-    assert fuse_graph(gm, backward=True, on_reference=True) == []
+    _assert_left_alone(backward, args, backward=True)
 
 
 def _backend(config, on_reference):
     passes = [p for p in default_passes() if not isinstance(p, FuseEpilogue)]
-    return fxmem.Backend(config, lowering="eager", passes=PassManager([*passes, FuseEpilogue(on_reference=on_reference)]))
+    passes.append(FuseEpilogue(on_reference=on_reference))
+    return fxmem.Backend(config, lowering="eager", passes=PassManager(passes))
 
 
-@pytest.mark.parametrize("family, overrides, kind, reference", [
-    ("llama", {}, "swiglu", "lora_swiglu_backward_reference"),
-    ("bert", {"bits": 8}, "gelu", "lora_gelu_backward_reference"),  # below 8 bits GELU is not rebuilt
+@pytest.mark.parametrize("family, overrides, kind", [
+    ("llama", {}, "swiglu"),
+    ("bert", {"bits": 8}, "gelu"),  # below 8 bits GELU is not rebuilt
 ])
-def test_fused_training_step_gives_the_unfused_gradients(family, overrides, kind, reference, monkeypatch):
+def test_fused_training_step_gives_the_unfused_gradients(family, overrides, kind, monkeypatch):
     model, batch = tiny_model(family, lora=True)
     _randomize_lora_b(model)
     config = fxmem.Config.from_preset("hyclora-2bit", **overrides)
@@ -136,13 +155,16 @@ def test_fused_training_step_gives_the_unfused_gradients(family, overrides, kind
     torch._dynamo.reset()
 
     calls = []
-    original = getattr(lora_epilogue, reference)
-    monkeypatch.setattr(lora_epilogue, reference, lambda *a: calls.append(1) or original(*a))
+    for side in ("forward", "backward"):
+        reference = f"lora_{kind}_{side}_reference"
+        original = getattr(lora_epilogue, reference)
+        monkeypatch.setattr(lora_epilogue, reference,
+                            lambda *a, side=side, original=original: calls.append(side) or original(*a))
     fused = _backend(config, on_reference=True)
     _, grads = loss_and_grads(torch.compile(model, backend=fused), model, batch)
     summary = {p.name: p.summary for p in fused.regions[0].passes}["fuse_epilogue"]
     assert summary == (f"fused with the LoRA rebuild: 2x {kind} (backward), 2x {kind} (forward), {traffic} MiB less "
                        "memory traffic")
-    assert len(calls) == 2  # one backward kernel call per layer
+    assert sorted(calls) == ["backward"] * 2 + ["forward"] * 2  # one call per layer each way
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

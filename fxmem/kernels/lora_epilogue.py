@@ -34,6 +34,8 @@ except ImportError:  # a CPU-only install: the torch reference is the only path,
     triton = None
 
 GELU_APPROXIMATIONS = ("none", "tanh")
+# The Triton kernels hold all of r in one tile (padded to a power of two): LoRA ranks, not full matmuls.
+MAX_RANK = 256
 
 
 def check_approximate(approximate: str) -> None:

@@ -17,5 +17,5 @@ def default_passes() -> list[GraphPass]:
             LowRankSaved(), FuseEpilogue()]
 
 
-__all__ = ["FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
-           "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention", "default_passes"]
+__all__ = ["FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "PassManager", "PassRecord", "PipelineState",
+           "QuantizeSaved", "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention", "default_passes"]
