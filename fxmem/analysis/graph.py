@@ -15,6 +15,16 @@ prims = torch.ops.prims
 
 # Ops that change only the dtype: a tensor seen through one is still "the same value".
 DTYPE_CASTS = frozenset({prims.convert_element_type.default, aten._to_copy.default})
+# Ops that fill a tensor with a constant: reading one adds no data dependency.
+CONSTANT_FILLS = frozenset({aten.full.default, aten.scalar_tensor.default})
+
+
+def is_replayable_pointwise(node: Node) -> bool:
+    """An element-wise op (pointwise, or a dtype cast) that draws no random numbers: replayed, same values."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.pointwise in target.tags or target in DTYPE_CASTS) and (
+        torch.Tag.nondeterministic_seeded not in target.tags)
 
 
 def is_view_op(target: object) -> bool:

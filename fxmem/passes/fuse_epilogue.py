@@ -20,26 +20,24 @@ to inductor.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import numbers
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from torch._inductor.pattern_matcher import stable_topological_sort
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._pytree import tree_map_only
 
 import fxmem.kernels.lora_epilogue as epilogue
-from fxmem.analysis.graph import DTYPE_CASTS, is_view, numel_hint, tensor_val
+from fxmem.analysis.graph import CONSTANT_FILLS, DTYPE_CASTS, is_replayable_pointwise, is_view, numel_hint, tensor_val
 from fxmem.config import Config
 from fxmem.cost_model.memory import epilogue_traffic_saved
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import call
 
 aten = torch.ops.aten
-_CONSTANTS = frozenset({aten.full.default, aten.scalar_tensor.default})
 _SAMPLES = 257  # random values per sample tensor, besides a fixed tail
 
 
@@ -113,7 +111,7 @@ def fuse_graph(gm: GraphModule, *, backward: bool, on_reference: bool) -> list[E
         found.append(Epilogue(rewrite.kind, fuse, epilogue_traffic_saved(
             numel_hint(val), val.element_size(), len(group), backward=backward)))
     if any(e.fused for e in found):
-        _stable_sort(graph)  # a kernel call goes after its last operand; users of its outputs may precede it
+        stable_topological_sort(graph)  # a kernel call goes after its last operand; its outputs' users may precede it
         graph.eliminate_dead_code()
     return found
 
@@ -197,15 +195,13 @@ def _lora_product(node: Node) -> tuple[Node, Node] | None:
 
 
 def _pointwise(node: Node) -> bool:
-    target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.pointwise in target.tags or target in DTYPE_CASTS) and (
-        torch.Tag.nondeterministic_seeded not in target.tags) and not target._schema.is_mutable
+    # In-place ops would overwrite the sample tensors the region is evaluated on.
+    return is_replayable_pointwise(node) and not node.target._schema.is_mutable
 
 
 def _scalar_constant(node: Node) -> bool:
     val = tensor_val(node)
-    return node.target in _CONSTANTS and val is not None and val.dim() == 0 and not node.all_input_nodes
+    return node.target in CONSTANT_FILLS and val is not None and val.dim() == 0 and not node.all_input_nodes
 
 
 def _groups(graph: Graph, seeds: list[Node]) -> list[list[Node]]:
@@ -430,22 +426,3 @@ def _last(graph: Graph, nodes: list[Node]) -> Node:
             last = node
     return last
 
-
-def _stable_sort(graph: Graph) -> None:
-    """Reorder ``graph`` topologically, keeping each node as early as its inputs and its old position allow."""
-    position = {node: i for i, node in enumerate(graph.nodes)}
-    waiting = {node: len(node.all_input_nodes) for node in graph.nodes}
-    ready = [(position[n], n) for n, count in waiting.items() if count == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, node = heapq.heappop(ready)
-        order.append(node)
-        for user in node.users:
-            waiting[user] -= 1
-            if waiting[user] == 0:
-                heapq.heappush(ready, (position[user], user))
-    if len(order) != len(position):
-        raise RuntimeError("fuse_epilogue made the graph cyclic")
-    for before, node in itertools.pairwise(order):
-        before.append(node)

@@ -25,7 +25,15 @@ from collections import Counter
 import torch
 from torch.fx import Graph, Node
 
-from fxmem.analysis.graph import DTYPE_CASTS, is_view, original_op, storage_base, strip, users_through_views
+from fxmem.analysis.graph import (
+    CONSTANT_FILLS,
+    is_replayable_pointwise,
+    is_view,
+    original_op,
+    storage_base,
+    strip,
+    users_through_views,
+)
 from fxmem.analysis.lora import LORA_REORDERED, LoraLinear, find_lora_linears
 from fxmem.analysis.roles import (
     ACTIVATIONS,
@@ -41,7 +49,6 @@ from fxmem.policy import rebuild_refusal
 aten = torch.ops.aten
 # Non-pointwise ops an epilogue may pass through: RoPE's rotate_half is slice, neg, cat.
 _EPILOGUE_SHAPE_OPS = frozenset({aten.cat.default, aten.clone.default})
-_CONSTANTS = frozenset({aten.full.default, aten.scalar_tensor.default})
 
 
 class LoraReorder(GraphPass):
@@ -100,18 +107,16 @@ def _backward_nodes(graph: Graph) -> set[Node]:
 
 
 def _epilogue_op(node: Node) -> bool:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    tags = node.target.tags
-    if torch.Tag.nondeterministic_seeded in tags:
-        return False  # a random op would not be replayed identically
-    return is_view(node) or node.target in DTYPE_CASTS or node.target in _EPILOGUE_SHAPE_OPS \
-        or torch.Tag.pointwise in tags
+    """A replayable element-wise op, or a view or shape op (none of which draws random numbers)."""
+    if is_replayable_pointwise(node):
+        return True
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and (
+        is_view(node) or node.target in _EPILOGUE_SHAPE_OPS)
 
 
 def _free_input(node: Node, params: frozenset[Node]) -> bool:
     """An input an epilogue may read besides LoRA outputs: a parameter, a constant or a RoPE table."""
-    return strip(node) in params or node.target in _CONSTANTS or rope_trig(storage_base(node)) is not None
+    return strip(node) in params or node.target in CONSTANT_FILLS or rope_trig(storage_base(node)) is not None
 
 
 def _epilogue(graph: Graph, outputs: set[Node], params: frozenset[Node]) -> set[Node]:
