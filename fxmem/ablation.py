@@ -1,4 +1,4 @@
-"""`fxmem ablate`: the accuracy side of a lossy preset, as HyC-LoRA's Table 1 ablation reports it.
+"""`fxmem ablate`: the accuracy side of a lossy preset, as HyC-LoRA's Table 1 and LoRAct's Tables 3-4 report it.
 
 Each setting fine-tunes the same workload from the same weights on the same
 batches (round-robin, as `fxmem finetune`), next to eager PEFT and
@@ -44,6 +44,17 @@ def hyclora_settings(bits: Sequence[int] = (4, 2)) -> list[Setting]:
     first = Config(bits=bits[0], attn_sparsity=0.05, lora_reorder=True)
     settings.append(Setting(f"{bits[0]}-bit intra + inter, q/k {bits[0]}-bit", "fxmem", first.replace(qk_bits=None)))
     settings.append(Setting(f"{bits[0]}-bit intra + inter, static", "fxmem", first.replace(calibration="static")))
+    return settings
+
+
+def loract_settings(ratios: Sequence[float | int] = (0.5, 0.25, 0.125, 0.0625)) -> list[Setting]:
+    """The baselines, then per rank ratio LoRAct with pre-norm sharing (the preset) and layer-wise (every saved
+    tensor factored on its own), the comparison of the paper's Tables 3-4."""
+    settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
+    for ratio in ratios:
+        shared = Config(lowrank=ratio)
+        settings += [Setting(f"lowrank {ratio}, pre-norm", "fxmem", shared),
+                     Setting(f"lowrank {ratio}, layer-wise", "fxmem", shared.replace(prenorm_sharing=False))]
     return settings
 
 

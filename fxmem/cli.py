@@ -97,10 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     finetune.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
     ablate = commands.add_parser(
-        "ablate", help="accuracy of the quantizing presets: bits x intra/inter-operator x outlier channels")
+        "ablate", help="accuracy of the lossy presets: HyC-LoRA's bits x intra/inter-operator x outlier channels, "
+                       "or LoRAct's rank ratios x pre-norm sharing")
     ablate.add_argument("--workload", default="llama-tiny", choices=list(WORKLOADS))
     ablate.add_argument("--steps", type=_int_at_least(3), default=200)
+    ablate.add_argument("--technique", choices=["hyclora", "loract"], default="hyclora",
+                        help="hyclora: the --bits settings; loract: the --ratios settings")
     ablate.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=BITS_CHOICES)
+    ablate.add_argument("--ratios", nargs="+", type=_lowrank_rank, default=[0.5, 0.25, 0.125, 0.0625],
+                        help="loract: lowrank values, ratios in (0, 1) of the last dimension or integer ranks")
     ablate.add_argument("--settings", nargs="+", metavar="NAME",
                         help="run only these fxmem settings (names as the table prints them), beside the baselines")
     ablate.add_argument("--lr", type=float, default=1e-3)
@@ -476,9 +481,9 @@ ABLATE_COLUMNS = ("setting", "saved activations", "vs eager", "min grad cosine",
 
 
 def _ablate(args: argparse.Namespace) -> int:
-    from fxmem.ablation import ablate, hyclora_settings, select_settings
+    from fxmem.ablation import ablate, hyclora_settings, loract_settings, select_settings
     workload = get_workload(args.workload)
-    settings = hyclora_settings(args.bits)
+    settings = hyclora_settings(args.bits) if args.technique == "hyclora" else loract_settings(args.ratios)
     if args.settings:
         try:
             settings = select_settings(settings, args.settings)

@@ -37,6 +37,9 @@ class Config:
         False quantizes only the X W that lora_reorder saves (needs lora_reorder).
     lowrank: low-rank saved activations, as a ratio of the last dimension in (0, 1)
         or an integer rank >= 1; None is off.
+    prenorm_sharing: with ``lowrank``, rebuild what a norm's backward saves from the factors of the norm's
+        output (LoRAct's pre-norm sharing, section 3.3); False factors every saved tensor on its own
+        (the paper's layer-wise ablation).
     runlora: how a LoRA linear's forward/backward order is chosen: "off" (as traced),
         "flops" (cost model) or "time" (measured once at compile time).
     memory_budget: cap on saved-activation bytes as a fraction in (0, 1] of the exact
@@ -52,6 +55,7 @@ class Config:
     lora_reorder: bool = False
     intra: bool = True
     lowrank: float | int | None = None
+    prenorm_sharing: bool = True
     runlora: str = "off"
     memory_budget: float | None = None
 
@@ -66,7 +70,7 @@ class Config:
                 or self.calibration_steps < 1:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
-        for name in ("lora_reorder", "intra"):
+        for name in ("lora_reorder", "intra", "prenorm_sharing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
         if self.lora_reorder and self.bits is None:
@@ -74,6 +78,8 @@ class Config:
         if not self.intra and not self.lora_reorder:
             raise ValueError("intra=False quantizes only what lora_reorder saves: set lora_reorder=True too")
         check_lowrank(self.lowrank)
+        if not self.prenorm_sharing and self.lowrank is None:
+            raise ValueError("prenorm_sharing=False turns off a part of lowrank: set lowrank too")
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)
         _check_fraction("memory_budget", self.memory_budget, low_open=True, high=1.0, high_open=False,
                         allow_none=True)

@@ -27,9 +27,11 @@ QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT
 # logits' error would reach every gradient through the loss. (Fused attention's output, ATTN_OUT, is not in
 # QUANTIZED_ROLES: its backward needs it consistent with q, k, v; see passes/recompute_attention.py.)
 EXACT_ROLES = frozenset({Role.LORA_INTERMEDIATE, Role.LOSS_INPUT})
-# Roles LoRAct stores as low-rank factors: their backward needs only the value. Attention's q, k, v, scores and
-# outputs are per-head tensors whose backward mixes them through the softmax; they are left to other techniques.
-LOWRANK_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.LINEAR_INPUT})
+# Roles LoRAct stores as low-rank factors: their backward needs only the value. Attention's q, k, v too: fused
+# attention is then recomputed in backward from the rebuilt values (passes/recompute_attention.py), q and k
+# factored before RoPE, as (rows, hidden) matrices. Scores, probabilities and eager attention's output are left to
+# other techniques.
+LOWRANK_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.LINEAR_INPUT, Role.ATTN_QKV})
 # Pre-norm sharing saves the input channels with the smallest |gamma| exactly: output / gamma carries nothing
 # where gamma == 0 and amplifies the factors' error where |gamma| is small. One channel in 256, at least one.
 PRENORM_EXACT_SHARE = 1 / 256
@@ -80,7 +82,7 @@ def plan_region(analysis: Analysis, config: Config) -> list[Plan]:
     # the analysis counts a storage's bytes on its first saved tensor, its owner
     owner_plans = {storage: _plan_storage(group[0], group, analysis, config, tables_saved)
                    for storage, group in by_storage.items()}
-    if config.lowrank is not None:
+    if config.lowrank is not None and config.prenorm_sharing:
         _share_prenorm(analysis, by_storage, owner_plans)
     plans = []
     for saved in analysis.saved:
@@ -109,14 +111,16 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
         return Plan("keep", f"kept exact: {', '.join(exact)}")
     if owner.role is Role.ATTN_PROBS and owner.detail == "probabilities" and config.attn_sparsity is not None:
         return _sparsify(owner, analysis, config.attn_sparsity)
-    candidates: list[tuple[Plan, set[str]]] = []  # each with the RoPE tables it would save
+    # each with the RoPE tables it would save, on top of tables_saved (only the chosen plan's count)
+    candidates: list[tuple[Plan, set[str]]] = []
     quantized_role = config.bits is not None and all(s.role in QUANTIZED_ROLES for s in group)
     # intra=False: only what lora_reorder saves (x W) is quantized, the paper's inter-only ablation row.
     if quantized_role and (config.intra or all(s.role is Role.LORA_BASE_OUTPUT for s in group)):
         tables = set(tables_saved)
         candidates.append((_quantize(owner, analysis, config, tables), tables))
     if config.lowrank is not None and all(s.role in LOWRANK_ROLES for s in group):
-        candidates.append((_lowrank(owner, analysis, config.lowrank), tables_saved))
+        tables = set(tables_saved)
+        candidates.append((_lowrank(owner, analysis, config.lowrank, tables), tables))
     if not candidates:
         if quantized_role:
             return Plan("keep", "intra-operator quantization off (intra=False)")
@@ -137,16 +141,8 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     if config.qk_bits is not None and ((owner.role is Role.ATTN_QKV and owner.detail in ("q", "k")) or (
             owner.role is Role.LORA_BASE_OUTPUT and node.meta.get(LORA_REORDERED) in ("q", "k"))):
         bits = config.qk_bits
-    reason = f"{bits}-bit per channel"
-    source = None
-    new_tables: list[Node] = []  # RoPE tables this plan saves (as they are) that no earlier plan saves
-    if owner.role is Role.ATTN_QKV:
-        rope = rope_recompute(node)
-        if rope is not None and rope.source.name not in analysis.saved_storages:
-            node, source = rope.source, rope.source.name
-            reason += f"; x before RoPE ({source}), rotation replayed in backward"
-            new_tables = list({t.name: t for t in map(storage_base, rope.tables)
-                               if t.name not in analysis.saved_storages | tables_saved}.values())
+    node, source, tables_bytes, rope_reason = _rope_source(owner, node, analysis, tables_saved)
+    reason = f"{bits}-bit per channel{rope_reason}"
     val = tensor_val(node)
     if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
         return Plan("keep", "not a floating tensor with rows and channels")
@@ -160,13 +156,29 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     if owner.role is Role.NORM_INPUT and config.outlier_ratio > 0:
         outliers = min(channels, max(1, round(config.outlier_ratio * channels)))
         reason += f", {outliers} outlier channel{'s' if outliers > 1 else ''} exact"
-    nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size()) + sum(
-        storage_bytes(tensor_val(t)) for t in new_tables)
+    nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size()) + tables_bytes
     if nbytes >= owner.nbytes:
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
-    tables_saved.update(t.name for t in new_tables)  # only now: a kept tensor saves no table
     return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, source=source,
                 nbytes=nbytes)
+
+
+def _rope_source(owner: SavedTensor, node: Node, analysis: Analysis, tables: set[str]
+                 ) -> tuple[Node, str | None, int, str]:
+    """For q or k after RoPE whose input is not saved anyway: compress that input instead and replay the
+    rotation in backward. Returns the node to compress, its name if it is not the saved tensor, the bytes of
+    the cos/sin tables this adds (those no earlier plan saves; their names are added to ``tables``) and the
+    reason's suffix."""
+    if owner.role is not Role.ATTN_QKV:
+        return node, None, 0, ""
+    rope = rope_recompute(node)
+    if rope is None or rope.source.name in analysis.saved_storages:
+        return node, None, 0, ""
+    new_tables = list({t.name: t for t in map(storage_base, rope.tables)
+                       if t.name not in analysis.saved_storages | tables}.values())
+    tables.update(t.name for t in new_tables)
+    return (rope.source, rope.source.name, sum(storage_bytes(tensor_val(t)) for t in new_tables),
+            f"; x before RoPE ({rope.source.name}), rotation replayed in backward")
 
 
 def _sparsify(owner: SavedTensor, analysis: Analysis, ratio: float) -> Plan:
@@ -179,8 +191,10 @@ def _sparsify(owner: SavedTensor, analysis: Analysis, ratio: float) -> Plan:
                 nbytes=sparse_bytes(numel_hint(val), row, keep, val.element_size()))
 
 
-def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int) -> Plan:  # noqa: PYI041 (int: rank, float: ratio)
-    val = tensor_val(storage_base(analysis.nodes[owner.name]))
+def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_saved: set[str]) -> Plan:  # noqa: PYI041 (int: rank, float: ratio)
+    node, source, tables_bytes, rope_reason = _rope_source(
+        owner, storage_base(analysis.nodes[owner.name]), analysis, tables_saved)
+    val = tensor_val(node)
     if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
         return Plan("keep", "not a floating tensor with rows and a last dimension")
     order = memory_order(val)
@@ -191,10 +205,11 @@ def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int) -> Plan:
         return Plan("keep", "symbolic last dimension: the rank is a fixed share of it")
     k = resolve_rank(rank, (width, width))  # from the last dimension alone: the row count may be symbolic
     rows = numel_hint(val) // width
-    nbytes = lowrank_bytes((rows, width), k, val.element_size())
+    nbytes = lowrank_bytes((rows, width), k, val.element_size()) + tables_bytes
     if nbytes >= owner.nbytes:
         return Plan("keep", f"rank-{k} factors would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
-    return Plan("lowrank", f"rank {k} of {width}, as {rows} x {width}", rank=k, nbytes=nbytes)
+    return Plan("lowrank", f"rank {k} of {width}, as {rows} x {width}{rope_reason}", rank=k, source=source,
+                nbytes=nbytes)
 
 
 def _share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan]

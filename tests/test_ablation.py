@@ -2,7 +2,7 @@
 
 import pytest
 
-from fxmem.ablation import ablate, hyclora_settings, probe_steps, select_settings
+from fxmem.ablation import ablate, hyclora_settings, loract_settings, probe_steps, select_settings
 from fxmem.config import Config
 
 from .conftest import TINY_LLAMA
@@ -23,6 +23,15 @@ def test_settings_cover_bits_intra_inter_outliers_and_the_papers_static_calibrat
     assert (paper_qk.bits, paper_qk.qk_bits, paper_qk.calibration) == (4, None, "dynamic")
     assert (static.bits, static.qk_bits, static.calibration, static.outlier_ratio) == (4, 8, "static", 0.005)
     assert probe_steps(200, 5) == [6, 100, 200]
+
+
+def test_loract_settings_pair_pre_norm_sharing_with_layer_wise_per_ratio():
+    settings = loract_settings([0.25, 8])
+    assert [s.name for s in settings] == ["eager PEFT", "torch.compile", "lowrank 0.25, pre-norm",
+                                          "lowrank 0.25, layer-wise", "lowrank 8, pre-norm", "lowrank 8, layer-wise"]
+    assert settings[2].config == Config.from_preset("loract", lowrank=0.25)
+    assert [(s.config.lowrank, s.config.prenorm_sharing) for s in settings[3:]] == [(0.25, False), (8, True),
+                                                                                    (8, False)]
 
 
 def test_select_settings_keeps_the_baselines_and_names_the_valid_choices():

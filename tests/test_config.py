@@ -25,6 +25,8 @@ def test_defaults_are_the_exact_preset():
     ("lora_reorder", True, "lora_reorder stores X W quantized: set bits (one of 1, 2, 4, 8) too"),
     ("intra", 0, "intra must be True or False"),
     ("intra", False, "intra=False quantizes only what lora_reorder saves: set lora_reorder=True too"),
+    ("prenorm_sharing", "no", "prenorm_sharing must be True or False"),
+    ("prenorm_sharing", False, "prenorm_sharing=False turns off a part of lowrank: set lowrank too"),
     ("lowrank", 1.0, "lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1"),
     ("lowrank", 0, "lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1"),
     ("lowrank", True, "lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1"),

@@ -1,13 +1,13 @@
-"""Recompute fused attention's output in backward from its (quantized) q, k, v instead of saving it.
+"""Recompute fused attention's output in backward from its compressed q, k, v instead of saving it.
 
 Fused attention's backward reads its forward output O in D = rowsum(dO * O),
 which must equal sum_j P_ij dP_ij for the softmax gradient's rows to sum to
-zero. Once q, k or v are stored quantized, the P and dP backward recomputes no
+zero. Once q, k or v are stored quantized or as low-rank factors, the P and dP backward recomputes no
 longer match the saved, exact O; the mismatch lands on the key and query
 gradients, which are small differences (measured on llama-tiny at 4 bits: key
 LoRA gradient cosine 0.65 with O saved exact). Tagging the attention op as
-must-recompute makes min-cut save q, k, v (which the quantize pass then
-compresses) and rerun the forward in backward on the very values backward
+must-recompute makes min-cut save q, k, v (which the quantize or lowrank pass
+then compresses) and rerun the forward in backward on the very values backward
 uses: consistent, and O and its log-sum-exp are no longer saved at all. The
 price is one more attention forward per layer in backward. Attention with
 dropout is left alone: its random mask would not be replayed.
@@ -29,7 +29,7 @@ class RecomputeAttention(GraphPass):
     stage = "joint"
 
     def enabled(self, config: Config) -> bool:
-        return config.bits is not None
+        return config.bits is not None or config.lowrank is not None
 
     def run(self, state: PipelineState) -> str:
         tagged = skipped = 0
