@@ -43,9 +43,10 @@ def test_select_settings_keeps_the_baselines_and_names_the_valid_choices():
 
 
 def test_ablate_trains_every_setting_on_the_same_batches_and_probes_the_compressed_ones():
-    settings = [s for s in hyclora_settings([4]) if s.name in ("eager PEFT", "torch.compile", "4-bit intra + inter")]
-    eager, compiled, four = ablate(TINY_LLAMA, settings, steps=3, lora_rank=4)
-    assert eager.losses[0] == pytest.approx(compiled.losses[0], rel=1e-5) == pytest.approx(four.losses[0], rel=1e-5)
-    assert four.saved_bytes * 3 < compiled.saved_bytes < eager.saved_bytes
+    settings = [s for s in hyclora_settings([4]) if s.name in ("eager PEFT", "4-bit intra + inter")]
+    eager, four = ablate(TINY_LLAMA, settings, steps=3, lora_rank=4)
+    assert eager.losses[0] == pytest.approx(four.losses[0], rel=1e-5)  # the same weights and first batch
+    assert four.losses[1:] != eager.losses[1:]  # then each trains with its own gradients
+    assert four.saved_bytes * 3 < eager.saved_bytes
     assert eager.probes == [] and len(four.probes) == 2  # steps 3 (calibration ends later) and 1: {3, 1}
     assert 0.5 < four.min_cosine <= 1.0

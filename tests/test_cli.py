@@ -41,18 +41,24 @@ def test_inspect_names_a_missing_model(tmp_path):
         cli.main(["inspect", str(tmp_path / "nope.json")])
 
 
-def test_finetune_learns_and_exact_fxmem_matches_compile():
-    compiled, ours = finetune(TINY_LLAMA, ("compile", "fxmem"), steps=10, lr=1e-2)
-    assert ours.losses == pytest.approx(compiled.losses, rel=1e-5)
-    assert ours.saved_bytes == compiled.saved_bytes > 0
-    assert ours.final_loss < 0.95 * ours.losses[0]  # it really trains
+def test_finetune_command_learns_prints_the_side_by_side_table_and_exact_fxmem_matches_compile(
+        tiny_workloads, monkeypatch, capsys):
+    from fxmem import finetune as finetune_module
+    returned = []
 
+    def recording_finetune(*args, **kwargs):
+        returned.append(finetune(*args, **kwargs))
+        return returned[-1]
 
-def test_finetune_command_prints_the_side_by_side_table(tiny_workloads, capsys):
-    assert cli.main(["finetune", "--steps", "3"]) == 0
+    monkeypatch.setattr(finetune_module, "finetune", recording_finetune)
+    assert cli.main(["finetune", "--steps", "10", "--lr", "1e-2"]) == 0
     printed = capsys.readouterr().out
     for expected in ("eager", "compile", "fxmem (exact)", "saved activations", "step peak", "final loss"):
         assert expected in printed
+    [(eager, compiled, ours)] = returned
+    assert ours.losses == pytest.approx(compiled.losses, rel=1e-5)
+    assert ours.saved_bytes == compiled.saved_bytes > 0
+    assert ours.final_loss < 0.95 * ours.losses[0]  # it really trains
 
 
 def test_bench_runs_every_baseline_and_writes_json_and_markdown(tiny_workloads, tmp_path, capsys):
