@@ -28,11 +28,16 @@ class Setting:
     config: Config = field(default_factory=Config)
 
 
-def hyclora_settings(bits: Sequence[int] = (4, 2)) -> list[Setting]:
+DEFAULT_BITS = (4, 2)
+DEFAULT_RATIOS = (0.5, 0.25, 0.125, 0.0625)  # the issue's ratios; the paper's Table 1 goes down to 1/64
+
+
+def hyclora_settings(bits: Sequence[int] = DEFAULT_BITS) -> list[Setting]:
     """The baselines, then per bit width the paper's Table 1 rows: intra + inter (the preset), intra-operator
     only with and without outlier channels, inter-operator only; and for the first bit width two of the paper's
     choices we depart from: q/k at that bit width too (we keep them at 8), and static calibration (scales frozen,
     values outside clamped; we recompute them every batch)."""
+    _check_unique("bits", bits)
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
     for b in bits:
         preset = Config(bits=b, attn_sparsity=0.05, lora_reorder=True)
@@ -47,15 +52,23 @@ def hyclora_settings(bits: Sequence[int] = (4, 2)) -> list[Setting]:
     return settings
 
 
-def loract_settings(ratios: Sequence[float | int] = (0.5, 0.25, 0.125, 0.0625)) -> list[Setting]:
+def loract_settings(ratios: Sequence[float | int] = DEFAULT_RATIOS) -> list[Setting]:
     """The baselines, then per rank ratio LoRAct with pre-norm sharing (the preset) and layer-wise (every saved
     tensor factored on its own), the comparison of the paper's Tables 3-4."""
+    _check_unique("ratios", ratios)
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
     for ratio in ratios:
         shared = Config(lowrank=ratio)
         settings += [Setting(f"lowrank {ratio}, pre-norm", "fxmem", shared),
                      Setting(f"lowrank {ratio}, layer-wise", "fxmem", shared.replace(prenorm_sharing=False))]
     return settings
+
+
+def _check_unique(name: str, values: Sequence[object]) -> None:
+    """Each value names its settings: a repeated one would make two settings of one name."""
+    repeated = sorted({str(v) for v in values if list(values).count(v) > 1})
+    if repeated:
+        raise ValueError(f"{name}: each value once; repeated: {', '.join(repeated)}")
 
 
 def select_settings(settings: Sequence[Setting], names: Sequence[str]) -> list[Setting]:

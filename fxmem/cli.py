@@ -103,9 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ablate.add_argument("--steps", type=_int_at_least(3), default=200)
     ablate.add_argument("--technique", choices=["hyclora", "loract"], default="hyclora",
                         help="hyclora: the --bits settings; loract: the --ratios settings")
-    ablate.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=BITS_CHOICES)
-    ablate.add_argument("--ratios", nargs="+", type=_lowrank_rank, default=[0.5, 0.25, 0.125, 0.0625],
-                        help="loract: lowrank values, ratios in (0, 1) of the last dimension or integer ranks")
+    ablate.add_argument("--bits", type=int, nargs="+", choices=BITS_CHOICES,
+                        help="hyclora: bit widths (default 4 2)")
+    ablate.add_argument("--ratios", nargs="+", type=_lowrank_rank,
+                        help="loract: lowrank values, ratios in (0, 1) of the last dimension or integer ranks "
+                             "(default 0.5 0.25 0.125 0.0625)")
     ablate.add_argument("--settings", nargs="+", metavar="NAME",
                         help="run only these fxmem settings (names as the table prints them), beside the baselines")
     ablate.add_argument("--lr", type=float, default=1e-3)
@@ -481,15 +483,23 @@ ABLATE_COLUMNS = ("setting", "saved activations", "vs eager", "min grad cosine",
 
 
 def _ablate(args: argparse.Namespace) -> int:
-    from fxmem.ablation import ablate, hyclora_settings, loract_settings, select_settings
+    from fxmem.ablation import DEFAULT_BITS, DEFAULT_RATIOS, ablate, hyclora_settings, loract_settings, select_settings
     workload = get_workload(args.workload)
-    settings = hyclora_settings(args.bits) if args.technique == "hyclora" else loract_settings(args.ratios)
-    if args.settings:
-        try:
+    misplaced = "--ratios" if args.technique == "hyclora" and args.ratios else \
+        "--bits" if args.technique == "loract" and args.bits else None
+    if misplaced:
+        console.print(f"[red]{misplaced} does not apply to --technique {args.technique}[/red]")
+        return 2
+    try:
+        if args.technique == "hyclora":
+            settings = hyclora_settings(args.bits or DEFAULT_BITS)
+        else:
+            settings = loract_settings(args.ratios or DEFAULT_RATIOS)
+        if args.settings:
             settings = select_settings(settings, args.settings)
-        except ValueError as error:
-            console.print(f"[red]{error}[/red]")
-            return 2
+    except ValueError as error:
+        console.print(f"[red]{error}[/red]")
+        return 2
     console.print(f"{workload.name} ({workload.description}): {args.steps} LoRA steps on Python standard-library "
                   f"source, AdamW lr {args.lr}, {len(settings)} settings round-robin")
     with Progress(TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),

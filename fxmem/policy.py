@@ -10,10 +10,10 @@ from typing import Literal
 from torch.fx import Node
 
 from fxmem.analysis import Analysis, Role, SavedTensor
-from fxmem.analysis.graph import memory_order, numel_hint, storage_base, storage_bytes, tensor_val
+from fxmem.analysis.graph import hint, memory_order, numel_hint, storage_base, storage_bytes, tensor_val
 from fxmem.analysis.lora import LORA_REORDERED
 from fxmem.analysis.norm import norm_unit
-from fxmem.analysis.rope import rope_recompute
+from fxmem.analysis.rope import attention_input_replay
 from fxmem.config import Config
 from fxmem.cost_model.memory import lowrank_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
 from fxmem.kernels.lowrank import resolve_rank
@@ -118,7 +118,10 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
     if quantized_role and (config.intra or all(s.role is Role.LORA_BASE_OUTPUT for s in group)):
         tables = set(tables_saved)
         candidates.append((_quantize(owner, analysis, config, tables), tables))
-    if config.lowrank is not None and all(s.role in LOWRANK_ROLES for s in group):
+    # q and k quantized at qk_bits are protected from the softmax's amplification of their error: not factored
+    qk_protected = bool(candidates) and config.qk_bits is not None and any(
+        s.role is Role.ATTN_QKV and s.detail in ("q", "k") for s in group)
+    if config.lowrank is not None and all(s.role in LOWRANK_ROLES for s in group) and not qk_protected:
         tables = set(tables_saved)
         candidates.append((_lowrank(owner, analysis, config.lowrank, tables), tables))
     if not candidates:
@@ -141,8 +144,8 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     if config.qk_bits is not None and ((owner.role is Role.ATTN_QKV and owner.detail in ("q", "k")) or (
             owner.role is Role.LORA_BASE_OUTPUT and node.meta.get(LORA_REORDERED) in ("q", "k"))):
         bits = config.qk_bits
-    node, source, tables_bytes, rope_reason = _rope_source(owner, node, analysis, tables_saved)
-    reason = f"{bits}-bit per channel{rope_reason}"
+    node, source, tables_bytes, replay_reason = _replay_source(owner, node, analysis, tables_saved)
+    reason = f"{bits}-bit per channel{replay_reason}"
     val = tensor_val(node)
     if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
         return Plan("keep", "not a floating tensor with rows and channels")
@@ -163,22 +166,22 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
                 nbytes=nbytes)
 
 
-def _rope_source(owner: SavedTensor, node: Node, analysis: Analysis, tables: set[str]
-                 ) -> tuple[Node, str | None, int, str]:
-    """For q or k after RoPE whose input is not saved anyway: compress that input instead and replay the
-    rotation in backward. Returns the node to compress, its name if it is not the saved tensor, the bytes of
-    the cos/sin tables this adds (those no earlier plan saves; their names are added to ``tables``) and the
-    reason's suffix."""
+def _replay_source(owner: SavedTensor, node: Node, analysis: Analysis, tables: set[str]
+                   ) -> tuple[Node, str | None, int, str]:
+    """For q, k or v after RoPE or GQA's repeat whose input is not saved anyway: compress that input instead
+    and replay the rotation and repeat in backward. Returns the node to compress, its name if it is not the
+    saved tensor, the bytes of the cos/sin tables this adds (those no earlier plan saves; their names are
+    added to ``tables``) and the reason's suffix."""
     if owner.role is not Role.ATTN_QKV:
         return node, None, 0, ""
-    rope = rope_recompute(node)
-    if rope is None or rope.source.name in analysis.saved_storages:
+    replay = attention_input_replay(node)
+    if replay is None or replay.source.name in analysis.saved_storages:
         return node, None, 0, ""
-    new_tables = list({t.name: t for t in map(storage_base, rope.tables)
+    new_tables = list({t.name: t for t in map(storage_base, replay.tables)
                        if t.name not in analysis.saved_storages | tables}.values())
     tables.update(t.name for t in new_tables)
-    return (rope.source, rope.source.name, sum(storage_bytes(tensor_val(t)) for t in new_tables),
-            f"; x before RoPE ({rope.source.name}), rotation replayed in backward")
+    return (replay.source, replay.source.name, sum(storage_bytes(tensor_val(t)) for t in new_tables),
+            f"; {replay.describe()}")
 
 
 def _sparsify(owner: SavedTensor, analysis: Analysis, ratio: float) -> Plan:
@@ -192,7 +195,7 @@ def _sparsify(owner: SavedTensor, analysis: Analysis, ratio: float) -> Plan:
 
 
 def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_saved: set[str]) -> Plan:  # noqa: PYI041 (int: rank, float: ratio)
-    node, source, tables_bytes, rope_reason = _rope_source(
+    node, source, tables_bytes, replay_reason = _replay_source(
         owner, storage_base(analysis.nodes[owner.name]), analysis, tables_saved)
     val = tensor_val(node)
     if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
@@ -203,12 +206,18 @@ def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_s
     width = val.shape[order[-1]]
     if not isinstance(width, int):
         return Plan("keep", "symbolic last dimension: the rank is a fixed share of it")
+    if owner.role is Role.ATTN_QKV and width <= hint(tensor_val(analysis.nodes[owner.name]).shape[-1]):
+        # A per-head layout (GPT-2's q, k, v, scaled per head; MQA's single k/v head): factors of one head's width
+        # share one small subspace across all heads, far worse than factors of a projection's output, which
+        # spans several heads (wider than the saved tensor's last dimension).
+        return Plan("keep", f"per-head layout ({numel_hint(val) // width} x {width}): q, k, v are factored only as "
+                    "their projection's output")
     k = resolve_rank(rank, (width, width))  # from the last dimension alone: the row count may be symbolic
     rows = numel_hint(val) // width
     nbytes = lowrank_bytes((rows, width), k, val.element_size()) + tables_bytes
     if nbytes >= owner.nbytes:
         return Plan("keep", f"rank-{k} factors would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
-    return Plan("lowrank", f"rank {k} of {width}, as {rows} x {width}{rope_reason}", rank=k, source=source,
+    return Plan("lowrank", f"rank {k} of {width}, as {rows} x {width}{replay_reason}", rank=k, source=source,
                 nbytes=nbytes)
 
 

@@ -31,8 +31,8 @@ def fresh_dynamo():
 
 
 def tiny_model(family: str, *, lora: bool, attn: str = "sdpa", seed: int = 0, lora_dropout: float = 0.0,
-               layers: int = 2):
-    """A small transformers model (random weights) and a batch for it."""
+               layers: int = 2, kv_heads: int = 4):
+    """A small transformers model (random weights) and a batch for it; ``kv_heads`` < 4: Llama with GQA."""
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
@@ -47,7 +47,7 @@ def tiny_model(family: str, *, lora: bool, attn: str = "sdpa", seed: int = 0, lo
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(
             hidden_size=64, intermediate_size=172, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=4, vocab_size=256, attn_implementation=attn, use_cache=False))
+            num_key_value_heads=kv_heads, vocab_size=256, attn_implementation=attn, use_cache=False))
         batch, targets = {"input_ids": ids, "labels": ids}, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj"]
     elif family == "bert":

@@ -34,6 +34,18 @@ def test_loract_settings_pair_pre_norm_sharing_with_layer_wise_per_ratio():
                                                                                     (8, False)]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--technique", "loract", "--bits", "4"], "--bits does not apply to --technique loract"),
+    (["--ratios", "0.25"], "--ratios does not apply to --technique hyclora"),
+    (["--technique", "loract", "--ratios", "0.25", "8", "0.25"], "ratios: each value once; repeated: 0.25"),
+    (["--bits", "2", "2"], "bits: each value once; repeated: 2"),
+])
+def test_ablate_command_refuses_options_that_do_not_apply_and_repeated_values(tiny_workloads, capsys, argv, message):
+    from fxmem import cli
+    assert cli.main(["ablate", "--steps", "3", *argv]) == 2
+    assert message in capsys.readouterr().out.replace("\n", " ")
+
+
 def test_select_settings_keeps_the_baselines_and_names_the_valid_choices():
     settings = hyclora_settings([4, 2])
     chosen = select_settings(settings, ["2-bit inter", "4-bit intra"])

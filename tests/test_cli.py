@@ -55,7 +55,7 @@ def test_finetune_command_learns_prints_the_side_by_side_table_and_exact_fxmem_m
     printed = capsys.readouterr().out
     for expected in ("eager", "compile", "fxmem (exact)", "saved activations", "step peak", "final loss"):
         assert expected in printed
-    [(eager, compiled, ours)] = returned
+    [(_, compiled, ours)] = returned
     assert ours.losses == pytest.approx(compiled.losses, rel=1e-5)
     assert ours.saved_bytes == compiled.saved_bytes > 0
     assert ours.final_loss < 0.95 * ours.losses[0]  # it really trains

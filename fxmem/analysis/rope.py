@@ -1,4 +1,10 @@
-"""Rotary embeddings: find the pre-rotation tensor a saved q or k can be rebuilt from."""
+"""Attention inputs: find the cheaper tensor a saved q, k or v can be rebuilt from.
+
+Two rebuilds, composable: RoPE (q and k after rotation, from x before it and the
+small cos/sin tables) and a repeat by expand + clone: grouped-query attention's k
+and v repeated per query head (from the unrepeated tensor, ``n_rep`` times
+smaller), eager attention's batched-matmul copies.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ from dataclasses import dataclass
 
 from torch.fx import Node
 
-from fxmem.analysis.graph import DTYPE_CASTS, aten, is_view, numel_hint, storage_base, tensor_val
+from fxmem.analysis.graph import DTYPE_CASTS, aten, is_view, numel_hint, storage_base, tensor_val, view_chain
 from fxmem.analysis.roles import rope_trig
 
 # What x * cos + rotate_half(x) * sin is built from: cheap to replay in backward.
@@ -15,15 +21,38 @@ _ROTATION_OPS = frozenset({aten.mul.Tensor, aten.add.Tensor, aten.neg.default, a
 
 
 @dataclass(frozen=True)
-class RopeRecompute:
-    """``nodes`` rebuild the rotated tensor (the last node) from ``source``'s storage and the ``tables``."""
+class Replay:
+    """``nodes`` rebuild a saved tensor (the last node) from ``source``'s storage and the ``tables``."""
 
-    source: Node  # storage base of x, the tensor before rotation
-    nodes: tuple[Node, ...]  # forward nodes after source up to the rotated tensor, in graph order
+    source: Node  # a storage base: x before rotation, or the tensor before GQA's repeat
+    nodes: tuple[Node, ...]  # forward nodes after source up to the saved tensor, in graph order
     tables: tuple[Node, ...]  # cos/sin operands (small), read as they are
 
+    def describe(self) -> str:
+        rotated = any(n.target is aten.add.Tensor for n in self.nodes)
+        repeated = any(n.target is aten.expand.default for n in self.nodes)
+        what = " and ".join(w for w, on in (("rotation", rotated), ("repeat (expand + clone)", repeated)) if on)
+        return f"x before {'RoPE' if rotated else 'the repeat'} ({self.source.name}), {what} replayed in backward"
 
-def rope_recompute(rotated: Node) -> RopeRecompute | None:
+
+def attention_input_replay(saved: Node) -> Replay | None:
+    """How the storage base ``saved`` of a q, k or v is rebuilt: GQA's repeat (a clone of an expanded view)
+    undone, then RoPE undone; None if it is neither."""
+    repeat: tuple[Node, ...] = ()
+    node = saved
+    if node.target is aten.clone.default and isinstance(node.args[0], Node) and any(
+            v.target is aten.expand.default for v in view_chain(node.args[0])):
+        repeat = (*view_chain(node.args[0]), node)
+        node = storage_base(node.args[0])
+        if node.op != "call_function":
+            return None
+    rope = rope_recompute(node)
+    if rope is not None:
+        return Replay(rope.source, rope.nodes + repeat, rope.tables)
+    return Replay(node, repeat, ()) if repeat else None
+
+
+def rope_recompute(rotated: Node) -> Replay | None:
     """How ``rotated`` = x * cos + rotate_half(x) * sin is rebuilt from x; None if it is not that."""
     if rotated.target is not aten.add.Tensor:
         return None
@@ -47,8 +76,8 @@ def rope_recompute(rotated: Node) -> RopeRecompute | None:
     if not tables or numel_hint(tensor_val(source)) != numel_hint(tensor_val(rotated)):
         return None  # a fused q/k/v projection feeds several rotations: leave it to the plain plan
     order = {n: i for i, n in enumerate(rotated.graph.nodes)}
-    return RopeRecompute(source=source, nodes=tuple(sorted(inside, key=order.__getitem__)),
-                         tables=tuple(sorted(tables, key=order.__getitem__)))
+    return Replay(source=source, nodes=tuple(sorted(inside, key=order.__getitem__)),
+                  tables=tuple(sorted(tables, key=order.__getitem__)))
 
 
 def _rotation_input(rotated: Node) -> Node | None:

@@ -5,8 +5,9 @@ as a (rows, last dimension) matrix in memory order, as the paper's code
 flattens (batch, seq, hidden), calls ``fxmem::lowrank_decompose_rows`` and
 saves U and V; the backward rebuilds U @ V (``fxmem::lowrank_rebuild_rows``)
 right before the first use and replays the views its saved tensors took. For q
-and k after RoPE the factors are of the tensor before rotation, and the rotation
-is replayed in backward, as the quantize pass does. The
+and k after RoPE, and k and v after GQA's repeat, the factors are of the tensor
+before, and the rotation and repeat are replayed in backward, as the quantize
+pass does. The
 rank is fixed from the last dimension, which is static, so a symbolic row count
 adds no guard, and the ops flatten themselves, so no size enters the graph.
 
@@ -28,7 +29,7 @@ from torch.fx import Node
 
 from fxmem.analysis.graph import memory_order, storage_base
 from fxmem.analysis.norm import norm_unit
-from fxmem.analysis.rope import rope_recompute
+from fxmem.analysis.rope import attention_input_replay
 from fxmem.config import Config
 from fxmem.kernels.lowrank import DEFAULT_NITER
 from fxmem.passes.manager import GraphPass, PipelineState
@@ -70,8 +71,8 @@ class LowRankSaved(GraphPass):
 
 def _factor(editor: SavedTensorEditor, members: list[Node], plan: Plan, rebuilt: dict[Node, list[Node]]) -> Node:
     base = storage_base(members[0])
-    rope = rope_recompute(base) if plan.source is not None else None
-    source = rope.source if rope is not None else base
+    replay = attention_input_replay(base) if plan.source is not None else None
+    source = replay.source if replay is not None else base
     val = source.meta["val"]
     order = memory_order(val)
     permuted = order != sorted(order)
@@ -90,7 +91,7 @@ def _factor(editor: SavedTensorEditor, members: list[Node], plan: Plan, rebuilt:
         rebuilt[source] = nodes
         return nodes[-1]
 
-    compress_storage(editor, members, compress, restore, rope)
+    compress_storage(editor, members, compress, restore, replay)
     return base
 
 

@@ -7,7 +7,8 @@ tensor. The backward dequantizes right before the first use and replays the
 views its saved tensors took of the storage. For q and k after RoPE the plan
 names the tensor before rotation as the source: that is what gets quantized,
 and the rotation (with its small cos/sin tables saved as they are) is replayed
-in backward.
+in backward; likewise for k and v repeated per head by grouped-query attention,
+whose tensor before the repeat is quantized.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from fxmem.analysis.graph import memory_order, storage_base
-from fxmem.analysis.rope import rope_recompute
+from fxmem.analysis.rope import attention_input_replay
 from fxmem.calibration import QuantSlot, register
 from fxmem.config import Config
 from fxmem.passes.manager import GraphPass, PipelineState
@@ -41,8 +42,8 @@ class QuantizeSaved(GraphPass):
 
 
 def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, config: Config) -> QuantSlot:
-    rope = rope_recompute(storage_base(members[0])) if plan.source is not None else None
-    source = rope.source if rope is not None else storage_base(members[0])
+    replay = attention_input_replay(storage_base(members[0])) if plan.source is not None else None
+    source = replay.source if replay is not None else storage_base(members[0])
     order = memory_order(source.meta["val"])
     permuted = order != sorted(order)
     slot = QuantSlot(name=members[0].name, channels=plan.channels, bits=plan.bits, outliers=plan.outliers,
@@ -60,5 +61,5 @@ def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, config:
         return restored
 
     slot_id = register(slot)
-    compress_storage(editor, members, compress, restore, rope)
+    compress_storage(editor, members, compress, restore, replay)
     return slot

@@ -17,7 +17,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxmem.analysis.graph import storage_base, tensor_val, view_chain
-from fxmem.analysis.rope import RopeRecompute
+from fxmem.analysis.rope import Replay
 from fxmem.passes.manager import PipelineState
 from fxmem.policy import Plan
 
@@ -146,16 +146,16 @@ def rewrite_planned(state: PipelineState, action: str,
 def compress_storage(editor: SavedTensorEditor, members: list[Node],
                      compress: Callable[[torch.fx.Graph, Node], list[Node]],
                      restore: Callable[[torch.fx.Graph, list[Node]], Node],
-                     rope: RopeRecompute | None = None) -> None:
+                     replay: Replay | None = None) -> None:
     """Save ``compress(source)`` instead of ``members`` (saved views of one storage) and rebuild them in backward.
 
-    ``source`` is the members' storage, or with ``rope`` the tensor before rotation: the rotation is
+    ``source`` is the members' storage, or with ``replay`` the tensor before rotation or repeat: those are
     replayed in backward from the restored source and the (saved) cos/sin tables. Raises ``Unmappable``
     before editing anything if backward could not rebuild the members.
     """
-    source = rope.source if rope is not None else storage_base(members[0])
-    replayed = (list(rope.nodes) if rope is not None else []) + [v for m in members for v in view_chain(m)]
-    tables = list(rope.tables) if rope is not None else []
+    source = replay.source if replay is not None else storage_base(members[0])
+    replayed = (list(replay.nodes) if replay is not None else []) + [v for m in members for v in view_chain(m)]
+    tables = list(replay.tables) if replay is not None else []
     editor.check_copyable(replayed, known={source, *tables})
     placeholders = [editor.placeholder_of[m] for m in members]
     first_use = editor.first_backward_use(placeholders)
