@@ -207,7 +207,7 @@ def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_s
     if not isinstance(width, int):
         return Plan("keep", "symbolic last dimension: the rank is a fixed share of it")
     if owner.role is Role.ATTN_QKV and width <= hint(tensor_val(analysis.nodes[owner.name]).shape[-1]):
-        # A per-head layout (GPT-2's q, k, v, scaled per head; MQA's single k/v head): factors of one head's width
+        # A per-head layout (GPT-2's per-head copies; MQA's single k/v head): factors of one head's width
         # share one small subspace across all heads, far worse than factors of a projection's output, which
         # spans several heads (wider than the saved tensor's last dimension).
         return Plan("keep", f"per-head layout ({numel_hint(val) // width} x {width}): q, k, v are factored only as "

@@ -8,6 +8,7 @@ smaller), eager attention's batched-matmul copies.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from torch.fx import Node
@@ -40,9 +41,10 @@ def attention_input_replay(saved: Node) -> Replay | None:
     undone, then RoPE undone; None if it is neither."""
     repeat: tuple[Node, ...] = ()
     node = saved
-    if node.target is aten.clone.default and isinstance(node.args[0], Node) and any(
-            v.target is aten.expand.default for v in view_chain(node.args[0])):
-        repeat = (*view_chain(node.args[0]), node)
+    chain = view_chain(node.args[0]) if node.target is aten.clone.default and isinstance(node.args[0], Node) else []
+    # a view through a multi-output op (getitem of split) cannot be replayed alone: the copy is compressed as it is
+    if any(v.target is aten.expand.default for v in chain) and all(v.target is not operator.getitem for v in chain):
+        repeat = (*chain, node)
         node = storage_base(node.args[0])
         if node.op != "call_function":
             return None
