@@ -17,14 +17,15 @@ from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, BACKWARD_ORDERS,
 
 def lora_forward(order: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Y = X W^T + s (X A^T) B^T (+ bias) in ``order``, for 2-D ``x``."""
+    """Y = X W^T + s (X A^T) B^T (+ bias) in ``order``, for 2-D ``x``. Sums and the scaling ride on addmm's
+    accumulation: no separate element-wise pass over an n x o or o x i tensor."""
     if order == "forward1":
-        y = x @ weight.t() + scaling * ((x @ lora_a.t()) @ lora_b.t())
-    elif order == "forward2":
-        y = x @ (weight + scaling * (lora_b @ lora_a)).t()
-    else:
-        raise ValueError(f"unknown forward order {order!r}; valid orders: {', '.join(FORWARD_ORDERS)}")
-    return y if bias is None else y + bias
+        base = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+        return torch.addmm(base, x @ lora_a.t(), lora_b.t(), alpha=scaling)
+    if order == "forward2":
+        merged = torch.addmm(weight, lora_b, lora_a, alpha=scaling).t()
+        return x @ merged if bias is None else torch.addmm(bias, x, merged)
+    raise ValueError(f"unknown forward order {order!r}; valid orders: {', '.join(FORWARD_ORDERS)}")
 
 
 def lora_backward(order: str, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor,
@@ -53,9 +54,9 @@ def lora_backward(order: str, grad_y: torch.Tensor, x: torch.Tensor, weight: tor
         grad_b = (grad_y.t() @ (x @ lora_a.t())) * scaling if assoc_b == "xa" else (xtdy().t() @ lora_a.t()) * scaling
     if "x" in needs:
         if assoc_x == "split":
-            grad_x = grad_y @ weight + z1() @ lora_a
+            grad_x = torch.addmm(grad_y @ weight, z1(), lora_a)
         else:
-            grad_x = grad_y @ (weight + scaling * (lora_b @ lora_a))
+            grad_x = grad_y @ torch.addmm(weight, lora_b, lora_a, alpha=scaling)
     return grad_x, grad_a, grad_b
 
 
