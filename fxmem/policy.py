@@ -119,8 +119,7 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
         tables = set(tables_saved)
         candidates.append((_quantize(owner, analysis, config, tables), tables))
     # q and k quantized at qk_bits are protected from the softmax's amplification of their error: not factored
-    qk_protected = bool(candidates) and config.qk_bits is not None and any(
-        s.role is Role.ATTN_QKV and s.detail in ("q", "k") for s in group)
+    qk_protected = bool(candidates) and config.qk_bits is not None and any(map(_query_or_key, group))
     if config.lowrank is not None and all(s.role in LOWRANK_ROLES for s in group) and not qk_protected:
         tables = set(tables_saved)
         candidates.append((_lowrank(owner, analysis, config.lowrank, tables), tables))
@@ -141,7 +140,7 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
 def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_saved: set[str]) -> Plan:
     node = storage_base(analysis.nodes[owner.name])
     bits = config.bits
-    if config.qk_bits is not None and ((owner.role is Role.ATTN_QKV and owner.detail in ("q", "k")) or (
+    if config.qk_bits is not None and (_query_or_key(owner) or (
             owner.role is Role.LORA_BASE_OUTPUT and node.meta.get(LORA_REORDERED) in ("q", "k"))):
         bits = config.qk_bits
     node, source, tables_bytes, replay_reason = _replay_source(owner, node, analysis, tables_saved)
@@ -164,6 +163,10 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
     return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, source=source,
                 nbytes=nbytes)
+
+
+def _query_or_key(saved: SavedTensor) -> bool:
+    return saved.role is Role.ATTN_QKV and saved.detail in ("q", "k")
 
 
 def _replay_source(owner: SavedTensor, node: Node, analysis: Analysis, tables: set[str]

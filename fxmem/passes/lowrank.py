@@ -29,7 +29,6 @@ from torch.fx import Node
 
 from fxmem.analysis.graph import memory_order, storage_base
 from fxmem.analysis.norm import norm_unit
-from fxmem.analysis.rope import attention_input_replay
 from fxmem.config import Config
 from fxmem.kernels.lowrank import DEFAULT_NITER
 from fxmem.passes.manager import GraphPass, PipelineState
@@ -38,6 +37,7 @@ from fxmem.passes.saved_rewrite import (
     Unmappable,
     call,
     compress_storage,
+    compressed_source,
     permute_back,
     rewrite_planned,
 )
@@ -70,9 +70,7 @@ class LowRankSaved(GraphPass):
 
 
 def _factor(editor: SavedTensorEditor, members: list[Node], plan: Plan, rebuilt: dict[Node, list[Node]]) -> Node:
-    base = storage_base(members[0])
-    replay = attention_input_replay(base) if plan.source is not None else None
-    source = replay.source if replay is not None else base
+    source, replay = compressed_source(members, plan)
     val = source.meta["val"]
     order = memory_order(val)
     permuted = order != sorted(order)
@@ -92,7 +90,7 @@ def _factor(editor: SavedTensorEditor, members: list[Node], plan: Plan, rebuilt:
         return nodes[-1]
 
     compress_storage(editor, members, compress, restore, replay)
-    return base
+    return storage_base(members[0])
 
 
 def _share_prenorm(editor: SavedTensorEditor, members: list[Node], plan: Plan,

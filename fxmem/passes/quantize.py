@@ -16,12 +16,18 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from fxmem.analysis.graph import memory_order, storage_base
-from fxmem.analysis.rope import attention_input_replay
+from fxmem.analysis.graph import memory_order
 from fxmem.calibration import QuantSlot, register
 from fxmem.config import Config
 from fxmem.passes.manager import GraphPass, PipelineState
-from fxmem.passes.saved_rewrite import SavedTensorEditor, call, compress_storage, permute_back, rewrite_planned
+from fxmem.passes.saved_rewrite import (
+    SavedTensorEditor,
+    call,
+    compress_storage,
+    compressed_source,
+    permute_back,
+    rewrite_planned,
+)
 from fxmem.policy import Plan
 
 aten = torch.ops.aten
@@ -42,8 +48,7 @@ class QuantizeSaved(GraphPass):
 
 
 def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, config: Config) -> QuantSlot:
-    replay = attention_input_replay(storage_base(members[0])) if plan.source is not None else None
-    source = replay.source if replay is not None else storage_base(members[0])
+    source, replay = compressed_source(members, plan)
     order = memory_order(source.meta["val"])
     permuted = order != sorted(order)
     slot = QuantSlot(name=members[0].name, channels=plan.channels, bits=plan.bits, outliers=plan.outliers,

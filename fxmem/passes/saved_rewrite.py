@@ -17,7 +17,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxmem.analysis.graph import storage_base, tensor_val, view_chain
-from fxmem.analysis.rope import Replay
+from fxmem.analysis.rope import Replay, attention_input_replay
 from fxmem.passes.manager import PipelineState
 from fxmem.policy import Plan
 
@@ -141,6 +141,14 @@ def rewrite_planned(state: PipelineState, action: str,
             for i in indices:
                 state.plans[i] = Plan("keep", f"planned {action}, left as it was: {error}")
     return done
+
+
+def compressed_source(members: list[Node], plan: Plan) -> tuple[Node, Replay | None]:
+    """What ``plan`` compresses for ``members`` (saved views of one storage): the storage itself, or, when the plan
+    names a source, the tensor before RoPE or a repeat, with the replay that rebuilds the members from it."""
+    base = storage_base(members[0])
+    replay = attention_input_replay(base) if plan.source is not None else None
+    return (replay.source if replay is not None else base), replay
 
 
 def compress_storage(editor: SavedTensorEditor, members: list[Node],
