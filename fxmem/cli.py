@@ -316,9 +316,9 @@ def _whatif(args: argparse.Namespace) -> int:
     order_legend = (f"per layer at {args.batch * args.seq} tokens; default: autograd's order, which saves x A^T "
                     "(RunLoRA's orders recompute it when they need it)")
     if result.adapter_dtype != result.dtype:
-        order_legend += (f"\nNot applied here: PEFT keeps this {args.dtype} model's adapters in "
-                         f"{str(result.adapter_dtype).removeprefix('torch.')} and casts x for them; the runlora pass "
-                         "leaves such layers as traced, so the runlora preset saves what exact saves")
+        order_legend += (f"\nPEFT keeps this {args.dtype} model's adapters in "
+                         f"{str(result.adapter_dtype).removeprefix('torch.')} and casts x for them: s B A cannot be "
+                         "folded into W, so the choice is among forward1 and the backward orders with a split dX")
     _print_table("LoRA orders (runlora preset, FLOPs chooser)", order_columns, order_rows, order_legend, args)
     if markdown:
         lines = [f"`{args.command_line}`", ""]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fxmem.cost_model.lora_orders import (
+    BACKWARD_ASSOCIATIONS,
     BACKWARD_ORDERS,
     FORWARD_ORDERS,
     LoraShape,
@@ -154,3 +155,56 @@ def test_runlora_linear_saves_x_but_not_x_a():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
         runlora_linear(x, w, None, a, b, 1.0)
     assert (64, 32) in shapes and (64, 4) not in shapes
+
+
+def test_dropout_or_adapters_in_another_dtype_keep_s_b_a_out_of_w():
+    # LlamaMLP at 16384 tokens: forward2 and backward5 (both fold s B A into W) are the cheapest where foldable.
+    n, i, o, r = 16384, 4096, 11008, 128
+    foldable = choose_by_flops(LoraShape(n, i, o, r, torch.bfloat16))
+    assert (foldable.forward, foldable.backward) == ("forward2", "backward5")
+    split = {order for order in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[order][2] == "split"}
+    for shape in (LoraShape(n, i, o, r, torch.bfloat16, adapter_dtype=torch.float32),
+                  LoraShape(n, i, o, r, torch.bfloat16, dropout=True)):
+        assert not shape.foldable and shape.candidate_orders() == (("forward1",), tuple(sorted(split)))
+        choice = choose_by_flops(shape)
+        assert choice.forward == "forward1" and choice.backward in split
+    # Adapters in the model's own dtype are the same problem as no adapter dtype given.
+    assert LoraShape(n, i, o, r, torch.bfloat16, adapter_dtype=torch.bfloat16) == LoraShape(n, i, o, r, torch.bfloat16)
+
+
+@pytest.mark.parametrize("backward_order", [o for o in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[o][2] == "split"])
+def test_fp32_adapters_on_a_bf16_weight_give_peft_s_gradients(backward_order):
+    torch.manual_seed(0)
+    i, o, r, scaling = 24, 40, 4, 2.0
+    x = torch.randn(3, 5, i, dtype=torch.bfloat16)
+    weight = torch.randn(o, i, dtype=torch.bfloat16)
+    lora_a, lora_b = torch.randn(r, i), torch.randn(o, r)
+    grad_out = torch.randn(3, 5, o, dtype=torch.bfloat16)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, lora_a, lora_b)]
+        y = fn(*leaves)
+        y.backward(grad_out)
+        return [y.detach(), *(t.grad for t in leaves)]
+
+    def peft(x_, a_, b_):  # PEFT's Linear.forward with autocast_adapter_dtype
+        result = torch.nn.functional.linear(x_, weight)
+        lora = torch.nn.functional.linear(torch.nn.functional.linear(x_.to(a_.dtype), a_), b_) * scaling
+        return (result + lora).to(result.dtype)
+
+    reference = grads(peft)
+    candidate = grads(lambda x_, a_, b_: runlora_linear(x_, weight, None, a_, b_, scaling, "forward1", backward_order))
+    for name, ref, got in zip(("y", "x", "a", "b"), reference, candidate, strict=True):
+        assert got.dtype == ref.dtype, name
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_folding_orders_refuse_adapters_in_another_dtype_naming_the_ones_that_apply():
+    x, w = torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(3, 4, dtype=torch.bfloat16)
+    a, b = torch.randn(1, 4, requires_grad=True), torch.randn(3, 1, requires_grad=True)
+    with pytest.raises(ValueError, match=r"forward2 folds s B A into W.*forward1 and one of backward1, backward2, "
+                                         r"backward3, backward6"):
+        runlora_linear(x, w, None, a, b, 1.0, "forward2", "backward1")
+    y = runlora_linear(x.requires_grad_(), w, None, a, b, 1.0, "forward1", "backward5")
+    with pytest.raises(ValueError, match="backward5 folds s B A into W"):
+        y.sum().backward()

@@ -7,6 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from fxmem import Backend, Config, measure
 from fxmem.cost_model import lora_timing
 from fxmem.cost_model.lora_orders import (
+    BACKWARD_ASSOCIATIONS,
     BACKWARD_ORDERS,
     FORWARD_ORDERS,
     LoraShape,
@@ -72,11 +73,21 @@ def test_time_mode_picks_the_fastest_orders_and_measures_each_once_per_shape(clo
     assert sum(clock.runs.values()) == 3 * 10 * (1 + lora_timing.REPEATS)
 
 
+def test_time_mode_with_fp32_adapters_on_bf16_times_only_the_orders_that_keep_s_b_a_out_of_w(clock):
+    mixed = LoraShape(32, 24, 40, 4, torch.bfloat16, adapter_dtype=torch.float32)
+    choice = choose_by_time(mixed)
+    assert (choice.forward, choice.backward) == ("forward1", "backward6")
+    split = [order for order in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[order][2] == "split"]
+    assert clock.runs == Counter({order: 1 + lora_timing.REPEATS for order in ("forward1", *split)})
+
+
 def test_time_mode_on_the_real_clock_picks_valid_orders_and_caches_them():
     choice = choose_by_time(SHAPE, frozenset({"a", "b"}))
     assert choice.forward in FORWARD_ORDERS and choice.backward in BACKWARD_ORDERS
     assert choice.default == default_cost(SHAPE, frozenset({"a", "b"}))
     assert choose_by_time(SHAPE, frozenset({"a", "b"})) is choice
+    mixed = choose_by_time(LoraShape(32, 24, 40, 4, torch.bfloat16, adapter_dtype=torch.float32))
+    assert mixed.forward == "forward1" and BACKWARD_ASSOCIATIONS[mixed.backward][2] == "split"
 
 
 def test_the_runlora_pass_in_time_mode_times_real_tensors_once_per_layer_shape(monkeypatch):

@@ -1,12 +1,17 @@
+import re
+
 import pytest
 import torch
 
 from fxmem import Backend, Config
-from fxmem.cost_model.lora_orders import BACKWARD_ORDERS, FORWARD_ORDERS, OrderChoice
+from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, BACKWARD_ORDERS, FORWARD_ORDERS, OrderChoice
 from fxmem.measure import saved_activation_bytes
 from fxmem.passes import runlora as runlora_pass
 
 from .conftest import loss_and_grads, tiny_model
+from .test_quantize_pass import _randomize_lora_b
+
+SPLIT_DX_ORDERS = [order for order in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[order][2] == "split"]
 
 
 def _force(monkeypatch, forward: str, backward: str):
@@ -72,26 +77,91 @@ def test_forward_saves_no_x_a_and_inductor_compiles_it(monkeypatch):
     assert exact_bytes - runlora_bytes == 14 * 2 * 16 * 8 * 4
 
 
-def test_the_flops_chooser_decides_per_shape_and_lora_dropout_is_left_as_traced():
-    model, batch = tiny_model("llama", lora=True, lora_dropout=0.1)
-    model.double()
-    backend = Backend(Config(runlora="flops"), lowering="eager")
-    torch.compile(model, backend=backend)(**batch).loss.backward()
-    [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
-    assert record.summary.startswith("0 LoRA linear(s) reordered")
-    assert "left as traced" in record.summary and "dropout on the LoRA input" in record.summary
-
-
-def test_adapters_in_another_dtype_than_the_model_are_left_as_traced_and_named():
-    # PEFT's default for a bf16 model: adapters in fp32, x cast to fp32 for them.
+def _bf16_model_with_fp32_adapters():
+    """PEFT's default for a bf16 model: adapters in fp32, x cast to fp32 for them."""
     model, batch = tiny_model("llama", lora=True)
+    _randomize_lora_b(model)
     model.to(torch.bfloat16)
     for name, parameter in model.named_parameters():
         if "lora_" in name:
             parameter.data = parameter.data.float()
-    backend = Backend(Config(runlora="flops"), lowering="eager")
-    torch.compile(model, backend=backend)(**batch).loss.backward()
+    return model, batch
+
+
+@pytest.mark.parametrize("backward", SPLIT_DX_ORDERS)
+def test_lora_dropout_layers_are_reordered_and_give_the_traced_gradients(monkeypatch, backward):
+    model, batch = tiny_model("llama", lora=True, lora_dropout=0.1)
+    _randomize_lora_b(model)
+    model.double()
+    _, reference_loss, reference = _compiled_grads(model, batch, Config())  # the same dropout draws, seeded
+    _force(monkeypatch, "forward1", backward)
+    backend, loss, grads = _compiled_grads(model, batch, Config(runlora="flops"))
     [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
-    assert record.summary.startswith("0 LoRA linear(s) reordered")
-    assert record.summary.count("LoRA input cast from torch.bfloat16 to the adapters' torch.float32") == 14
-    assert "dropout" not in record.summary
+    assert "14 LoRA linear(s) reordered" in record.summary and "left as traced" not in record.summary, record
+    torch.testing.assert_close(loss, reference_loss)
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+@pytest.mark.parametrize("backward", SPLIT_DX_ORDERS)
+def test_fp32_adapters_on_a_bf16_model_are_reordered_and_give_the_traced_gradients(monkeypatch, backward):
+    model, batch = _bf16_model_with_fp32_adapters()
+    _, reference_loss, reference = _compiled_grads(model, batch, Config())
+    _force(monkeypatch, "forward1", backward)
+    backend, loss, grads = _compiled_grads(model, batch, Config(runlora="flops"))
+    [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
+    assert "14 LoRA linear(s) reordered" in record.summary and "left as traced" not in record.summary, record
+    torch.testing.assert_close(loss, reference_loss)
+    for name, grad in reference.items():
+        assert grad.dtype == torch.float32 and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_flops_chooser_keeps_s_b_a_out_of_w_under_dropout_and_fp32_adapters():
+    for model, batch in (tiny_model("llama", lora=True, lora_dropout=0.1), _bf16_model_with_fp32_adapters()):
+        backend = Backend(Config(runlora="flops"), lowering="eager")
+        torch.compile(model, backend=backend)(**batch).loss.backward()
+        [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
+        assert record.summary.startswith("14 LoRA linear(s) reordered"), record
+        orders = re.findall(r"r=8: (forward\d)/(backward\d)", record.summary)
+        assert orders and all(f == "forward1" and b in SPLIT_DX_ORDERS for f, b in orders), record.summary
+
+
+def test_fp32_adapters_on_a_bf16_model_save_neither_x_a_nor_an_fp32_copy_of_x():
+    model, batch = _bf16_model_with_fp32_adapters()
+    params_and_inputs = [*model.parameters(), *batch.values()]
+
+    def saved(config):
+        torch._dynamo.reset()
+        backend = Backend(config)  # inductor lowering
+        compiled = torch.compile(model, backend=backend)
+        saved_bytes, loss = saved_activation_bytes(lambda: compiled(**batch).loss, params_and_inputs)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        fp32_lora_inputs = [s for s in backend.regions[0].saved
+                            if s.frees_memory and s.dtype == "float32" and s.shape in ((32, 64), (32, 172))]
+        x_a = [s for s in backend.regions[0].saved if s.frees_memory and s.shape == (32, 8)]
+        return saved_bytes, fp32_lora_inputs, x_a
+
+    exact_bytes, exact_fp32_inputs, exact_x_a = saved(Config())
+    runlora_bytes, runlora_fp32_inputs, runlora_x_a = saved(Config(runlora="flops"))
+    assert len(exact_x_a) == 14 and exact_fp32_inputs  # autograd's order keeps x A^T and x cast to fp32
+    assert not runlora_x_a and not runlora_fp32_inputs  # runlora rebuilds both from the bf16 x in backward
+    # 14 x A^T (32 tokens x rank 8, fp32) and the fp32 copies of x, less the little min-cut keeps instead.
+    assert exact_bytes - runlora_bytes > 14 * 32 * 8 * 4 + sum(s.nbytes for s in exact_fp32_inputs) // 2
+
+
+def test_a_layer_the_pass_cannot_follow_is_left_as_traced_and_named():
+    model, batch = tiny_model("llama", lora=True)
+    _randomize_lora_b(model)
+    model.double()
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            parameter.requires_grad_(False)  # no dB: the pass finds the LoRA branch's gradient through it
+    _, reference_loss, reference = _compiled_grads(model, batch, Config())
+    backend, loss, grads = _compiled_grads(model, batch, Config(runlora="flops"))
+    [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
+    assert record.summary.startswith("0 LoRA linear(s) reordered") and record.summary.count("no gradient for B") == 14
+    torch.testing.assert_close(loss, reference_loss)
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)

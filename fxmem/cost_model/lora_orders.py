@@ -17,6 +17,12 @@ needed outputs use extends the table to frozen A (LoRA-FA, LoQT), frozen B, and
 an input that needs no gradient (the first layer). Element-wise work (the
 scaling, W + s B A's add) is not counted: it is O(io) or O(no) against the
 O(nio) matmuls, as in the paper.
+
+Folding s B A into W (forward2, the merged dX) needs the LoRA branch to read X
+itself, in W's dtype. With dropout on the LoRA input the two branches read
+different inputs; with PEFT's fp32 adapters on a bf16 model, W + s B A would
+either round the adapters' product to bf16 or run the base product in fp32. Such
+a layer chooses among forward1 and the split-dX backward orders only.
 """
 
 from __future__ import annotations
@@ -48,19 +54,37 @@ BACKWARD_ASSOCIATIONS: dict[str, tuple[str, str, str]] = {
 
 @dataclass(frozen=True)
 class LoraShape:
-    """One LoRA linear's problem: tokens n = batch x sequence, features in and out, rank, dtype."""
+    """One LoRA linear's problem: tokens n = batch x sequence, features in and out, rank, dtype (X's and W's).
+
+    ``adapter_dtype``: A's and B's dtype where it is not ``dtype``; ``dropout``: the LoRA branch reads dropout(X).
+    """
 
     tokens: int
     in_features: int
     out_features: int
     rank: int
     dtype: torch.dtype = torch.float32
+    adapter_dtype: torch.dtype | None = None
+    dropout: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tokens", "in_features", "out_features", "rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        if self.adapter_dtype == self.dtype:
+            object.__setattr__(self, "adapter_dtype", None)  # one spelling per problem: equal shapes, one cache entry
+
+    @property
+    def foldable(self) -> bool:
+        """Whether s B A may be folded into W (forward2, the merged dX): see the module's docstring."""
+        return self.adapter_dtype is None and not self.dropout
+
+    def candidate_orders(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The forward and the backward orders that compute this layer's output and gradients."""
+        if self.foldable:
+            return FORWARD_ORDERS, BACKWARD_ORDERS
+        return ("forward1",), tuple(order for order in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[order][2] == "split")
 
 
 @dataclass(frozen=True)
@@ -182,8 +206,9 @@ def choose_by_flops(shape: LoraShape, needs: frozenset[str] = frozenset(GRADIENT
     """The forward and the backward order with the fewest FLOPs for ``shape`` (chosen independently:
     neither order keeps anything for the other)."""
     needs = _check_needs(needs)
-    forward = _cheapest(FORWARD_ORDERS, lambda order: forward_cost(order, shape))
-    backward = _cheapest(BACKWARD_ORDERS, lambda order: backward_cost(order, shape, needs))
+    forwards, backwards = shape.candidate_orders()
+    forward = _cheapest(forwards, lambda order: forward_cost(order, shape))
+    backward = _cheapest(backwards, lambda order: backward_cost(order, shape, needs))
     return order_choice(forward, backward, shape, needs)
 
 

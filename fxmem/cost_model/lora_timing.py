@@ -6,8 +6,6 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fxmem.cost_model.lora_orders import (
-    BACKWARD_ORDERS,
-    FORWARD_ORDERS,
     GRADIENTS,
     LoraShape,
     OrderChoice,
@@ -30,17 +28,20 @@ def choose_by_time(shape: LoraShape, needs: frozenset[str] = frozenset(GRADIENTS
     n, i, o, r = shape.tokens, shape.in_features, shape.out_features, shape.rank
     generator = torch.Generator(device=device).manual_seed(0)
 
-    def rand(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=generator, device=device, dtype=shape.dtype)
+    def rand(*size: int, dtype: torch.dtype = shape.dtype) -> torch.Tensor:
+        return torch.randn(*size, generator=generator, device=device, dtype=dtype)
 
+    forwards, backwards = shape.candidate_orders()
+    adapter_dtype = shape.adapter_dtype or shape.dtype
     # Called at compile time, inside AOTAutograd's fake-tensor mode: without leaving it, the orders would run on
-    # fake tensors and the "fastest" would be noise.
+    # fake tensors and the "fastest" would be noise. With dropout, X stands in for dropout(X): the same products.
     with _disable_current_modes(), torch.no_grad():
-        x, weight, lora_a, lora_b, grad_y = rand(n, i), rand(o, i), rand(r, i), rand(o, r), rand(n, o)
+        x, weight, grad_y = rand(n, i), rand(o, i), rand(n, o)
+        lora_a, lora_b = rand(r, i, dtype=adapter_dtype), rand(o, r, dtype=adapter_dtype)
         # one warm-up (allocator, kernel selection), then the median of REPEATS timed runs
-        forward = min(FORWARD_ORDERS, key=lambda order: median(step_times(
+        forward = min(forwards, key=lambda order: median(step_times(
             lambda: lora_forward(order, x, weight, None, lora_a, lora_b, 1.0), steps=REPEATS, device=device)))
-        backward = min(BACKWARD_ORDERS, key=lambda order: median(step_times(
+        backward = min(backwards, key=lambda order: median(step_times(
             lambda: lora_backward(order, grad_y, x, weight, lora_a, lora_b, 1.0, frozenset(needs)), steps=REPEATS,
             device=device)))
     choice = order_choice(forward, backward, shape, frozenset(needs))

@@ -172,7 +172,7 @@ def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype
         lora_a = getattr(module, "lora_A", None)
         if isinstance(lora_a, torch.nn.ModuleDict) and "default" in lora_a:
             counts[LoraShape(tokens, module.in_features, module.out_features, lora_a["default"].out_features,
-                             dtype)] += 1
+                             dtype, adapter_dtype=lora_a["default"].weight.dtype)] += 1
     return [(shape, count, choose_by_flops(shape)) for shape, count in counts.items()]
 
 

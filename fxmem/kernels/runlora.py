@@ -18,11 +18,17 @@ from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, BACKWARD_ORDERS,
 def lora_forward(order: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
     """Y = X W^T + s (X A^T) B^T (+ bias) in ``order``, for 2-D ``x``. Sums and the scaling ride on addmm's
-    accumulation: no separate element-wise pass over an n x o or o x i tensor."""
+    accumulation: no separate element-wise pass over an n x o or o x i tensor.
+
+    Adapters in another dtype than W (PEFT's fp32 adapters on a bf16 model) are computed as PEFT does: the LoRA
+    branch and the sum in the adapters' dtype, the result rounded to W's; only forward1 applies then."""
     if order == "forward1":
         base = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-        return torch.addmm(base, x @ lora_a.t(), lora_b.t(), alpha=scaling)
+        adapter_dtype = lora_a.dtype  # every .to below is a no-op when it is W's
+        return torch.addmm(base.to(adapter_dtype), x.to(adapter_dtype) @ lora_a.t(), lora_b.t(),
+                           alpha=scaling).to(base.dtype)
     if order == "forward2":
+        _check_foldable(order, weight, lora_a)
         merged = torch.addmm(weight, lora_b, lora_a, alpha=scaling).t()
         return x @ merged if bias is None else torch.addmm(bias, x, merged)
     raise ValueError(f"unknown forward order {order!r}; valid orders: {', '.join(FORWARD_ORDERS)}")
@@ -35,29 +41,43 @@ def lora_backward(order: str, grad_y: torch.Tensor, x: torch.Tensor, weight: tor
     if order not in BACKWARD_ASSOCIATIONS:
         raise ValueError(f"unknown backward order {order!r}; valid orders: {', '.join(BACKWARD_ORDERS)}")
     assoc_a, assoc_b, assoc_x = BACKWARD_ASSOCIATIONS[order]
+    if assoc_x == "merged" and "x" in needs:
+        _check_foldable(order, weight, lora_a)
+    # The LoRA branch's products in the adapters' dtype (no copies when it is W's), as in lora_forward.
+    grad_y_lora, x_lora = grad_y.to(lora_a.dtype), x.to(lora_a.dtype)
     cached: dict[str, torch.Tensor] = {}
 
     def z1() -> torch.Tensor:  # s dY B, n x r
         if "z1" not in cached:
-            cached["z1"] = (grad_y @ lora_b) * scaling
+            cached["z1"] = (grad_y_lora @ lora_b) * scaling
         return cached["z1"]
 
     def xtdy() -> torch.Tensor:  # X^T dY, i x o
         if "xtdy" not in cached:
-            cached["xtdy"] = x.t() @ grad_y
+            cached["xtdy"] = x_lora.t() @ grad_y_lora
         return cached["xtdy"]
 
     grad_x = grad_a = grad_b = None
     if "a" in needs:
-        grad_a = z1().t() @ x if assoc_a == "z1" else (lora_b.t() @ xtdy().t()) * scaling
+        grad_a = z1().t() @ x_lora if assoc_a == "z1" else (lora_b.t() @ xtdy().t()) * scaling
     if "b" in needs:
-        grad_b = (grad_y.t() @ (x @ lora_a.t())) * scaling if assoc_b == "xa" else (xtdy().t() @ lora_a.t()) * scaling
+        grad_b = ((grad_y_lora.t() @ (x_lora @ lora_a.t())) * scaling if assoc_b == "xa"
+                  else (xtdy().t() @ lora_a.t()) * scaling)
     if "x" in needs:
         if assoc_x == "split":
-            grad_x = torch.addmm(grad_y @ weight, z1(), lora_a)
+            grad_x_base = grad_y @ weight
+            grad_x = (torch.addmm(grad_x_base, z1(), lora_a) if grad_x_base.dtype == lora_a.dtype
+                      else grad_x_base + (z1() @ lora_a).to(grad_x_base.dtype))
         else:
             grad_x = grad_y @ torch.addmm(weight, lora_b, lora_a, alpha=scaling)
     return grad_x, grad_a, grad_b
+
+
+def _check_foldable(order: str, weight: torch.Tensor, lora_a: torch.Tensor) -> None:
+    if lora_a.dtype != weight.dtype:
+        raise ValueError(f"{order} folds s B A into W, which needs A and B in W's dtype ({weight.dtype}), not "
+                         f"{lora_a.dtype}; with adapters in another dtype use forward1 and one of "
+                         f"{', '.join(o for o in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[o][2] == 'split')}")
 
 
 class RunLoraLinear(torch.autograd.Function):

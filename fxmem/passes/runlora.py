@@ -12,9 +12,12 @@ orders as plain torch):
 
 x A^T and W + s B A are tagged must-recompute, so min-cut saves neither (W + s B A
 is rebuilt in backward from the weights; x A^T from x, which is saved anyway and
-once for q/k/v, which read the same x). A LoRA linear this pass cannot follow
-(dropout on the LoRA input, frozen B, an unexpected backward) is left as traced
-and named in the summary.
+once for q/k/v, which read the same x). Where the LoRA branch reads dropout(x),
+or x cast to the adapters' dtype (PEFT's fp32 adapters on a bf16 model), "x" in
+the LoRA products above is what the branch reads and only forward1 and the split
+dX apply (see fxmem/cost_model/lora_orders.py). A LoRA linear this pass cannot
+follow (frozen B, an unexpected backward) is left as traced and named in the
+summary.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 from torch.fx import Graph, Node
 
-from fxmem.analysis.graph import aten, hint, is_view, storage_base, strip, tensor_val, users_through_views
+from fxmem.analysis.graph import DTYPE_CASTS, aten, hint, is_view, storage_base, strip, tensor_val, users_through_views
 from fxmem.analysis.lora import LORA_REORDERED, LoraLinear, find_lora_linears, matmul_operands
 from fxmem.config import Config
 from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, LoraShape, OrderChoice, choose_by_flops
@@ -93,7 +96,8 @@ class RunLora(GraphPass):
 
 def _shape(lora: LoraLinear) -> LoraShape:
     x, y = tensor_val(matmul_operands(lora.base)[0]), tensor_val(lora.base)
-    return LoraShape(hint(x.shape[0]), hint(x.shape[1]), hint(y.shape[1]), lora.rank, x.dtype)
+    return LoraShape(hint(x.shape[0]), hint(x.shape[1]), hint(y.shape[1]), lora.rank, x.dtype,
+                     adapter_dtype=tensor_val(lora.lora_a).dtype, dropout=lora.dropout)
 
 
 def _mm_users(node: Node) -> list[Node]:
@@ -103,16 +107,10 @@ def _mm_users(node: Node) -> list[Node]:
 def _find_backward(lora: LoraLinear) -> LoraBackward:
     if lora.base.meta.get(LORA_REORDERED):
         raise UnsupportedLora(f"output rebuilt in backward by lora_reorder ({lora.base.meta[LORA_REORDERED]})")
-    # Checked before dropout: the analysis follows casts as it follows dropout. PEFT keeps the adapters of a bf16
-    # or fp16 model in fp32 (autocast_adapter_dtype) and casts x for them; the orders here are single-dtype.
-    x_dtype, x_lora_dtype = tensor_val(lora.x).dtype, tensor_val(matmul_operands(lora.xa)[0]).dtype
-    if x_lora_dtype != x_dtype:
-        raise UnsupportedLora(f"LoRA input cast from {x_dtype} to the adapters' {x_lora_dtype}")
-    if lora.dropout:
-        raise UnsupportedLora("dropout on the LoRA input")
     if lora.base.target is not MM and lora.base.target is not aten.addmm.default:
         raise UnsupportedLora(f"base matmul {lora.base.target}")
     x2d, _ = matmul_operands(lora.base)
+    x_lora = matmul_operands(lora.xa)[0]  # x, or what the LoRA branch reads instead (dropout, a cast)
     n, o, r = tensor_val(x2d).shape[0], tensor_val(lora.base).shape[1], lora.rank
     grad_b = next((u for u in _mm_users(lora.xa) if u is not lora.xab and storage_base(u.args[1]) is lora.xa), None)
     if grad_b is None or not is_view(grad_b.args[0]):
@@ -126,7 +124,7 @@ def _find_backward(lora: LoraLinear) -> LoraBackward:
     lora_a_source = strip(matmul_operands(lora.xa)[1])
     grad_a = grad_x_lora = None
     for user in _mm_users(z1):
-        if storage_base(user.args[1]) is storage_base(x2d):
+        if storage_base(user.args[1]) is storage_base(x_lora):
             grad_a = user
         elif storage_base(user.args[0]) is z1 and strip(user.args[1]) is lora_a_source:
             grad_x_lora = user
@@ -156,11 +154,11 @@ def _rewrite(graph: Graph, lora: LoraLinear, backward: LoraBackward, choice: Ord
     drop_lora_dx = None
     if assoc_x == "merged" and backward.grad_x_lora is not None:
         drop_lora_dx = _sum_without(backward.grad_x_lora)
-    x2d = matmul_operands(lora.base)[0]
-    lora_a_t = matmul_operands(lora.xa)[1]
+    x_lora, lora_a_t = matmul_operands(lora.xa)
     lora_b_t = matmul_operands(lora.xab)[1]
 
     tag_must_recompute([lora.xa, *[u for u in lora.xa.users if is_view(u)]])
+    tag_must_recompute(_cast_for_adapters(x_lora))
     if choice.forward == "forward2":
         with graph.inserting_before(lora.output):
             merged = _merged_weight_t(graph, lora)
@@ -172,7 +170,7 @@ def _rewrite(graph: Graph, lora: LoraLinear, backward: LoraBackward, choice: Ord
         lora.output.replace_all_uses_with(output)
     if "xtdy" in (assoc_a, assoc_b):
         with graph.inserting_before(backward.grad_lora.next):  # inserting_after would reverse the two
-            x_t = call(graph, aten.permute.default, (x2d, [1, 0]))
+            x_t = call(graph, aten.permute.default, (x_lora, [1, 0]))
             xt_g = call(graph, MM, (x_t, backward.grad_lora))  # x^T G, i x o
         if assoc_a == "xtdy" and backward.grad_a is not None:
             with graph.inserting_before(backward.grad_a):
@@ -189,6 +187,17 @@ def _rewrite(graph: Graph, lora: LoraLinear, backward: LoraBackward, choice: Ord
             new = call(graph, MM, (backward.grad_y, call(graph, aten.permute.default, (merged, [1, 0]))))
         backward.grad_x_base.replace_all_uses_with(new)
         add.replace_all_uses_with(other)
+
+
+def _cast_for_adapters(x_lora: Node) -> list[Node]:
+    """The cast (and views) that make x_lora from x where the adapters have another dtype than x, else [].
+
+    Recomputed in backward, so that min-cut saves x rather than a copy twice its size (bf16 x cast to fp32)."""
+    chain, current = [], x_lora
+    while isinstance(current, Node) and (is_view(current) or current.target in DTYPE_CASTS):
+        chain.append(current)
+        current = current.args[0]
+    return chain if any(node.target in DTYPE_CASTS for node in chain) else []
 
 
 def _views_between(base: Node, output: Node) -> list[Node]:
