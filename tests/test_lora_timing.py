@@ -7,9 +7,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from fxmem import Backend, Config, measure
 from fxmem.cost_model import lora_timing
 from fxmem.cost_model.lora_orders import (
-    BACKWARD_ASSOCIATIONS,
     BACKWARD_ORDERS,
     FORWARD_ORDERS,
+    SPLIT_DX_BACKWARD_ORDERS,
     LoraShape,
     backward_cost,
     choose_by_flops,
@@ -77,8 +77,8 @@ def test_time_mode_with_fp32_adapters_on_bf16_times_only_the_orders_that_keep_s_
     mixed = LoraShape(32, 24, 40, 4, torch.bfloat16, adapter_dtype=torch.float32)
     choice = choose_by_time(mixed)
     assert (choice.forward, choice.backward) == ("forward1", "backward6")
-    split = [order for order in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[order][2] == "split"]
-    assert clock.runs == Counter({order: 1 + lora_timing.REPEATS for order in ("forward1", *split)})
+    assert clock.runs == Counter({order: 1 + lora_timing.REPEATS
+                                  for order in ("forward1", "backward1", "backward2", "backward3", "backward6")})
 
 
 def test_time_mode_on_the_real_clock_picks_valid_orders_and_caches_them():
@@ -87,7 +87,7 @@ def test_time_mode_on_the_real_clock_picks_valid_orders_and_caches_them():
     assert choice.default == default_cost(SHAPE, frozenset({"a", "b"}))
     assert choose_by_time(SHAPE, frozenset({"a", "b"})) is choice
     mixed = choose_by_time(LoraShape(32, 24, 40, 4, torch.bfloat16, adapter_dtype=torch.float32))
-    assert mixed.forward == "forward1" and BACKWARD_ASSOCIATIONS[mixed.backward][2] == "split"
+    assert mixed.forward == "forward1" and mixed.backward in SPLIT_DX_BACKWARD_ORDERS
 
 
 def test_the_runlora_pass_in_time_mode_times_real_tensors_once_per_layer_shape(monkeypatch):

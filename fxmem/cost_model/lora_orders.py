@@ -50,6 +50,8 @@ BACKWARD_ASSOCIATIONS: dict[str, tuple[str, str, str]] = {
     "backward7": ("xtdy", "xa", "merged"),
     "backward8": ("z1", "xtdy", "merged"),
 }
+# The backward orders that leave s B A out of W: all a layer that cannot fold it has.
+SPLIT_DX_BACKWARD_ORDERS = tuple(order for order in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[order][2] == "split")
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class LoraShape:
         """The forward and the backward orders that compute this layer's output and gradients."""
         if self.foldable:
             return FORWARD_ORDERS, BACKWARD_ORDERS
-        return ("forward1",), tuple(order for order in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[order][2] == "split")
+        return ("forward1",), SPLIT_DX_BACKWARD_ORDERS
 
 
 @dataclass(frozen=True)

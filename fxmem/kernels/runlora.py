@@ -12,7 +12,12 @@ from typing import Any
 
 import torch
 
-from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, BACKWARD_ORDERS, FORWARD_ORDERS
+from fxmem.cost_model.lora_orders import (
+    BACKWARD_ASSOCIATIONS,
+    BACKWARD_ORDERS,
+    FORWARD_ORDERS,
+    SPLIT_DX_BACKWARD_ORDERS,
+)
 
 
 def lora_forward(order: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -77,7 +82,7 @@ def _check_foldable(order: str, weight: torch.Tensor, lora_a: torch.Tensor) -> N
     if lora_a.dtype != weight.dtype:
         raise ValueError(f"{order} folds s B A into W, which needs A and B in W's dtype ({weight.dtype}), not "
                          f"{lora_a.dtype}; with adapters in another dtype use forward1 and one of "
-                         f"{', '.join(o for o in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[o][2] == 'split')}")
+                         f"{', '.join(SPLIT_DX_BACKWARD_ORDERS)}")
 
 
 class RunLoraLinear(torch.autograd.Function):
