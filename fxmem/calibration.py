@@ -15,7 +15,9 @@ Each quantized saved tensor has a ``QuantSlot``. The compiled forward calls
 ``fxmem::quantize_saved(x, slot)``, an op that reads and updates the slot and
 returns the packed codes together with the scales and outlier ids it used, so
 the backward dequantizes with exactly those even if the slot moves on (several
-forwards before one backward, dynamic mode).
+forwards before one backward, dynamic mode). With ``outlier_values`` the op first
+takes the outlier values out (fxmem.kernels.quantize.split_outlier_values), so
+that the statistics, the scales and the codes are the rest's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxmem.kernels.quantize import quant_params
+from fxmem.kernels.quantize import outlier_value_count, quant_params, split_outlier_values
 
 
 @dataclass
@@ -35,6 +37,7 @@ class QuantSlot:
     channels: int
     bits: int
     outliers: int  # number of outlier channels kept in full precision
+    outlier_values: float  # fraction of the values kept exact (Config.outlier_values), 0 for none
     calibration_steps: int
     mode: str  # static | dynamic (Config.calibration)
     seen: int = 0  # training forwards observed
@@ -95,13 +98,20 @@ def register(slot: QuantSlot) -> int:
 
 @torch.library.custom_op("fxmem::quantize_saved", mutates_args=())
 def quantize_saved(x: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                         torch.Tensor]:
-    """(packed, outliers, scale, zero, outlier ids) of ``x`` under slot ``slot``'s current parameters."""
+                                                         torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed, outliers, scale, zero, outlier ids, outlier value positions, outlier values) of ``x`` under slot
+    ``slot``'s current parameters."""
     state = SLOTS[slot]
+    x = x.contiguous()
+    count = outlier_value_count(x.numel(), state.outlier_values)
+    if count:
+        x, positions, values = split_outlier_values(x, count)
+    else:
+        positions, values = x.new_empty(0, dtype=torch.int32), x.new_empty(0)
     scale, zero, ids = state.observe(x)
     packed, outliers = torch.ops.fxmem.quantize(x, scale, zero, ids, state.bits)
     # Fresh copies: what backward reads must not change when the slot does.
-    return packed, outliers, scale.clone(), zero.clone(), ids.clone()
+    return packed, outliers, scale.clone(), zero.clone(), ids.clone(), positions, values
 
 
 @quantize_saved.register_fake
@@ -111,4 +121,6 @@ def _(x, slot):
         x, x.new_empty(state.channels, dtype=torch.float32), x.new_empty(state.channels, dtype=torch.float32),
         x.new_empty(state.outliers, dtype=torch.long), state.bits)
     scale = x.new_empty(state.channels, dtype=torch.float32)
-    return packed, outliers, scale, torch.empty_like(scale), x.new_empty(state.outliers, dtype=torch.long)
+    count = outlier_value_count(x.numel(), state.outlier_values)
+    return (packed, outliers, scale, torch.empty_like(scale), x.new_empty(state.outliers, dtype=torch.long),
+            x.new_empty(count, dtype=torch.int32), x.new_empty(count))

@@ -22,9 +22,12 @@ class Config:
     """Every technique's switch. The defaults are the ``exact`` preset: nothing lossy.
 
     bits: quantize saved activations to 1, 2, 4 or 8 bits; None keeps them as they are.
-    qk_bits: bits for attention's q and k when ``bits`` is set (default 8: the softmax amplifies their
+    qkv_bits: bits for attention's q, k and v when ``bits`` is set (default 8: the softmax amplifies their
         error; see docs/quantization.md); None quantizes them to ``bits`` like the rest (the paper).
     outlier_ratio: fraction of norm-input channels kept in full precision when quantizing.
+    outlier_values: fraction of the values of each tensor quantized below 8 bits kept exact beside the codes
+        (those farthest from their channel's mean, in standard deviations; dense-and-sparse), the channel
+        ranges taken from the rest. 0 is off.
     attn_sparsity: fraction of attention probabilities kept (eager attention); None is off.
     calibration_steps: training forwards that gather quantization statistics before freezing them.
     calibration: "dynamic" recomputes scales and outlier channels from every batch; "static" freezes
@@ -47,8 +50,9 @@ class Config:
     """
 
     bits: int | None = None
-    qk_bits: int | None = 8
+    qkv_bits: int | None = 8
     outlier_ratio: float = 0.005
+    outlier_values: float = 0.01
     attn_sparsity: float | None = None
     calibration_steps: int = 5
     calibration: str = "dynamic"
@@ -61,8 +65,10 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_choice("bits", self.bits, BITS_CHOICES + (None,))
-        _check_choice("qk_bits", self.qk_bits, BITS_CHOICES + (None,))
+        _check_choice("qkv_bits", self.qkv_bits, BITS_CHOICES + (None,))
         _check_fraction("outlier_ratio", self.outlier_ratio, low_open=False, high=0.5, high_open=True,
+                        allow_none=False)
+        _check_fraction("outlier_values", self.outlier_values, low_open=False, high=0.5, high_open=True,
                         allow_none=False)
         _check_fraction("attn_sparsity", self.attn_sparsity, low_open=True, high=1.0, high_open=False,
                         allow_none=True)

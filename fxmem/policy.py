@@ -17,6 +17,7 @@ from fxmem.analysis.rope import attention_input_replay
 from fxmem.config import Config
 from fxmem.cost_model.memory import lowrank_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
 from fxmem.kernels.lowrank import resolve_rank
+from fxmem.kernels.quantize import outlier_value_count
 
 Action = Literal["keep", "quantize", "sparsify", "lowrank", "prenorm"]
 
@@ -50,6 +51,7 @@ class Plan:
     bits: int | None = None  # quantize
     channels: int = 0  # quantize: channels with their own scale (the innermost memory dimension)
     outliers: int = 0  # quantize: channels kept in full precision
+    outlier_values: float = 0.0  # quantize: fraction of the values kept exact beside the codes
     keep: int = 0  # sparsify: values kept per row
     rank: int = 0  # lowrank: rank of the factors of the (rows, last dimension) matrix
     exact_channels: int = 0  # prenorm: input channels (smallest |gamma|) saved exactly
@@ -118,9 +120,9 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
     if quantized_role and (config.intra or all(s.role is Role.LORA_BASE_OUTPUT for s in group)):
         tables = set(tables_saved)
         candidates.append((_quantize(owner, analysis, config, tables), tables))
-    # q and k quantized at qk_bits are protected from the softmax's amplification of their error: not factored
-    qk_protected = bool(candidates) and config.qk_bits is not None and any(map(_query_or_key, group))
-    if config.lowrank is not None and all(s.role in LOWRANK_ROLES for s in group) and not qk_protected:
+    # q, k and v quantized at qkv_bits are protected from the softmax's amplification of their error: not factored
+    qkv_protected = bool(candidates) and config.qkv_bits is not None and any(map(_attention_input, group))
+    if config.lowrank is not None and all(s.role in LOWRANK_ROLES for s in group) and not qkv_protected:
         tables = set(tables_saved)
         candidates.append((_lowrank(owner, analysis, config.lowrank, tables), tables))
     if not candidates:
@@ -140,9 +142,9 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
 def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_saved: set[str]) -> Plan:
     node = storage_base(analysis.nodes[owner.name])
     bits = config.bits
-    if config.qk_bits is not None and (_query_or_key(owner) or (
-            owner.role is Role.LORA_BASE_OUTPUT and node.meta.get(LORA_REORDERED) in ("q", "k"))):
-        bits = config.qk_bits
+    if config.qkv_bits is not None and (_attention_input(owner) or (
+            owner.role is Role.LORA_BASE_OUTPUT and node.meta.get(LORA_REORDERED) in ("q", "k", "v"))):
+        bits = config.qkv_bits
     node, source, tables_bytes, replay_reason = _replay_source(owner, node, analysis, tables_saved)
     reason = f"{bits}-bit per channel{replay_reason}"
     val = tensor_val(node)
@@ -158,15 +160,20 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     if owner.role is Role.NORM_INPUT and config.outlier_ratio > 0:
         outliers = min(channels, max(1, round(config.outlier_ratio * channels)))
         reason += f", {outliers} outlier channel{'s' if outliers > 1 else ''} exact"
-    nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size()) + tables_bytes
+    # The fused LoRA epilogue kernels read a rebuilt X W's codes alone: its outlier values would be lost there.
+    outlier_values = (config.outlier_values if bits < 8 and owner.role is not Role.LORA_BASE_OUTPUT else 0.0)
+    if outlier_values:
+        reason += f", {outlier_values:.1%} of the values exact"
+    nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(),
+                             outlier_value_count(numel_hint(val), outlier_values)) + tables_bytes
     if nbytes >= owner.nbytes:
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
-    return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, source=source,
-                nbytes=nbytes)
+    return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, outlier_values=outlier_values,
+                source=source, nbytes=nbytes)
 
 
-def _query_or_key(saved: SavedTensor) -> bool:
-    return saved.role is Role.ATTN_QKV and saved.detail in ("q", "k")
+def _attention_input(saved: SavedTensor) -> bool:
+    return saved.role is Role.ATTN_QKV and saved.detail in ("q", "k", "v")
 
 
 def _replay_source(owner: SavedTensor, node: Node, analysis: Analysis, tables: set[str]

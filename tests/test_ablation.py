@@ -13,15 +13,16 @@ def test_settings_cover_bits_intra_inter_outliers_and_the_papers_static_calibrat
     names = [s.name for s in settings]
     assert names == ["eager PEFT", "torch.compile", "4-bit intra + inter", "4-bit intra", "4-bit intra, no outliers",
                      "4-bit inter", "2-bit intra + inter", "2-bit intra", "2-bit intra, no outliers", "2-bit inter",
-                     "4-bit intra + inter, q/k 4-bit", "4-bit intra + inter, static"]
+                     "4-bit intra + inter, q/k/v 4-bit", "4-bit intra + inter, static"]
     by_name = {s.name: s.config for s in settings}
     assert by_name["2-bit intra + inter"] == Config.from_preset("hyclora-2bit")
     assert (by_name["4-bit intra"].lora_reorder, by_name["4-bit intra"].intra) == (False, True)
     assert (by_name["4-bit inter"].lora_reorder, by_name["4-bit inter"].intra) == (True, False)
-    assert by_name["4-bit intra, no outliers"].outlier_ratio == 0.0
+    assert (by_name["4-bit intra, no outliers"].outlier_ratio, by_name["4-bit intra, no outliers"].outlier_values) == (
+        0.0, 0.0)
     paper_qk, static = (s.config for s in hyclora_settings([4])[-2:])
-    assert (paper_qk.bits, paper_qk.qk_bits, paper_qk.calibration) == (4, None, "dynamic")
-    assert (static.bits, static.qk_bits, static.calibration, static.outlier_ratio) == (4, 8, "static", 0.005)
+    assert (paper_qk.bits, paper_qk.qkv_bits, paper_qk.calibration) == (4, None, "dynamic")
+    assert (static.bits, static.qkv_bits, static.calibration, static.outlier_ratio) == (4, 8, "static", 0.005)
     assert probe_steps(200, 5) == [6, 100, 200]
 
 

@@ -7,7 +7,8 @@ from fxmem.kernels.quantize import quant_params
 
 
 def _slot(**kw):
-    defaults = {"name": "x", "channels": 8, "bits": 4, "outliers": 1, "calibration_steps": 3, "mode": "static"}
+    defaults = {"name": "x", "channels": 8, "bits": 4, "outliers": 1, "outlier_values": 0.0, "calibration_steps": 3,
+                "mode": "static"}
     return QuantSlot(**(defaults | kw))
 
 
@@ -49,7 +50,29 @@ def test_the_op_returns_fresh_parameters_backward_can_keep():
     slot = _slot(calibration_steps=1)
     index = register(slot)
     x = torch.randn(2, 3, 8)
-    packed, outliers, scale, zero, ids = torch.ops.fxmem.quantize_saved(x, index)
+    packed, outliers, scale, zero, ids, positions, values = torch.ops.fxmem.quantize_saved(x, index)
     assert scale is not slot.frozen[0] and torch.equal(scale, slot.frozen[0])
-    restored = torch.ops.fxmem.dequantize(packed, outliers, scale, zero, ids, 4)
+    assert positions.numel() == 0 and values.numel() == 0  # outlier_values=0: none taken out
+    restored = torch.ops.fxmem.dequantize(packed, outliers, scale, zero, ids, 4, positions, values)
     assert restored.shape == x.shape and torch.equal(restored[..., ids], x[..., ids])
+
+
+def test_outlier_values_are_restored_exactly_and_leave_the_rest_a_narrower_grid():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 50, 16, generator=generator)
+    x[3, 7, 5], x[10, 2, 9], x[20, 0, 0] = 80.0, -60.0, float("inf")  # spikes that would stretch their channels
+    plain = register(_slot(channels=16, outliers=0, mode="dynamic"))
+    split = register(_slot(channels=16, outliers=0, mode="dynamic", outlier_values=0.01))
+    restored = {}
+    for name, index in (("plain", plain), ("split", split)):
+        *parts, positions, values = torch.ops.fxmem.quantize_saved(x, index)
+        torch.library.opcheck(torch.ops.fxmem.quantize_saved.default, (x, index))
+        restored[name] = torch.ops.fxmem.dequantize(*parts, 4, positions, values)
+        if name == "split":
+            assert positions.dtype == torch.int32 and positions.numel() == 64 * 50 * 16 // 100 == values.numel()
+            flat = positions.long()
+            assert {3 * 800 + 7 * 16 + 5, 10 * 800 + 2 * 16 + 9, 20 * 800 + 0} <= set(flat.tolist())
+            assert torch.equal(restored[name].reshape(-1)[flat], x.reshape(-1)[flat])  # inf included
+    finite = torch.isfinite(x)
+    error = {name: (r - x)[finite].norm() / x[finite].norm() for name, r in restored.items()}
+    assert error["split"] < 0.5 * error["plain"], error

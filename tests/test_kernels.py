@@ -102,3 +102,47 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.fxmem.quantize.default, (x, scale, zero, ids, 4))
     packed, outliers = torch.ops.fxmem.quantize(x, scale, zero, ids, 4)
     torch.library.opcheck(torch.ops.fxmem.dequantize.default, (packed, outliers, scale, zero, ids, 4))
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (4, 50, 48), (3, 700)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outlier_values_are_the_values_farthest_from_their_channel_mean(shape, dtype):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(5)) ** 3).to(dtype)  # heavy tails
+    count = kernels.outlier_value_count(x.numel(), 0.01)
+    rest, positions, values = kernels.split_outlier_values(x, count)
+    rows = x.reshape(-1, shape[-1]).float()
+    deviation = ((rows - rows.mean(0)) / rows.std(0, correction=0)).abs().reshape(-1)
+    ranked = deviation.sort(descending=True).values
+    assert positions.unique().numel() == count  # the count farthest (up to rounding at the boundary)
+    assert deviation[positions.long()].min() >= ranked[count] * (1 - 1e-5)
+    assert positions.dtype == torch.int32 and values.dtype == dtype
+    assert torch.equal(values, x.reshape(-1)[positions.long()])
+    channel_means = rows.mean(0).to(dtype)[positions.long() % shape[-1]]
+    torch.testing.assert_close(rest.reshape(-1)[positions.long()], channel_means)
+    untouched = torch.ones(x.numel(), dtype=torch.bool)
+    untouched[positions.long()] = False
+    assert torch.equal(rest.reshape(-1)[untouched], x.reshape(-1)[untouched])
+
+
+def test_largest_is_exact_where_the_sampled_quantile_overshoots():
+    values = torch.rand(64 * 100)
+    values[::64] += 10  # every sampled value is large, yet only 100 are: too few candidates for 1000
+    assert set(kernels._largest(values, 1000).tolist()) == set(values.topk(1000).indices.tolist())
+    assert set(kernels._largest(values, 50).tolist()) == set(values.topk(50).indices.tolist())
+
+
+def test_outlier_value_count_is_integer_arithmetic_on_the_size():
+    assert [kernels.outlier_value_count(n, 0.01) for n in (99, 100, 6291456)] == [0, 1, 62914]
+    assert kernels.outlier_value_count(1000, 0.0) == 0
+
+
+def test_dequantize_with_outlier_values_passes_opcheck_and_restores_them():
+    x = torch.randn(4, 6, 8)
+    scale, zero = _params(x, 4)
+    ids = torch.tensor([], dtype=torch.long)
+    packed, outliers = torch.ops.fxmem.quantize(x, scale, zero, ids, 4)
+    positions, values = torch.tensor([0, 17, 191], dtype=torch.int32), torch.tensor([9.0, -9.0, 0.5])
+    args = (packed, outliers, scale, zero, ids, 4, positions, values)
+    torch.library.opcheck(torch.ops.fxmem.dequantize.default, args)
+    restored = torch.ops.fxmem.dequantize(*args).reshape(-1)
+    assert restored[[0, 17, 191]].tolist() == [9.0, -9.0, 0.5]

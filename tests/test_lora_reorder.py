@@ -30,9 +30,9 @@ def test_llama_saves_x_w_quantized_and_x_a_exact_instead_of_the_mlp_and_qkv_outp
     rebuilt = [(s, p) for s, p in rows if s.role is Role.LORA_BASE_OUTPUT]
     assert sorted(s.detail.removeprefix("output rebuilt for ") for s, _ in rebuilt) == sorted(
         ["q", "k", "v", "silu", "product"] * 2)
-    # x W at bits (q and k at qk_bits), x A exact; SiLU's input and output, up, the product and q/k after RoPE
+    # x W at bits (q, k and v at qkv_bits), x A exact; SiLU's input and output, up, the product and q/k after RoPE
     # are not saved at all.
-    assert all(p.action == "quantize" and p.bits == (8 if s.detail[-1] in "qk" else 2) for s, p in rebuilt)
+    assert all(p.action == "quantize" and p.bits == (8 if s.detail[-1] in "qkv" else 2) for s, p in rebuilt)
     assert all(p.action == "keep" for s, p in rows if s.role is Role.LORA_INTERMEDIATE)
     assert not [s for s, _ in rows if s.role in (Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV)]
     # What down_proj reads (the product) is no longer a saved linear input: only the norm outputs are.

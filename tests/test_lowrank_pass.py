@@ -114,7 +114,7 @@ def test_gqa_repeat_of_k_and_v_is_undone_and_replayed_in_backward(monkeypatch):
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
-def test_per_head_copies_are_not_factored_and_q_and_k_keep_their_qk_bits(monkeypatch):
+def test_per_head_copies_are_not_factored_and_q_k_v_keep_their_qkv_bits(monkeypatch):
     """GPT-2 copies q, k, v per head, (batch x heads, seq, head dim): factors of the head width would share one small
     subspace across all heads, so those are left as they are. (v's copy is of a split of the fused projection,
     which the rewrite cannot replay: it is not traced back.)"""
@@ -131,13 +131,13 @@ def test_per_head_copies_are_not_factored_and_q_and_k_keep_their_qk_bits(monkeyp
     _run(model, batch, backend)
     assert [p.action for _, s, p in backend.report().rows() if s.role is Role.ATTN_QKV and s.nbytes > 0] == \
         ["quantize"] * 6
-    # with bits on, q and k stay quantized at qk_bits even where rank-8 factors would take fewer bytes
+    # with bits on, q, k and v stay quantized at qkv_bits even where rank-8 factors would take fewer bytes
     model, batch = _llama(kv_heads=2)
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(bits=4, lowrank=0.125), lowering="eager")
     _run(model, batch, backend)
     plans = [(s.detail, p) for _, s, p in backend.report().rows() if s.role is Role.ATTN_QKV and s.nbytes > 0]
-    assert {p.bits for d, p in plans if d in ("q", "k")} == {8}
+    assert {p.bits for d, p in plans} == {8} and {d for d, _ in plans} == {"q", "k", "v"}
     assert all(p.action == "quantize" for _, p in plans)
 
 
@@ -237,8 +237,8 @@ def test_with_bits_and_lowrank_each_tensor_gets_the_plan_with_fewer_bytes():
             continue
         options = [p for p in (quantized[name], factored[name]) if p.action != "keep"]
         saved_tensor = plans[fxmem.Config(bits=8, lowrank=0.125)][name][0]
-        if saved_tensor.role is Role.ATTN_QKV and saved_tensor.detail in ("q", "k"):
-            assert plan == quantized[name], name  # at qk_bits, never factored
+        if saved_tensor.role is Role.ATTN_QKV:
+            assert plan == quantized[name], name  # at qkv_bits, never factored
         elif plan.action in ("quantize", "lowrank"):
             assert plan.nbytes == min(p.nbytes for p in options), name
         elif plan.action == "keep":  # the final norm's input: the logits are recomputed from it

@@ -39,7 +39,7 @@ def test_saved_bytes_are_what_the_plan_says_and_far_fewer(family, attn):
     saved, loss, grads = _run(model, batch, four)
     report = four.report()
     assert saved == report.planned_bytes  # packed sizes, outliers, scales, ids: the cost model is exact
-    assert saved * 2.5 < exact_saved
+    assert saved * 2.2 < exact_saved  # a 64-wide model: per-channel scales weigh more than in real ones
     assert torch.equal(loss, exact_loss)  # the forward is untouched: only what backward reads is compressed
     fidelity = gradient_fidelity(exact_grads, grads)
     assert fidelity.min_cosine > 0.9, fidelity
@@ -54,8 +54,8 @@ def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
     quantized = {s.role for s, p in rows if p.action == "quantize"}
     assert quantized == {Role.LINEAR_INPUT, Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV}
-    # q and k at qk_bits (8 by default): the softmax amplifies their error.
-    assert all(p.bits == (8 if s.role is Role.ATTN_QKV and s.detail in "qk" else 2)
+    # q, k and v at qkv_bits (8 by default): the softmax amplifies their error.
+    assert all(p.bits == (8 if s.role is Role.ATTN_QKV else 2)
                for s, p in rows if p.action == "quantize")
     for saved, plan in rows:
         if saved.role is Role.LORA_INTERMEDIATE:
@@ -75,9 +75,9 @@ def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     assert passes["recompute_attention"] == "2 attention op(s) recomputed in backward"
 
 
-def test_qk_bits_none_quantizes_q_and_k_like_the_rest():
+def test_qkv_bits_none_quantizes_q_and_k_like_the_rest():
     model, batch = tiny_model("llama", lora=True)
-    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", qk_bits=None, lora_reorder=False),
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", qkv_bits=None, lora_reorder=False),
                             lowering="eager")
     _run(model, batch, backend)
     plans = [(s, p) for _, s, p in backend.report().rows() if p.action == "quantize"]

@@ -13,13 +13,16 @@ if TYPE_CHECKING:
 
 SCALE_BYTES = 4  # per-channel scale and zero point are float32
 CHANNEL_ID_BYTES = 8  # outlier channel ids are int64
+VALUE_POSITION_BYTES = 4  # outlier values' flat positions are int32
 
 
-def quantized_bytes(numel: int, channels: int, bits: int, outliers: int, element_size: int) -> int:
-    """Packed codes + full-precision outlier columns + per-channel scale and zero + outlier ids."""
+def quantized_bytes(numel: int, channels: int, bits: int, outliers: int, element_size: int,
+                    outlier_values: int = 0) -> int:
+    """Packed codes + full-precision outlier columns + per-channel scale and zero + outlier ids + the exact
+    outlier values and their int32 positions."""
     rows = numel // channels
     return (packed_numel(numel, bits) + rows * outliers * element_size + 2 * channels * SCALE_BYTES
-            + outliers * CHANNEL_ID_BYTES)
+            + outliers * CHANNEL_ID_BYTES + outlier_values * (element_size + VALUE_POSITION_BYTES))
 
 
 def sparse_index_bytes(row_length: int) -> int:

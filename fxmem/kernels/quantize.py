@@ -11,6 +11,10 @@ Codes are packed in the tensor's flat (row-major) order, 8 // bits to a byte,
 the first value in the lowest bits: a 2-bit tensor of n values takes
 ceil(n / 4) bytes. Outlier channels are gathered in full precision before
 quantizing and written back over their (meaningless) codes after dequantizing.
+Outlier values (dense-and-sparse) likewise: ``split_outlier_values`` takes the
+values farthest from their channel's mean out (their flat positions as int32 and
+their values in the tensor's dtype), sets them to that mean so that they widen
+no channel's range, and ``dequantize`` writes them back last.
 
 Each op has a torch reference (the CPU path, and the oracle the tests hold the
 Triton kernels to) and a Triton kernel used on CUDA. Both compute
@@ -94,6 +98,43 @@ def dequantize_reference(packed: torch.Tensor, scale: torch.Tensor, zero: torch.
     numel = math.prod(shape)
     codes = codes.reshape(-1)[:numel].reshape(-1, shape[-1]).float()
     return ((codes - zero) * scale).to(dtype).reshape(shape)
+
+
+# A ratio in millionths: the count is integer arithmetic on the size, which may be symbolic while tracing.
+_RATIO_UNITS = 10**6
+_SAMPLE_STRIDE = 64
+
+
+def outlier_value_count(numel: int, ratio: float) -> int:
+    """How many of ``numel`` values ``ratio`` (Config.outlier_values) keeps exact."""
+    return numel * round(ratio * _RATIO_UNITS) // _RATIO_UNITS
+
+
+def split_outlier_values(x: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``x`` with its ``count`` values farthest from their channel's mean, in channel standard deviations, set
+    to that mean; their flat positions, int32; their values) for contiguous ``x``, channels last.
+
+    Non-finite values count as 0 in the channel statistics and as the farthest of all: kept exact first.
+    """
+    flat = x.reshape(-1)
+    rows = torch.nan_to_num(x.reshape(-1, x.shape[-1]).float(), nan=0.0, posinf=0.0, neginf=0.0)
+    std, mean = torch.std_mean(rows, dim=0, correction=0)
+    deviation = ((rows - mean) / std.clamp_min(torch.finfo(torch.float32).tiny)).reshape(-1).abs_()
+    positions = _largest(deviation.masked_fill_(~torch.isfinite(flat), float("inf")), count)
+    rest = flat.clone()
+    rest[positions] = mean.to(x.dtype)[positions % x.shape[-1]]
+    return rest.view_as(x), positions.to(torch.int32), flat[positions]
+
+
+def _largest(values: torch.Tensor, count: int) -> torch.Tensor:
+    """Positions of the ``count`` largest of flat ``values``, exactly; a strided sample's quantile first narrows
+    the candidates (a full top-k over millions of values is most of the cost on the CPU)."""
+    sample = values[::_SAMPLE_STRIDE]
+    threshold = sample.topk(min(sample.numel(), 2 * count // _SAMPLE_STRIDE + 1)).values[-1]
+    candidates = (values >= threshold).nonzero().squeeze(1)
+    if candidates.numel() < count:
+        return values.topk(count).indices
+    return candidates[values[candidates].topk(count).indices]
 
 
 if triton is not None:
@@ -183,18 +224,24 @@ def _(x, scale, zero, outlier_channels, bits):
 
 @torch.library.custom_op("fxmem::dequantize", mutates_args=())
 def dequantize(packed: torch.Tensor, outliers: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-               outlier_channels: torch.Tensor, bits: int) -> torch.Tensor:
-    """The tensor ``quantize`` packed, with its outlier channels restored exactly.
+               outlier_channels: torch.Tensor, bits: int, value_positions: torch.Tensor | None = None,
+               values: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor ``quantize`` packed, with its outlier channels and outlier values restored exactly.
 
     Its shape is ``(*outliers.shape[:-1], scale.numel())`` and its dtype the
     outliers': the outlier tensor carries them even when it has no columns.
+    ``value_positions`` and ``values`` are ``split_outlier_values``'s (flat positions, values), if any.
     """
     shape = (*outliers.shape[:-1], scale.numel())
     x = (dequantize_triton if _uses_triton(packed) else dequantize_reference)(
         packed, scale, zero, bits, shape, outliers.dtype)
-    return x.index_copy_(-1, outlier_channels, outliers) if outlier_channels.numel() else x
+    if outlier_channels.numel():
+        x.index_copy_(-1, outlier_channels, outliers)
+    if value_positions is not None and value_positions.numel():
+        x.view(-1)[value_positions.long()] = values
+    return x
 
 
 @dequantize.register_fake
-def _(packed, outliers, scale, zero, outlier_channels, bits):
+def _(packed, outliers, scale, zero, outlier_channels, bits, value_positions=None, values=None):
     return outliers.new_empty((*outliers.shape[:-1], scale.shape[0]))

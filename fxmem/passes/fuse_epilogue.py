@@ -153,9 +153,9 @@ def lora_sum(node: Node) -> LoraSum | None:
         if tensor_val(frozen).shape != (tensor_val(xa).shape[0], channels):
             continue
         if frozen.target is torch.ops.fxmem.dequantize.default:
-            packed, _, scale, zero, outlier_ids, bits = frozen.args
-            if tensor_val(outlier_ids).shape[0] != 0:
-                continue  # outlier channels are not part of the fused kernels' input
+            packed, _, scale, zero, outlier_ids, bits, *outlier_values = frozen.args
+            if tensor_val(outlier_ids).shape[0] != 0 or any(tensor_val(v).numel() for v in outlier_values):
+                continue  # outlier channels and values are not part of the fused kernels' input
             return LoraSum(node, base, xa, b, scaling, (packed, scale, zero, bits))
         if frozen.target in (aten.mm.default, aten.addmm.default):
             return LoraSum(node, base, xa, b, scaling, None)

@@ -2,8 +2,8 @@
 
 For each storage the plan quantizes, the forward calls ``fxmem::quantize_saved``
 on it (in memory order, so the innermost dimension is the channel) and saves the
-packed codes, outlier columns, scales, zero points and outlier ids instead of the
-tensor. The backward dequantizes right before the first use and replays the
+packed codes, outlier columns, scales, zero points, outlier ids and outlier
+values with their positions instead of the tensor. The backward dequantizes right before the first use and replays the
 views its saved tensors took of the storage. For q and k after RoPE the plan
 names the tensor before rotation as the source: that is what gets quantized,
 and the rotation (with its small cos/sin tables saved as they are) is replayed
@@ -52,15 +52,16 @@ def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, config:
     order = memory_order(source.meta["val"])
     permuted = order != sorted(order)
     slot = QuantSlot(name=members[0].name, channels=plan.channels, bits=plan.bits, outliers=plan.outliers,
-                     calibration_steps=config.calibration_steps, mode=config.calibration)
+                     outlier_values=plan.outlier_values, calibration_steps=config.calibration_steps,
+                     mode=config.calibration)
 
     def compress(graph: torch.fx.Graph, node: Node) -> list[Node]:
         if permuted:
             node = call(graph, aten.permute.default, (node, order))
-        return call(graph, torch.ops.fxmem.quantize_saved.default, (node, slot_id), outputs=5)
+        return call(graph, torch.ops.fxmem.quantize_saved.default, (node, slot_id), outputs=7)
 
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
-        restored = call(graph, torch.ops.fxmem.dequantize.default, (*parts, plan.bits))
+        restored = call(graph, torch.ops.fxmem.dequantize.default, (*parts[:5], plan.bits, *parts[5:]))
         if permuted:
             restored = permute_back(graph, restored, order)
         return restored
