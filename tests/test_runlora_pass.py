@@ -56,19 +56,23 @@ def test_float32_graph_with_viewed_lora_gradients_gives_the_traced_gradients(mon
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def _saved_with_inductor(model, batch, config):
+    """The bytes one compiled step saves, and the saved tensors of its region that free memory."""
+    torch._dynamo.reset()
+    backend = Backend(config)  # inductor lowering
+    compiled = torch.compile(model, backend=backend)
+    saved, loss = saved_activation_bytes(lambda: compiled(**batch).loss, [*model.parameters(), *batch.values()])
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return saved, [s for s in backend.regions[0].saved if s.frees_memory]
+
+
 def test_forward_saves_no_x_a_and_inductor_compiles_it(monkeypatch):
     model, batch = tiny_model("llama", lora=True)
-    params_and_inputs = [*model.parameters(), *batch.values()]
 
     def saved_lora_intermediates(config):
-        torch._dynamo.reset()
-        backend = Backend(config)  # inductor lowering
-        compiled = torch.compile(model, backend=backend)
-        saved, loss = saved_activation_bytes(lambda: compiled(**batch).loss, params_and_inputs)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        rank_wide = [s for s in backend.regions[0].saved if s.shape[-1:] == (8,) and s.frees_memory]
-        return saved, rank_wide
+        saved, tensors = _saved_with_inductor(model, batch, config)
+        return saved, [s for s in tensors if s.shape[-1:] == (8,)]
 
     exact_bytes, exact_rank_wide = saved_lora_intermediates(Config())
     runlora_bytes, runlora_rank_wide = saved_lora_intermediates(Config(runlora="flops"))
@@ -129,19 +133,11 @@ def test_the_flops_chooser_keeps_s_b_a_out_of_w_under_dropout_and_fp32_adapters(
 
 def test_fp32_adapters_on_a_bf16_model_save_neither_x_a_nor_an_fp32_copy_of_x():
     model, batch = _bf16_model_with_fp32_adapters()
-    params_and_inputs = [*model.parameters(), *batch.values()]
 
     def saved(config):
-        torch._dynamo.reset()
-        backend = Backend(config)  # inductor lowering
-        compiled = torch.compile(model, backend=backend)
-        saved_bytes, loss = saved_activation_bytes(lambda: compiled(**batch).loss, params_and_inputs)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        fp32_lora_inputs = [s for s in backend.regions[0].saved
-                            if s.frees_memory and s.dtype == "float32" and s.shape in ((32, 64), (32, 172))]
-        x_a = [s for s in backend.regions[0].saved if s.frees_memory and s.shape == (32, 8)]
-        return saved_bytes, fp32_lora_inputs, x_a
+        saved_bytes, tensors = _saved_with_inductor(model, batch, config)
+        fp32_lora_inputs = [s for s in tensors if s.dtype == "float32" and s.shape in ((32, 64), (32, 172))]
+        return saved_bytes, fp32_lora_inputs, [s for s in tensors if s.shape == (32, 8)]
 
     exact_bytes, exact_fp32_inputs, exact_x_a = saved(Config())
     runlora_bytes, runlora_fp32_inputs, runlora_x_a = saved(Config(runlora="flops"))
