@@ -17,7 +17,7 @@ from fxmem.analysis.rope import attention_input_replay
 from fxmem.config import Config
 from fxmem.cost_model.memory import lowrank_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
 from fxmem.kernels.lowrank import resolve_rank
-from fxmem.kernels.quantize import outlier_value_count
+from fxmem.kernels.quantize import MAX_OUTLIER_VALUE_POSITION, outlier_value_count
 
 Action = Literal["keep", "quantize", "sparsify", "lowrank", "prenorm"]
 
@@ -162,6 +162,9 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
         reason += f", {outliers} outlier channel{'s' if outliers > 1 else ''} exact"
     # The fused LoRA epilogue kernels read a rebuilt X W's codes alone: its outlier values would be lost there.
     outlier_values = (config.outlier_values if bits < 8 and owner.role is not Role.LORA_BASE_OUTPUT else 0.0)
+    if outlier_values and numel_hint(val) > MAX_OUTLIER_VALUE_POSITION:
+        outlier_values = 0.0
+        reason += ", no outlier values (their int32 positions address 2^31 values at most)"
     if outlier_values:
         reason += f", {outlier_values:.1%} of the values exact"
     nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(),

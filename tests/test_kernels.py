@@ -146,3 +146,8 @@ def test_dequantize_with_outlier_values_passes_opcheck_and_restores_them():
     torch.library.opcheck(torch.ops.fxmem.dequantize.default, args)
     restored = torch.ops.fxmem.dequantize(*args).reshape(-1)
     assert restored[[0, 17, 191]].tolist() == [9.0, -9.0, 0.5]
+
+
+def test_outlier_values_refuse_a_tensor_their_int32_positions_cannot_address():
+    with pytest.raises(ValueError, match="at most 2\\^31 values.*set outlier_values=0"):
+        kernels.split_outlier_values(torch.empty(2**31, device="meta"), 10)

@@ -102,6 +102,7 @@ def dequantize_reference(packed: torch.Tensor, scale: torch.Tensor, zero: torch.
 
 # A ratio in millionths: the count is integer arithmetic on the size, which may be symbolic while tracing.
 _RATIO_UNITS = 10**6
+MAX_OUTLIER_VALUE_POSITION = 2**31 - 1  # positions are int32
 _SAMPLE_STRIDE = 64
 
 
@@ -116,6 +117,9 @@ def split_outlier_values(x: torch.Tensor, count: int) -> tuple[torch.Tensor, tor
 
     Non-finite values count as 0 in the channel statistics and as the farthest of all: kept exact first.
     """
+    if x.numel() > MAX_OUTLIER_VALUE_POSITION:
+        raise ValueError(f"outlier values address at most 2^31 values by int32 position; this tensor has "
+                         f"{x.numel()}: set outlier_values=0")
     flat = x.reshape(-1)
     rows = torch.nan_to_num(x.reshape(-1, x.shape[-1]).float(), nan=0.0, posinf=0.0, neginf=0.0)
     std, mean = torch.std_mean(rows, dim=0, correction=0)
