@@ -35,8 +35,8 @@ DEFAULT_RATIOS = (0.5, 0.25, 0.125, 0.0625)  # the issue's ratios; the paper's T
 def hyclora_settings(bits: Sequence[int] = DEFAULT_BITS) -> list[Setting]:
     """The baselines, then per bit width the paper's Table 1 rows: intra + inter (the preset), intra-operator
     only with and without outliers (channels and values), inter-operator only; and for the first bit width two
-    of the paper's choices we depart from: q/k/v at that bit width too (we keep them at 8), and static calibration (scales frozen,
-    values outside clamped; we recompute them every batch)."""
+    of the paper's choices we depart from: q/k/v at that bit width too (we keep them at 8), and static
+    calibration (scales frozen, values outside clamped; we recompute them every batch)."""
     _check_unique("bits", bits)
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
     for b in bits:

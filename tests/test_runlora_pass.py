@@ -92,16 +92,23 @@ def _bf16_model_with_fp32_adapters():
     return model, batch
 
 
+def _reordered_in_forward1_and(monkeypatch, backward, model, batch):
+    """(loss, gradients) as traced, then with every LoRA linear in forward1 and ``backward``, which it checks the
+    pass applied to all 14 linears. Seeded alike: the same dropout draws in both runs."""
+    _, reference_loss, reference = _compiled_grads(model, batch, Config())
+    _force(monkeypatch, "forward1", backward)
+    backend, loss, grads = _compiled_grads(model, batch, Config(runlora="flops"))
+    [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
+    assert "14 LoRA linear(s) reordered" in record.summary and "left as traced" not in record.summary, record
+    return reference_loss, reference, loss, grads
+
+
 @pytest.mark.parametrize("backward", SPLIT_DX_ORDERS)
 def test_lora_dropout_layers_are_reordered_and_give_the_traced_gradients(monkeypatch, backward):
     model, batch = tiny_model("llama", lora=True, lora_dropout=0.1)
     _randomize_lora_b(model)
     model.double()
-    _, reference_loss, reference = _compiled_grads(model, batch, Config())  # the same dropout draws, seeded
-    _force(monkeypatch, "forward1", backward)
-    backend, loss, grads = _compiled_grads(model, batch, Config(runlora="flops"))
-    [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
-    assert "14 LoRA linear(s) reordered" in record.summary and "left as traced" not in record.summary, record
+    reference_loss, reference, loss, grads = _reordered_in_forward1_and(monkeypatch, backward, model, batch)
     torch.testing.assert_close(loss, reference_loss)
     for name, grad in reference.items():
         torch.testing.assert_close(grads[name], grad, msg=name)
@@ -110,11 +117,7 @@ def test_lora_dropout_layers_are_reordered_and_give_the_traced_gradients(monkeyp
 @pytest.mark.parametrize("backward", SPLIT_DX_ORDERS)
 def test_fp32_adapters_on_a_bf16_model_are_reordered_and_give_the_traced_gradients(monkeypatch, backward):
     model, batch = _bf16_model_with_fp32_adapters()
-    _, reference_loss, reference = _compiled_grads(model, batch, Config())
-    _force(monkeypatch, "forward1", backward)
-    backend, loss, grads = _compiled_grads(model, batch, Config(runlora="flops"))
-    [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
-    assert "14 LoRA linear(s) reordered" in record.summary and "left as traced" not in record.summary, record
+    reference_loss, reference, loss, grads = _reordered_in_forward1_and(monkeypatch, backward, model, batch)
     torch.testing.assert_close(loss, reference_loss)
     for name, grad in reference.items():
         assert grad.dtype == torch.float32 and grad.abs().sum() > 0, name

@@ -3,8 +3,9 @@
 For each storage the plan quantizes, the forward calls ``fxmem::quantize_saved``
 on it (in memory order, so the innermost dimension is the channel) and saves the
 packed codes, outlier columns, scales, zero points, outlier ids and outlier
-values with their positions instead of the tensor. The backward dequantizes right before the first use and replays the
-views its saved tensors took of the storage. For q and k after RoPE the plan
+values with their positions instead of the tensor. The backward dequantizes
+right before the first use and replays the views its saved tensors took of the
+storage. For q and k after RoPE the plan
 names the tensor before rotation as the source: that is what gets quantized,
 and the rotation (with its small cos/sin tables saved as they are) is replayed
 in backward; likewise for k and v repeated per head by grouped-query attention,
