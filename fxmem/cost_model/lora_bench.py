@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,20 @@ class LayerTiming:
     flops_saving: float
     peft_seconds: float
     runlora_seconds: float
+    speedups: tuple[float, ...]  # PEFT's time / runlora's, one per interleaved round
+
+    @property
+    def speedup(self) -> float:
+        """Median of the per-round ratios: a round times both back to back, so the machine's drift cancels."""
+        return median(self.speedups)
+
+    @property
+    def speedup_quartiles(self) -> tuple[float, float]:
+        """The middle half of the per-round ratios: how far one round's reading can be trusted."""
+        if len(self.speedups) < 2:
+            return self.speedups[0], self.speedups[0]
+        low, _, high = statistics.quantiles(self.speedups, n=4, method="inclusive")
+        return low, high
 
 
 def time_lora_layer(shape: LoraShape, *, steps: int, device: str = "cpu") -> LayerTiming:
@@ -43,5 +58,6 @@ def time_lora_layer(shape: LoraShape, *, steps: int, device: str = "cpu") -> Lay
 
     times = interleaved_step_times({"peft": peft_step, "runlora": runlora_step}, steps=steps, warmup=2,
                                    device=device)
+    speedups = tuple(p / r for p, r in zip(times["peft"], times["runlora"], strict=True))
     return LayerTiming(shape, choice.forward, choice.backward, choice.flops_saving, median(times["peft"]),
-                       median(times["runlora"]))
+                       median(times["runlora"]), speedups)
