@@ -25,7 +25,7 @@ from torch.fx import GraphModule
 from fxmem.analysis import analyze
 from fxmem.config import Config
 from fxmem.passes import PassManager, PipelineState, default_passes
-from fxmem.policy import plan_region
+from fxmem.policy import budget_note, plan_region
 from fxmem.region import Region
 from fxmem.report import Report
 
@@ -49,12 +49,17 @@ class _Partitioner(CustomPartitionerFn):
         try:
             state.analysis = analyze(fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices"))
             state.plans = plan_region(state.analysis, region.config)
+            budget = budget_note(state.analysis, state.plans, region.config)
         except Exception as error:  # an unforeseen graph: compile it exactly as inductor would
             note = (f"saved-tensor analysis or planning failed ({type(error).__name__}: {error}); "
                     "this region compiles as plain inductor")
             region.notes.append(note)
             warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
             return fw, bw
+        if budget is not None:
+            region.notes.append(budget)
+            if "not met" in budget:
+                warnings.warn(f"fxmem region {region.index}: {budget}", stacklevel=2)
         state.fw, state.bw = fw, bw
         region.passes += self.passes.run("partitioned", state)
         # Appended: inductor may partition nested subgraphs of the region through this same hook.
@@ -108,7 +113,6 @@ class Backend:
         if lowering not in LOWERINGS:
             raise ValueError(f"lowering must be one of {', '.join(LOWERINGS)}; got {lowering!r}")
         self.config = config or Config()
-        self.config.require_built()
         self.lowering = lowering
         self.passes = passes or PassManager(default_passes())
         self.regions: list[Region] = []
@@ -140,9 +144,7 @@ def _config_with_options(config: Config, options: dict[str, Any] | None) -> Conf
         return config
     options = dict(options)
     preset = options.pop("preset", None)
-    config = Config.from_preset(preset, **options) if preset is not None else config.replace(**options)
-    config.require_built()
-    return config
+    return Config.from_preset(preset, **options) if preset is not None else config.replace(**options)
 
 
 def backend(preset: str = "exact", **overrides: Any) -> Backend:

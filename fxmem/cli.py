@@ -50,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--seq", type=int, help="sequence length (default: the workload's, else 512)")
     inspect.add_argument("--lora-rank", type=_int_at_least(0), default=16, help="LoRA rank; 0 for full fine-tuning")
     inspect.add_argument("--preset", default="exact", choices=list(PRESETS))
+    inspect.add_argument("--memory-budget", type=float, metavar="FRACTION",
+                         help="cap saved activations at this fraction of what the model saves (see README)")
     inspect.add_argument("--device", default="cpu")
     inspect.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the report as JSON")
     inspect.add_argument("--all", action="store_true", help="also list parameters and inputs (they free nothing)")
@@ -270,7 +272,12 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         model, batch = _model_from_config(pathlib.Path(args.model), args.batch or 4, args.seq or 512,
                                           args.lora_rank, torch.device(args.device))
-    report = inspect_model(model, config=Config.from_preset(args.preset), **batch)
+    try:
+        config = Config.from_preset(args.preset, memory_budget=args.memory_budget)
+    except ValueError as error:
+        console.print(f"[red]{error}[/red]")
+        return 2
+    report = inspect_model(model, config=config, **batch)
     console.print(*report.renderables(include_all=args.all))
     if args.json:
         args.json.write_text(report.to_json())

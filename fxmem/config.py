@@ -10,13 +10,6 @@ BITS_CHOICES = (1, 2, 4, 8)
 RUNLORA_CHOICES = ("off", "flops", "time")
 CALIBRATION_CHOICES = ("dynamic", "static")
 
-# Techniques whose switch exists but whose pass is not built yet, and the issue
-# that builds it. A config that turns one on is refused, never silently ignored.
-_NOT_BUILT = {
-    "memory_budget": "memory-budget planning (issue: The cost model, RunLoRA variant selection, and fxmem whatif)",
-}
-
-
 @dataclass(frozen=True)
 class Config:
     """Every technique's switch. The defaults are the ``exact`` preset: nothing lossy.
@@ -45,8 +38,10 @@ class Config:
         (the paper's layer-wise ablation).
     runlora: how a LoRA linear's forward/backward order is chosen: "off" (as traced),
         "flops" (cost model) or "time" (measured once at compile time).
-    memory_budget: cap on saved-activation bytes as a fraction in (0, 1] of the exact
-        plan's; None is no cap.
+    memory_budget: cap on each compiled region's saved-activation bytes, as a fraction in (0, 1] of what it
+        saves as partitioned (at most what the exact preset saves: fxmem's recomputations shrink it first). The
+        plan quantizes further, least sensitive roles and largest tensors first, down to 2 bits, until the region
+        fits (policy.BUDGET_STAGES); the report says whether it did. None is no cap.
     """
 
     bits: int | None = None
@@ -118,12 +113,9 @@ class Config:
         }
         return [name for name, is_on in on.items() if is_on]
 
-    def require_built(self) -> None:
-        """Raise NotImplementedError if this config asks for a technique fxmem does not have yet."""
-        missing = [name for name in self.enabled_techniques() if name in _NOT_BUILT]
-        if missing:
-            topics = "; ".join(f"{name}: {_NOT_BUILT[name]}" for name in missing)
-            raise NotImplementedError(f"not built yet: {topics}. The 'exact' preset runs today.")
+    def quantizes(self) -> bool:
+        """Saved activations may be stored quantized: ``bits`` set, or a memory budget to fit."""
+        return self.bits is not None or self.memory_budget is not None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -15,7 +15,7 @@ from fxmem.analysis.lora import LORA_REORDERED
 from fxmem.analysis.norm import norm_unit
 from fxmem.analysis.rope import attention_input_replay
 from fxmem.config import Config
-from fxmem.cost_model.memory import lowrank_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
+from fxmem.cost_model.memory import lowrank_bytes, planned_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
 from fxmem.kernels.lowrank import resolve_rank
 from fxmem.kernels.quantize import MAX_OUTLIER_VALUE_POSITION, outlier_value_count
 
@@ -42,6 +42,11 @@ PRENORM_EXACT_SHARE = 1 / 256
 # error; docs/quantization.md). SiLU is rebuilt: there torch saves the input, the same value the rebuild rounds.
 DERIVATIVE_SAVED_ACTIVATIONS = frozenset({"gelu", "tanh"})
 REBUILD_ALL_ACTIVATIONS_BITS = 8
+# memory_budget's ladder: (bits, sensitivity) stages, taken in order until the region fits. Sensitivity 0 is
+# linear, activation, product inputs and X W; 1 norm inputs; 2 attention's q, k, v. The least sensitive go
+# first, and q, k, v drop below 8 bits last, after everything else is at 2 (docs/quantization.md measures
+# why: the softmax amplifies their error, and norm inputs carry the most after them).
+BUDGET_STAGES = ((8, 0), (8, 1), (8, 2), (4, 0), (4, 1), (2, 0), (2, 1), (4, 2), (2, 2))
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ def plan_region(analysis: Analysis, config: Config) -> list[Plan]:
                    for storage, group in by_storage.items()}
     if config.lowrank is not None and config.prenorm_sharing:
         _share_prenorm(analysis, by_storage, owner_plans)
+    if config.memory_budget is not None:
+        _fit_budget(analysis, by_storage, owner_plans, config, tables_saved)
     plans = []
     for saved in analysis.saved:
         owner, owner_plan = by_storage[saved.storage][0], owner_plans[saved.storage]
@@ -117,9 +124,10 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
     candidates: list[tuple[Plan, set[str]]] = []
     quantized_role = config.bits is not None and all(s.role in QUANTIZED_ROLES for s in group)
     # intra=False: only what lora_reorder saves (x W) is quantized, the paper's inter-only ablation row.
-    if quantized_role and (config.intra or all(s.role is Role.LORA_BASE_OUTPUT for s in group)):
+    if quantized_role and _quantizable(group, config):
         tables = set(tables_saved)
-        candidates.append((_quantize(owner, analysis, config, tables), tables))
+        candidates.append((_quantize(owner, analysis, config, tables, _configured_bits(owner, analysis, config)),
+                           tables))
     # q, k and v quantized at qkv_bits are protected from the softmax's amplification of their error: not factored
     qkv_protected = bool(candidates) and config.qkv_bits is not None and any(map(_attention_input, group))
     if config.lowrank is not None and all(s.role in LOWRANK_ROLES for s in group) and not qkv_protected:
@@ -139,12 +147,27 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
     return plan
 
 
-def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_saved: set[str]) -> Plan:
+def _quantizable(group: list[SavedTensor], config: Config) -> bool:
+    """Every tensor of the storage has a role quantization may store; intra=False allows only what lora_reorder
+    saves (x W), the paper's inter-only ablation row."""
+    return all(s.role in QUANTIZED_ROLES for s in group) and (
+        config.intra or all(s.role is Role.LORA_BASE_OUTPUT for s in group))
+
+
+def _feeds_attention(owner: SavedTensor, analysis: Analysis) -> bool:
+    """q, k or v, saved directly or as the X W lora_reorder rebuilds them from."""
+    return _attention_input(owner) or (owner.role is Role.LORA_BASE_OUTPUT and storage_base(
+        analysis.nodes[owner.name]).meta.get(LORA_REORDERED) in ("q", "k", "v"))
+
+
+def _configured_bits(owner: SavedTensor, analysis: Analysis, config: Config) -> int:
+    if config.qkv_bits is not None and _feeds_attention(owner, analysis):
+        return config.qkv_bits
+    return config.bits
+
+
+def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_saved: set[str], bits: int) -> Plan:
     node = storage_base(analysis.nodes[owner.name])
-    bits = config.bits
-    if config.qkv_bits is not None and (_attention_input(owner) or (
-            owner.role is Role.LORA_BASE_OUTPUT and node.meta.get(LORA_REORDERED) in ("q", "k", "v"))):
-        bits = config.qkv_bits
     node, source, tables_bytes, replay_reason = _replay_source(owner, node, analysis, tables_saved)
     reason = f"{bits}-bit per channel{replay_reason}"
     val = tensor_val(node)
@@ -263,3 +286,56 @@ def _share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
             "prenorm", f"rebuilt as {formula} from {unit.output.name}'s rank-{output_plan.rank} factors; "
             f"{exact} smallest-|gamma| channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
             exact_channels=exact, source=unit.output.name, nbytes=nbytes)
+
+
+def _fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
+                config: Config, tables_saved: set[str]) -> None:
+    """memory_budget: take the storages that quantization may store (kept or quantized by the config's plan)
+    down BUDGET_STAGES' bit widths, the largest first within a stage, until the region's planned bytes are at
+    most the budget's share of its saved bytes. Never raises a plan's bits; stops at 2 bits (budget_note then
+    says the budget is not met)."""
+    target = config.memory_budget * sum(s.nbytes for s in analysis.saved)
+    total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
+    eligible = sorted((storage for storage, group in by_storage.items()
+                       if group[0].frees_memory and storage not in analysis.output_storages
+                       and owner_plans[storage].action in ("keep", "quantize")
+                       and not any(r in EXACT_ROLES for s in group for r in (s.role, *s.also))
+                       and _quantizable(group, config)),
+                      key=lambda storage: -by_storage[storage][0].nbytes)
+    for bits, sensitivity in BUDGET_STAGES:
+        for storage in eligible:
+            if total <= target:
+                return
+            owner, plan = by_storage[storage][0], owner_plans[storage]
+            if _sensitivity(owner, analysis) != sensitivity or (plan.action == "quantize" and plan.bits <= bits):
+                continue
+            if plan.action == "keep":
+                lowered = _quantize(owner, analysis, config, tables_saved, bits)
+            else:  # the RoPE tables the plan pays for stay in its bytes: price both widths without them
+                known = set(tables_saved)
+                lowered = _quantize(owner, analysis, config, set(known), bits)
+                lowered = dataclasses.replace(lowered, nbytes=plan.nbytes + lowered.nbytes - _quantize(
+                    owner, analysis, config, known, plan.bits).nbytes)
+            if lowered.action != "quantize":
+                continue
+            total += lowered.nbytes - planned_bytes(owner, plan)
+            owner_plans[storage] = dataclasses.replace(lowered, reason=f"{lowered.reason} (memory_budget)")
+
+
+def _sensitivity(owner: SavedTensor, analysis: Analysis) -> int:
+    if _feeds_attention(owner, analysis):
+        return 2
+    return 1 if owner.role is Role.NORM_INPUT else 0
+
+
+def budget_note(analysis: Analysis, plans: list[Plan], config: Config) -> str | None:
+    """Whether the region's plan fits memory_budget, for the report; None without a budget."""
+    if config.memory_budget is None:
+        return None
+    saved = sum(s.nbytes for s in analysis.saved)
+    planned = sum(planned_bytes(s, p) for s, p in zip(analysis.saved, plans, strict=True))
+    amounts = f"{planned / 2**20:.2f} of {saved / 2**20:.2f} MiB saved ({planned / saved if saved else 0:.1%})"
+    if planned <= config.memory_budget * saved:
+        return f"memory_budget {config.memory_budget:g}: planned {amounts}"
+    return (f"memory_budget {config.memory_budget:g} not met: planned {amounts} with every quantizable tensor at "
+            "2 bits; the rest are kept exact or hold their roles' plans (loss input, x @ A, outputs)")

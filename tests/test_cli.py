@@ -30,6 +30,17 @@ def test_inspect_a_workload_with_overridden_shape(capsys):
     assert "lora_intermediate" not in printed  # --lora-rank 0: full fine-tuning
 
 
+def test_inspect_with_a_memory_budget_plans_within_it_and_says_so(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert cli.main(["inspect", "llama-tiny", "--batch", "1", "--seq", "32", "--memory-budget", "0.5",
+                     "--json", str(out)]) == 0
+    assert "memory_budget 0.5: planned" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["planned_bytes"] <= 0.5 * report["activation_bytes"]
+    assert cli.main(["inspect", "llama-tiny", "--memory-budget", "0"]) == 2
+    assert "memory_budget must be a number in (0, 1.0]" in capsys.readouterr().out
+
+
 def test_bad_counts_are_usage_errors(capsys):
     with pytest.raises(SystemExit):
         cli.main(["finetune", "--steps", "2"])

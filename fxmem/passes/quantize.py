@@ -39,7 +39,7 @@ class QuantizeSaved(GraphPass):
     stage = "partitioned"
 
     def enabled(self, config: Config) -> bool:
-        return config.bits is not None
+        return config.quantizes()
 
     def run(self, state: PipelineState) -> str:
         slots = rewrite_planned(state, "quantize", lambda editor, members, plan: _rewrite(

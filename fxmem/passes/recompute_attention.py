@@ -29,7 +29,7 @@ class RecomputeAttention(GraphPass):
     stage = "joint"
 
     def enabled(self, config: Config) -> bool:
-        return config.bits is not None or config.lowrank is not None
+        return config.quantizes() or config.lowrank is not None
 
     def run(self, state: PipelineState) -> str:
         tagged = skipped = 0

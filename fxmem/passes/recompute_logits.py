@@ -29,7 +29,7 @@ class RecomputeLogits(GraphPass):
 
     def enabled(self, config: Config) -> bool:
         # Every compressing technique: the logits stay exact under each, so recomputing them is what shrinks them.
-        return config.bits is not None or config.lowrank is not None
+        return config.quantizes() or config.lowrank is not None
 
     def run(self, state: PipelineState) -> str:
         heads: dict[Node, set[Node]] = {}

@@ -1,0 +1,79 @@
+"""memory_budget: the plan quantizes further, least sensitive tensors first, until each region fits its cap."""
+
+import pytest
+import torch
+
+import fxmem
+from fxmem.analysis import Role
+from fxmem.measure import gradient_fidelity
+
+from .conftest import tiny_model
+from .test_quantize_pass import _randomize_lora_b, _run
+
+
+def _budget_run(config):
+    model, batch = tiny_model("llama", lora=True)
+    _randomize_lora_b(model)
+    backend = fxmem.Backend(config, lowering="eager")
+    saved, _, grads = _run(model, batch, backend)
+    torch._dynamo.reset()
+    [region] = backend.report().regions
+    return saved, grads, region
+
+
+def _quantized(region):
+    return [(s, p) for s, p in zip(region.saved, region.plans, strict=True) if p.action == "quantize" and s.nbytes]
+
+
+def test_a_budget_on_the_exact_preset_quantizes_the_least_sensitive_tensors_at_8_bits_first():
+    exact_saved, exact_grads, _ = _budget_run(fxmem.Config())
+    saved, grads, region = _budget_run(fxmem.Config(memory_budget=0.6))
+    activations = sum(s.nbytes for s in region.saved)
+    assert saved == sum(fxmem.cost_model.planned_bytes(s, p) for s, p in zip(region.saved, region.plans, strict=True))
+    assert saved <= 0.6 * activations < exact_saved
+    assert any(n.startswith("memory_budget 0.6: planned") for n in region.notes), region.notes
+    quantized = _quantized(region)
+    assert quantized and all(p.bits == 8 and p.reason.endswith("(memory_budget)") for _, p in quantized)
+    # linear, activation and product inputs suffice here: norm inputs and q, k, v stay exact
+    assert {s.role for s, _ in quantized} <= {Role.LINEAR_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT}
+    assert gradient_fidelity(exact_grads, grads).min_cosine > 0.999
+
+
+def test_an_unreachable_budget_takes_every_quantizable_tensor_to_2_bits_warns_and_still_trains():
+    with pytest.warns(UserWarning, match=r"memory_budget 0.01 not met: planned [\d.]+ of [\d.]+ MiB saved \(\d+\.\d%\)"):
+        saved, grads, region = _budget_run(fxmem.Config(memory_budget=0.01))
+    quantized = _quantized(region)
+    assert {p.bits for _, p in quantized} == {2}
+    assert {Role.ATTN_QKV, Role.NORM_INPUT, Role.LINEAR_INPUT} <= {s.role for s, _ in quantized}
+    assert saved == sum(fxmem.cost_model.planned_bytes(s, p) for s, p in zip(region.saved, region.plans, strict=True))
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+@pytest.mark.parametrize("budget", [0.4, 0.3])
+def test_the_ladder_finishes_each_stage_before_the_next_and_lowers_q_k_v_last(budget):
+    from fxmem.policy import BUDGET_STAGES
+    _, _, region = _budget_run(fxmem.Config(memory_budget=budget))
+    sensitivity = {Role.ATTN_QKV: 2, Role.NORM_INPUT: 1}  # no lora_reorder here: no X W among them
+    bits = {s.name: (p.bits, sensitivity.get(s.role, 0)) for s, p in _quantized(region)}
+    reached = max(BUDGET_STAGES.index((b, group)) for b, group in bits.values())
+    assert reached >= BUDGET_STAGES.index((4, 0))  # both budgets need more than 8 bits everywhere
+    for stage_bits, group in BUDGET_STAGES[:reached]:
+        assert all(b <= stage_bits for b, g in bits.values() if g == group), (stage_bits, group, bits)
+
+
+def test_a_budget_never_raises_the_configured_bits_and_a_met_one_changes_nothing():
+    preset = fxmem.Config.from_preset("hyclora-4bit")
+    _, _, plain = _budget_run(preset)
+    _, _, loose = _budget_run(preset.replace(memory_budget=1.0))
+    assert loose.plans == plain.plans
+    assert any(n.startswith("memory_budget 1: planned") for n in loose.notes)
+    saved, _, tight = _budget_run(preset.replace(memory_budget=0.3))
+    assert saved <= 0.3 * sum(s.nbytes for s in tight.saved) < sum(fxmem.cost_model.planned_bytes(s, p)
+                                                                      for s, p in zip(plain.saved, plain.plans))
+    lowered = 0
+    for before, after in zip(plain.plans, tight.plans, strict=True):
+        assert after.action == before.action
+        if before.action == "quantize":
+            assert after.bits <= before.bits
+            lowered += after.bits < before.bits
+    assert lowered
