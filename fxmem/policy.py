@@ -14,7 +14,7 @@ from fxmem.analysis.graph import hint, memory_order, numel_hint, storage_base, s
 from fxmem.analysis.lora import LORA_REORDERED
 from fxmem.analysis.norm import norm_unit
 from fxmem.analysis.rope import attention_input_replay
-from fxmem.config import Config
+from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.memory import lowrank_bytes, planned_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
 from fxmem.kernels.lowrank import resolve_rank
 from fxmem.kernels.quantize import MAX_OUTLIER_VALUE_POSITION, outlier_value_count
@@ -307,7 +307,8 @@ def _fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], ow
             if total <= target:
                 return
             owner, plan = by_storage[storage][0], owner_plans[storage]
-            if _sensitivity(owner, analysis) != sensitivity or (plan.action == "quantize" and plan.bits <= bits):
+            if _sensitivity(owner, analysis) != sensitivity or (plan.action == "quantize" and plan.bits <= bits) \
+                    or bits < _lowest_bits(owner, analysis):
                 continue
             if plan.action == "keep":
                 lowered = _quantize(owner, analysis, config, tables_saved, bits)
@@ -320,6 +321,15 @@ def _fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], ow
                 continue
             total += lowered.nbytes - planned_bytes(owner, plan)
             owner_plans[storage] = dataclasses.replace(lowered, reason=f"{lowered.reason} (memory_budget)")
+
+
+def _lowest_bits(owner: SavedTensor, analysis: Analysis) -> int:
+    """An X W that lora_reorder rebuilds a GELU or tanh input from stays at the width that decision assumed
+    (rebuild_refusal)."""
+    if owner.role is Role.LORA_BASE_OUTPUT and storage_base(analysis.nodes[owner.name]).meta.get(
+            LORA_REORDERED) in DERIVATIVE_SAVED_ACTIVATIONS:
+        return REBUILD_ALL_ACTIVATIONS_BITS
+    return min(BITS_CHOICES)
 
 
 def _sensitivity(owner: SavedTensor, analysis: Analysis) -> int:

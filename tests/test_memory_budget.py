@@ -77,3 +77,16 @@ def test_a_budget_never_raises_the_configured_bits_and_a_met_one_changes_nothing
             assert after.bits <= before.bits
             lowered += after.bits < before.bits
     assert lowered
+
+
+def test_x_w_rebuilt_for_gelu_or_tanh_stays_at_8_bits_under_any_budget():
+    model, batch = tiny_model("bert", lora=True)
+    backend = fxmem.Backend(fxmem.Config(bits=8, lora_reorder=True, intra=False, memory_budget=0.01),
+                            lowering="eager")
+    with pytest.warns(UserWarning, match="memory_budget 0.01 not met"):
+        _run(model, batch, backend)
+    rebuilt = {s.detail.removeprefix("output rebuilt for "): p.bits for _, s, p in backend.report().rows()
+               if s.role is Role.LORA_BASE_OUTPUT and s.nbytes}
+    assert rebuilt["gelu"] == 8
+    assert rebuilt["tanh"] is None  # the pooler's 2 x 64 X W: quantizing would not shrink it
+    assert {bits for kind, bits in rebuilt.items() if kind not in ("gelu", "tanh")} == {2}
