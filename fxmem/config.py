@@ -47,7 +47,7 @@ class Config:
     bits: int | None = None
     qkv_bits: int | None = 8
     outlier_ratio: float = 0.005
-    outlier_values: float = 0.01
+    outlier_values: float = 0.02
     attn_sparsity: float | None = None
     calibration_steps: int = 5
     calibration: str = "dynamic"
