@@ -57,9 +57,10 @@ class _Partitioner(CustomPartitionerFn):
             warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
             return fw, bw
         if budget is not None:
-            region.notes.append(budget)
-            if "not met" in budget:
-                warnings.warn(f"fxmem region {region.index}: {budget}", stacklevel=2)
+            note, met = budget
+            region.notes.append(note)
+            if not met:
+                warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
         state.fw, state.bw = fw, bw
         region.passes += self.passes.run("partitioned", state)
         # Appended: inductor may partition nested subgraphs of the region through this same hook.

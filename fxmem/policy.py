@@ -107,8 +107,8 @@ def plan_region(analysis: Analysis, config: Config) -> list[Plan]:
     return plans
 
 
-def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
-                  tables_saved: set[str]) -> Plan:
+def _held_as_is(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config) -> Plan | None:
+    """The plan of a storage no technique of ``config`` may compress, or None."""
     if not owner.frees_memory:
         return Plan("keep", "frees nothing: not an activation")
     if owner.storage in analysis.output_storages:
@@ -118,6 +118,14 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
     exact = sorted({r.value for s in group for r in (s.role, *s.also) if r in EXACT_ROLES})
     if exact:
         return Plan("keep", f"kept exact: {', '.join(exact)}")
+    return None
+
+
+def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
+                  tables_saved: set[str]) -> Plan:
+    held = _held_as_is(owner, group, analysis, config)
+    if held is not None:
+        return held
     if owner.role is Role.ATTN_PROBS and owner.detail == "probabilities" and config.attn_sparsity is not None:
         return _sparsify(owner, analysis, config.attn_sparsity)
     # each with the RoPE tables it would save, on top of tables_saved (only the chosen plan's count)
@@ -297,10 +305,8 @@ def _fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], ow
     target = config.memory_budget * sum(s.nbytes for s in analysis.saved)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
     eligible = sorted((storage for storage, group in by_storage.items()
-                       if group[0].frees_memory and storage not in analysis.output_storages
-                       and owner_plans[storage].action in ("keep", "quantize")
-                       and not any(r in EXACT_ROLES for s in group for r in (s.role, *s.also))
-                       and _quantizable(group, config)),
+                       if _held_as_is(group[0], group, analysis, config) is None
+                       and owner_plans[storage].action in ("keep", "quantize") and _quantizable(group, config)),
                       key=lambda storage: -by_storage[storage][0].nbytes)
     for bits, sensitivity in BUDGET_STAGES:
         for storage in eligible:
@@ -338,14 +344,15 @@ def _sensitivity(owner: SavedTensor, analysis: Analysis) -> int:
     return 1 if owner.role is Role.NORM_INPUT else 0
 
 
-def budget_note(analysis: Analysis, plans: list[Plan], config: Config) -> str | None:
-    """Whether the region's plan fits memory_budget, for the report; None without a budget."""
+def budget_note(analysis: Analysis, plans: list[Plan], config: Config) -> tuple[str, bool] | None:
+    """The report's note on the region's plan against memory_budget and whether the plan fits it; None without
+    a budget."""
     if config.memory_budget is None:
         return None
     saved = sum(s.nbytes for s in analysis.saved)
     planned = sum(planned_bytes(s, p) for s, p in zip(analysis.saved, plans, strict=True))
     amounts = f"{planned / 2**20:.2f} of {saved / 2**20:.2f} MiB saved ({planned / saved if saved else 0:.1%})"
     if planned <= config.memory_budget * saved:
-        return f"memory_budget {config.memory_budget:g}: planned {amounts}"
+        return f"memory_budget {config.memory_budget:g}: planned {amounts}", True
     return (f"memory_budget {config.memory_budget:g} not met: planned {amounts} with every quantizable tensor at "
-            "2 bits; the rest are kept exact or hold their roles' plans (loss input, x @ A, outputs)")
+            "2 bits; the rest are kept exact or hold their roles' plans (loss input, x @ A, outputs)"), False
