@@ -1,0 +1,57 @@
+"""Which library runs a CPU fp32 matrix product faster on this machine: aten's (MKL) or oneDNN's.
+
+FLOPs cannot rank two libraries computing the same product, and the answer
+differs between CPUs (MKL is fast on Intel, slow on AMD), so it is measured:
+once per process for each product shape and operand layout, on random
+operands, interleaved so that drift falls on both. The products that pay off
+are the large ones (a frozen weight's n x i x o); the probe caps the rows,
+which do not change which library wins, to bound its cost at compile time,
+and gives small products more rounds (their times are noisier).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from fxmem.kernels.onednn_matmul import ONEDNN_DTYPES, onednn_available, onednn_mm
+from fxmem.measure import interleaved_step_times, median, step_times
+
+MatmulLibrary = Literal["aten", "onednn"]
+MATMUL_LIBRARIES: tuple[MatmulLibrary, ...] = ("aten", "onednn")
+PROBE_ROWS = 2048
+MIN_ROUNDS, MAX_ROUNDS = 3, 50
+PROBE_SECONDS = 0.02  # per library: small products get more rounds, up to MAX_ROUNDS
+
+_CHOICES: dict[tuple[int, int, int, bool, torch.dtype], MatmulLibrary] = {}
+
+
+def cpu_matmul_library(rows: int, inner: int, cols: int, *, b_transposed: bool,
+                       dtype: torch.dtype = torch.float32) -> MatmulLibrary:
+    """The faster library for a CPU (rows x inner) @ (inner x cols) product, measured once per process.
+
+    ``b_transposed``: the right operand is a transposed view of a row-major (cols x inner) tensor, as a linear
+    layer's W^T is in forward. "aten" wherever oneDNN cannot run the product (other dtypes, a build without it).
+    """
+    if dtype not in ONEDNN_DTYPES or not onednn_available():
+        return "aten"
+    rows = min(rows, PROBE_ROWS)
+    key = (rows, inner, cols, b_transposed, dtype)
+    if key in _CHOICES:
+        return _CHOICES[key]
+    # Called at compile time, inside AOTAutograd's fake-tensor mode: leave it, or the products would be fake.
+    with _disable_current_modes(), torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(rows, inner, generator=generator, dtype=dtype)
+        b = (torch.randn(cols, inner, generator=generator, dtype=dtype).t() if b_transposed
+             else torch.randn(inner, cols, generator=generator, dtype=dtype))
+        candidates = {"aten": lambda: a @ b, "onednn": lambda: onednn_mm(a, b)}
+        once = max(step_times(product, steps=1)[0] for product in candidates.values())  # and a warm-up each
+        rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(PROBE_SECONDS / max(once, 1e-9))))
+        times = interleaved_step_times(candidates, steps=rounds, warmup=0)
+    choice: MatmulLibrary = "onednn" if median(times["onednn"]) < median(times["aten"]) else "aten"
+    _CHOICES[key] = choice
+    return choice
