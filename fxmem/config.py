@@ -37,7 +37,8 @@ class Config:
         output (LoRAct's pre-norm sharing, section 3.3); False factors every saved tensor on its own
         (the paper's layer-wise ablation).
     runlora: how a LoRA linear's forward/backward order is chosen: "off" (as traced),
-        "flops" (cost model) or "time" (measured once at compile time).
+        "flops" (cost model) or "time" (measured once at compile time). When on, CPU fp32 products also run in
+        the library measured faster on the machine (aten's MKL or oneDNN).
     memory_budget: cap on each compiled region's saved-activation bytes, as a fraction in (0, 1] of what it
         saves as partitioned (at most what the exact preset saves: fxmem's recomputations shrink it first). The
         plan quantizes further, least sensitive roles and largest tensors first, down to 2 bits, until the region

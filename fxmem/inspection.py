@@ -8,6 +8,7 @@ import torch
 
 from fxmem.backend import Backend
 from fxmem.config import Config
+from fxmem.passes import PassManager, default_passes
 from fxmem.report import Report
 
 
@@ -18,9 +19,11 @@ def inspect(model: torch.nn.Module, *example_args: Any, config: Config | None = 
     The graphs go through the same dynamo, AOTAutograd, decomposition and
     partition steps as a real compile, but run as plain aten graphs instead of
     generated code, so this takes seconds. One forward runs (with grad enabled);
-    no backward and no optimizer step. The model's train/eval mode is respected.
+    no backward and no optimizer step. The model's train/eval mode is respected. Passes that only pick
+    which kernel runs a product (and would time candidates to do it) are left out: they save nothing.
     """
-    backend = Backend(config or Config(), lowering="eager")
+    passes = PassManager([p for p in default_passes() if not p.speed_only])
+    backend = Backend(config or Config(), lowering="eager", passes=passes)
     compiled = torch.compile(model, backend=backend)
     with torch.enable_grad():
         compiled(*example_args, **example_kwargs)

@@ -4,6 +4,7 @@ from fxmem.passes.fuse_epilogue import FuseEpilogue
 from fxmem.passes.lora_reorder import LoraReorder
 from fxmem.passes.lowrank import LowRankSaved
 from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineState
+from fxmem.passes.onednn_matmul import OnednnMatmul
 from fxmem.passes.quantize import QuantizeSaved
 from fxmem.passes.recompute_attention import RecomputeAttention
 from fxmem.passes.recompute_logits import RecomputeLogits
@@ -14,8 +15,8 @@ from fxmem.passes.sparsify import SparsifyAttention
 def default_passes() -> list[GraphPass]:
     """Every pass fxmem has, in order; each runs only when the region's config enables it."""
     return [LoraReorder(), RunLora(), RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved(),
-            LowRankSaved(), FuseEpilogue()]
+            LowRankSaved(), FuseEpilogue(), OnednnMatmul()]
 
 
-__all__ = ["FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "PassManager", "PassRecord", "PipelineState",
+__all__ = ["FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord", "PipelineState",
            "QuantizeSaved", "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention", "default_passes"]

@@ -65,6 +65,8 @@ class GraphPass(ABC):
 
     name: ClassVar[str]
     stage: ClassVar[Stage]
+    # Changes which kernel runs a product, not what is saved: fxmem.inspect (and whatif) leave it out.
+    speed_only: ClassVar[bool] = False
 
     def enabled(self, config: Config) -> bool:
         return True
