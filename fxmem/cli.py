@@ -353,17 +353,18 @@ def _bench_lora(args: argparse.Namespace) -> int:
             return 2
         t = time_lora_layer(shape, steps=args.steps, device=args.device)
         rows.append([f"{shape.tokens}, {shape.in_features} -> {shape.out_features}, r={shape.rank}",
-                     f"{t.forward}/{t.backward}", f"{t.flops_saving:+.1%}", f"{t.peft_seconds * 1000:.1f} ms",
-                     f"{t.runlora_seconds * 1000:.1f} ms", f"{t.speedup:.2f}x",
-                     "{:.2f}-{:.2f}x".format(*t.speedup_quartiles)])
+                     f"{t.forward}/{t.backward}", "/".join(t.libraries), f"{t.flops_saving:+.1%}",
+                     f"{t.peft_seconds * 1000:.1f} ms", f"{t.runlora_seconds * 1000:.1f} ms", f"{t.speedup:.2f}x",
+                     "{:.2f}-{:.2f}x".format(*t.speedup_quartiles), f"{t.order_speedup:.2f}x"])
     legend = (f"{datetime.date.today().isoformat()}, {machine_description(args.device)}, {args.dtype}. Median of "
-              f"{args.steps} fwd+bwd steps, the two timed back to back in each round; speed-up: median of the "
+              f"{args.steps} fwd+bwd steps, all timed back to back in each round; speed-up: median of the "
               "rounds' PEFT / runlora ratios, middle half: their quartiles; PEFT: its eager LoRA Linear (saves "
-              "x A^T); runlora: fxmem.kernels.runlora_linear in the FLOPs chooser's orders; FLOPs saved: vs "
-              "autograd's order")
-    _print_table("one LoRA layer, forward + backward", ["tokens, in -> out, rank", "orders", "FLOPs saved",
-                                                         "PEFT", "runlora", "speed-up", "middle half"], rows,
-                 legend, args)
+              "x A^T); runlora: fxmem.kernels.runlora_linear in the FLOPs chooser's orders, its products with W "
+              "(forward/backward) in the library measured faster on this device; orders only: the speed-up with "
+              "aten's products; FLOPs saved: vs autograd's order")
+    _print_table("one LoRA layer, forward + backward", ["tokens, in -> out, rank", "orders", "W products",
+                                                         "FLOPs saved", "PEFT", "runlora", "speed-up", "middle half",
+                                                         "orders only"], rows, legend, args)
     return 0
 
 
