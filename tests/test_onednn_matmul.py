@@ -52,7 +52,7 @@ def test_library_is_measured_once_per_shape_and_layout_with_rows_capped(monkeypa
 
     monkeypatch.setattr(matmul_library, "interleaved_step_times", spy)
     monkeypatch.setattr(matmul_library, "_CHOICES", {})
-    rows = matmul_library.PROBE_ROWS * 4
+    rows = matmul_library.MAX_PROBE_ROWS * 4
     first = matmul_library.cpu_matmul_library(rows, 32, 24, b_transposed=True)
     assert first in matmul_library.MATMUL_LIBRARIES and measured == [["aten", "onednn"]]
     # more rows than the probe takes share its answer: the rows do not change which library wins
@@ -60,9 +60,18 @@ def test_library_is_measured_once_per_shape_and_layout_with_rows_capped(monkeypa
     assert len(measured) == 1
     matmul_library.cpu_matmul_library(rows, 32, 24, b_transposed=False)
     assert len(measured) == 2
+    # wide products probe fewer rows (PROBE_FLOPS per run), never under MIN_PROBE_ROWS unless the product has fewer
+    monkeypatch.setattr(matmul_library, "PROBE_FLOPS", 2 * 32 * 24 * 300)
+    for rows_asked, rows_probed in ((rows, 300), (299, 299), (100, 100)):
+        matmul_library.cpu_matmul_library(rows_asked, 32, 24, b_transposed=True)
+        assert (rows_probed, 32, 24, True, torch.float32) in matmul_library._CHOICES
+    monkeypatch.setattr(matmul_library, "PROBE_FLOPS", 1)
+    matmul_library.cpu_matmul_library(rows, 32, 24, b_transposed=True)
+    assert (matmul_library.MIN_PROBE_ROWS, 32, 24, True, torch.float32) in matmul_library._CHOICES
+    measured.clear()
     for dtype in (torch.float64, torch.bfloat16):  # oneDNN's fp32 product is the only candidate
         assert matmul_library.cpu_matmul_library(64, 32, 24, b_transposed=True, dtype=dtype) == "aten"
-    assert len(measured) == 2
+    assert measured == []
 
 
 def _always(monkeypatch, library):

@@ -5,8 +5,9 @@ differs between CPUs (MKL is fast on Intel, slow on AMD), so it is measured:
 once per process for each product shape and operand layout, on random
 operands, interleaved so that drift falls on both. The products that pay off
 are the large ones (a frozen weight's n x i x o); the probe caps the rows,
-which do not change which library wins, to bound its cost at compile time,
-and gives small products more rounds (their times are noisier).
+which do not change which library wins (checked from 256 to 2048 rows on
+llama-small's shapes and its 32000-wide head), to bound its cost at compile
+time, and gives small products more rounds (their times are noisier).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from fxmem.measure import interleaved_step_times, median, step_times
 
 MatmulLibrary = Literal["aten", "onednn"]
 MATMUL_LIBRARIES: tuple[MatmulLibrary, ...] = ("aten", "onednn")
-PROBE_ROWS = 2048
+# Probe rows: at most MAX_PROBE_ROWS, fewer for wide products (PROBE_FLOPS per run), never below MIN_PROBE_ROWS.
+MIN_PROBE_ROWS, MAX_PROBE_ROWS = 256, 2048
+PROBE_FLOPS = 2**33
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
 PROBE_SECONDS = 0.02  # per library: small products get more rounds, up to MAX_ROUNDS
 
@@ -38,7 +41,7 @@ def cpu_matmul_library(rows: int, inner: int, cols: int, *, b_transposed: bool,
     """
     if dtype not in ONEDNN_DTYPES or not onednn_available():
         return "aten"
-    rows = min(rows, PROBE_ROWS)
+    rows = min(rows, MAX_PROBE_ROWS, max(MIN_PROBE_ROWS, PROBE_FLOPS // (2 * inner * cols)))
     key = (rows, inner, cols, b_transposed, dtype)
     if key in _CHOICES:
         return _CHOICES[key]
