@@ -4,7 +4,15 @@ import torch
 from fxmem import Backend, Config
 from fxmem.cost_model import matmul_library
 from fxmem.kernels import runlora as runlora_kernel
-from fxmem.kernels.onednn_matmul import ONEDNN_MM, onednn_applies, onednn_available, onednn_mm, onednn_mm_reference
+from fxmem.kernels.onednn_matmul import (
+    MATMUL_LIBRARIES,
+    ONEDNN_MM,
+    matmul,
+    onednn_applies,
+    onednn_available,
+    onednn_mm,
+    onednn_mm_reference,
+)
 from fxmem.kernels.runlora import runlora_linear
 from fxmem.passes import onednn_matmul as onednn_pass
 
@@ -36,6 +44,11 @@ def test_onednn_product_falls_back_to_aten_where_onednn_cannot_run_it():
     assert torch.equal(onednn_mm(a.float(), strided), a.float() @ strided)
 
 
+def test_unknown_library_is_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match="valid libraries: aten, onednn"):
+        matmul(torch.randn(2, 3), torch.randn(3, 4), library="mkl")
+
+
 def test_onednn_op_passes_opcheck():
     a, b, bias = torch.randn(16, 12), torch.randn(10, 12).t(), torch.randn(10)
     torch.library.opcheck(ONEDNN_MM, (a, b, bias))
@@ -54,7 +67,7 @@ def test_library_is_measured_once_per_shape_and_layout_with_rows_capped(monkeypa
     monkeypatch.setattr(matmul_library, "_CHOICES", {})
     rows = matmul_library.MAX_PROBE_ROWS * 4
     first = matmul_library.cpu_matmul_library(rows, 32, 24, b_transposed=True)
-    assert first in matmul_library.MATMUL_LIBRARIES and measured == [["aten", "onednn"]]
+    assert first in MATMUL_LIBRARIES and measured == [["aten", "onednn"]]
     # more rows than the probe takes share its answer: the rows do not change which library wins
     assert matmul_library.cpu_matmul_library(rows * 2, 32, 24, b_transposed=True) == first
     assert len(measured) == 1

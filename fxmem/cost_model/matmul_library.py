@@ -21,8 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from fxmem.kernels.onednn_matmul import ONEDNN_DTYPES, onednn_available, onednn_mm
 from fxmem.measure import interleaved_step_times, median, step_times
 
-MatmulLibrary = Literal["aten", "onednn"]
-MATMUL_LIBRARIES: tuple[MatmulLibrary, ...] = ("aten", "onednn")
+MatmulLibrary = Literal["aten", "onednn"]  # fxmem/kernels/onednn_matmul.py's MATMUL_LIBRARIES
 # Probe rows: at most MAX_PROBE_ROWS, fewer for wide products (PROBE_FLOPS per run), never below MIN_PROBE_ROWS.
 MIN_PROBE_ROWS, MAX_PROBE_ROWS = 256, 2048
 PROBE_FLOPS = 2**33

@@ -18,6 +18,7 @@ import torch
 
 # What a graph node or tensor needs for oneDNN's fp32 product to apply.
 ONEDNN_DTYPES = (torch.float32,)
+MATMUL_LIBRARIES = ("aten", "onednn")
 
 
 def onednn_available() -> bool:
@@ -57,6 +58,8 @@ def onednn_mm_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | N
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, library: str = "aten"
            ) -> torch.Tensor:
     """``a @ b`` (+ ``bias``) by ``library`` ("aten" or "onednn"); aten's where oneDNN cannot run it."""
+    if library not in MATMUL_LIBRARIES:
+        raise ValueError(f"unknown matmul library {library!r}; valid libraries: {', '.join(MATMUL_LIBRARIES)}")
     if library == "onednn":
         return onednn_mm(a, b, bias)
     return onednn_mm_reference(a, b, bias)

@@ -22,7 +22,6 @@ from fxmem.kernels.onednn_matmul import ONEDNN_MM, onednn_applies
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import call
 
-
 PRODUCTS = (aten.mm.default, aten.addmm.default)
 
 
