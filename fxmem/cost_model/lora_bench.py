@@ -38,19 +38,14 @@ class LayerTiming:
     @property
     def speedup_quartiles(self) -> tuple[float, float]:
         """The middle half of the per-round ratios: how far one round's reading can be trusted."""
-        return quartiles(self.speedups)
+        if len(self.speedups) < 2:
+            return self.speedups[0], self.speedups[0]
+        low, _, high = statistics.quantiles(self.speedups, n=4, method="inclusive")
+        return low, high
 
     @property
     def order_speedup(self) -> float:
         return median(self.order_speedups)
-
-
-def quartiles(values: tuple[float, ...]) -> tuple[float, float]:
-    """First and third quartile (both the value itself for one value)."""
-    if len(values) < 2:
-        return values[0], values[0]
-    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
-    return low, high
 
 
 def time_lora_layer(shape: LoraShape, *, steps: int, device: str = "cpu") -> LayerTiming:

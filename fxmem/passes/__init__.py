@@ -18,5 +18,5 @@ def default_passes() -> list[GraphPass]:
             LowRankSaved(), FuseEpilogue(), OnednnMatmul()]
 
 
-__all__ = ["FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord", "PipelineState",
-           "QuantizeSaved", "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention", "default_passes"]
+__all__ = ["FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord",
+           "PipelineState", "QuantizeSaved", "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention", "default_passes"]

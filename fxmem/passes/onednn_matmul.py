@@ -80,4 +80,3 @@ def _swap_if_faster(graph: Graph, node: Node, a: Node, b: Node, bias: Node | Non
         product = call(graph, ONEDNN_MM, (a, b, bias))
     node.replace_all_uses_with(product)
     return True
-
