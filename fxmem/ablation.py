@@ -17,7 +17,8 @@ import torch
 
 from fxmem.config import Config
 from fxmem.finetune import FinetuneRun, round_robin
-from fxmem.measure import Fidelity, median, warm_up_compiler
+from fxmem.measure import Fidelity
+from fxmem.timing import median, warm_up_compiler
 from fxmem.workloads import Workload
 
 

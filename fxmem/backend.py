@@ -25,7 +25,7 @@ from torch.fx import GraphModule
 from fxmem.analysis import analyze
 from fxmem.config import Config
 from fxmem.passes import PassManager, PipelineState, default_passes
-from fxmem.policy import budget_note, plan_region
+from fxmem.cost_model.planner import budget_note, plan_region
 from fxmem.region import Region
 from fxmem.report import Report
 

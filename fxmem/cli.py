@@ -22,7 +22,7 @@ from fxmem.bench import METHODS
 from fxmem.config import BITS_CHOICES, PRESETS, Config
 from fxmem.cost_model.whatif import DTYPES, NAMED_SHAPES, OPTIMIZER_STATES
 from fxmem.inspection import inspect as inspect_model
-from fxmem.report import format_bytes
+from fxmem.measure import format_bytes
 from fxmem.train.hift import ORDERS
 from fxmem.train.hift_bench import COMPILE_CHOICES, SCOPES
 from fxmem.workloads import WORKLOADS, get_workload

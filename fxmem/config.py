@@ -6,7 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-BITS_CHOICES = (1, 2, 4, 8)
+from fxmem.kernels.lowrank import check_lowrank
+from fxmem.kernels.quantize import BITS_CHOICES
+
 RUNLORA_CHOICES = ("off", "flops", "time")
 CALIBRATION_CHOICES = ("dynamic", "static")
 
@@ -28,7 +30,7 @@ class Config:
     lora_reorder: for a LoRA linear feeding SiLU/GELU, a Hadamard product or attention, save X W (quantized
         to ``bits``) and X A (exact) and rebuild the output and its element-wise epilogue in backward
         (HyC-LoRA's inter-operator compression). Needs ``bits``. GELU and tanh consumers only at 8 bits
-        (policy.rebuild_refusal says why).
+        (cost_model.planner.rebuild_refusal says why).
     intra: quantize every saved activation whose role allows it (HyC-LoRA's intra-operator compression);
         False quantizes only the X W that lora_reorder saves (needs lora_reorder).
     lowrank: low-rank saved activations, as a ratio of the last dimension in (0, 1)
@@ -42,7 +44,7 @@ class Config:
     memory_budget: cap on each compiled region's saved-activation bytes, as a fraction in (0, 1] of what it
         saves as partitioned (at most what the exact preset saves: fxmem's recomputations shrink it first). The
         plan quantizes further, least sensitive roles and largest tensors first, down to 2 bits, until the region
-        fits (policy.BUDGET_STAGES); the report says whether it did. None is no cap.
+        fits (cost_model.planner.BUDGET_STAGES); the report says whether it did. None is no cap.
     """
 
     bits: int | None = None
@@ -143,19 +145,6 @@ def _check_fraction(name: str, value: Any, *, low_open: bool, high: float, high_
         interval = f"{'(' if low_open else '['}0, {high}{')' if high_open else ']'}"
         suffix = " or None (off)" if allow_none else ""
         raise ValueError(f"{name} must be a number in {interval}{suffix}; got {value!r}")
-
-
-def check_lowrank(value: Any, *, allow_none: bool = True) -> None:
-    """Raise ValueError unless ``value`` is a rank ratio in (0, 1), an integer rank >= 1 (or None, if allowed)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, int) and not _is_bool(value) and value >= 1:
-        return
-    if isinstance(value, float) and 0 < value < 1:
-        return
-    off = ", or None (off)" if allow_none else ""
-    raise ValueError(f"lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1{off}; "
-                     f"got {value!r}")
 
 
 PRESETS: dict[str, Config] = {

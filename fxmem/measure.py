@@ -7,7 +7,6 @@ fine-tuning demo and the tests all measure through them.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -15,7 +14,18 @@ from typing import TypeVar
 import torch
 from torch._C._profiler import _EventType
 
+# Timing is fxmem.timing's; fxmem.measure offers it beside the other metrics.
+from fxmem.timing import interleaved_step_times, median, step_times, warm_up_compiler  # noqa: F401
+
 T = TypeVar("T")
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -86,52 +96,6 @@ def static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     if optimizer is not None:
         tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def step_times(step: Callable[[], object], *, steps: int, warmup: int = 1,
-               device: torch.device | str = "cpu") -> list[float]:
-    """Wall time of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones."""
-    device = torch.device(device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def interleaved_step_times(steps_by_name: Mapping[str, Callable[[], object]], *, steps: int, warmup: int = 1,
-                           device: torch.device | str = "cpu") -> dict[str, list[float]]:
-    """``step_times`` for several candidates, taken in rotating round-robin order.
-
-    On a shared machine the speed drifts over minutes; timing the candidates
-    one after another would put that drift into their ratios.
-    """
-    names = list(steps_by_name)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(warmup + steps):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            [seconds] = step_times(steps_by_name[name], steps=1, warmup=0, device=device)
-            if round_index >= warmup:
-                samples[name].append(seconds)
-    return samples
-
-
-def warm_up_compiler() -> None:
-    """Compile something trivial, so that inductor's one-time start-up (its compile workers) is charged to no
-    candidate whose compile time is measured."""
-    with torch.compiler.config.patch(force_disable_caches=True):
-        torch.compile(lambda x: (x * 2).sin())(torch.randn(8))
-
-
-def median(values: Iterable[float]) -> float:
-    return statistics.median(list(values))
 
 
 def trainable_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -14,16 +14,9 @@ from rich.table import Table
 from fxmem import __version__
 from fxmem.analysis import ROLE_DESCRIPTIONS, Role, SavedTensor
 from fxmem.cost_model import planned_bytes
-from fxmem.policy import Plan
+from fxmem.measure import format_bytes
+from fxmem.cost_model.plan import Plan
 from fxmem.region import Region
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 class Report:

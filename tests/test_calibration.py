@@ -2,7 +2,7 @@
 
 import torch
 
-from fxmem.calibration import QuantSlot, register
+from fxmem.kernels.calibration import QuantSlot, register
 from fxmem.kernels.quantize import quant_params
 
 

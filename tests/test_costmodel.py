@@ -145,6 +145,8 @@ def test_runlora_linear_refuses_a_trainable_base_weight_and_unknown_orders():
         runlora_linear(x, w, None, a, b, 1.0)
     with pytest.raises(ValueError, match="valid orders: backward1"):
         runlora_linear(x, w.detach(), None, a, b, 1.0, "forward1", "backward0")
+    with pytest.raises(ValueError, match="two of aten, onednn"):
+        runlora_linear(x, w.detach(), None, a, b, 1.0, "forward1", "backward1", ("aten", "mkl"))
 
 
 def test_runlora_linear_saves_x_but_not_x_a():

@@ -17,7 +17,7 @@ def _params(x: torch.Tensor, bits: int, symmetric: bool = False):
     return kernels.quant_params(rows.amin(0), rows.amax(0), bits, symmetric=symmetric)
 
 
-@pytest.mark.parametrize("bits", kernels.BITS)
+@pytest.mark.parametrize("bits", kernels.BITS_CHOICES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_kernels_match_the_reference_byte_for_byte(bits, shape, dtype):
@@ -42,7 +42,7 @@ def test_two_bit_codes_pack_four_to_a_byte_first_value_lowest():
     assert packed.tolist() == [0 | 1 << 2 | 2 << 4 | 3 << 6, 1]
 
 
-@pytest.mark.parametrize("bits, symmetric", [(b, False) for b in kernels.BITS] + [(b, True) for b in (2, 4, 8)])
+@pytest.mark.parametrize("bits, symmetric", [(b, False) for b in kernels.BITS_CHOICES] + [(b, True) for b in (2, 4, 8)])
 def test_round_trip_error_is_at_most_half_a_step(bits, symmetric):
     x = torch.randn(128, 16, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 10, 16)
     scale, zero = _params(x, bits, symmetric)
@@ -60,7 +60,7 @@ def test_symmetric_zero_is_the_middle_code_and_one_bit_is_refused():
         kernels.quant_params(torch.tensor([-1.0]), torch.tensor([1.0]), 3)
 
 
-@pytest.mark.parametrize("bits", kernels.BITS)
+@pytest.mark.parametrize("bits", kernels.BITS_CHOICES)
 def test_constant_channels_come_back_exactly(bits):
     x = torch.tensor([[3.5, -2.0, 0.0, 1e-30]]).repeat(6, 1)
     scale, zero = _params(x, bits)

@@ -108,7 +108,7 @@ def test_below_8_bits_gelu_and_tanh_outputs_keep_torchs_saved_derivative():
 
 
 def test_rebuild_refusal_depends_on_the_activation_and_the_bits():
-    from fxmem.policy import rebuild_refusal
+    from fxmem.cost_model.planner import rebuild_refusal
     for bits in (2, 4):
         assert rebuild_refusal("gelu", fxmem.Config(bits=bits)) is not None
         assert rebuild_refusal("tanh", fxmem.Config(bits=bits)) is not None

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fxmem import Backend, Config, measure
+from fxmem import Backend, Config, timing
 from fxmem.cost_model import lora_timing
 from fxmem.cost_model.lora_orders import (
     BACKWARD_ORDERS,
@@ -49,7 +49,7 @@ def clock(monkeypatch):
     # forward2 and backward6: never the FLOPs chooser's pick for SHAPE, so the choice can only come from the clock.
     seconds = {order: 1.0 for order in (*FORWARD_ORDERS, *BACKWARD_ORDERS)} | {"forward2": 0.5, "backward6": 0.25}
     fake = FakeClock(seconds)
-    monkeypatch.setattr(measure, "time", fake)  # the clock lora_timing times with (measure.step_times)
+    monkeypatch.setattr(timing, "time", fake)  # the clock lora_timing times with (timing.step_times)
     monkeypatch.setattr(lora_timing, "lora_forward", fake.run)
     monkeypatch.setattr(lora_timing, "lora_backward", fake.run)
     return fake

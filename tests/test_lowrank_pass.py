@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fxmem
-from fxmem import policy
+from fxmem.cost_model import planner
 from fxmem.analysis import Role
 from fxmem.measure import gradient_fidelity
 
@@ -22,8 +22,8 @@ def _llama(seq: int = 64, **kwargs):
 
 def _no_byte_limit(monkeypatch):
     """Every candidate 'shrinks' the tensor: full-rank factors get planned, so the rebuild itself is what is tested."""
-    monkeypatch.setattr(policy, "lowrank_bytes", lambda shape, rank, element_size: 2)
-    monkeypatch.setattr(policy, "prenorm_bytes", lambda rows, exact, element_size: 1)
+    monkeypatch.setattr(planner, "lowrank_bytes", lambda shape, rank, element_size: 2)
+    monkeypatch.setattr(planner, "prenorm_bytes", lambda rows, exact, element_size: 1)
 
 
 def _exact(model, batch):

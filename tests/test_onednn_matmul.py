@@ -4,7 +4,6 @@ from torch._inductor.utils import run_and_get_code
 
 from fxmem import Backend, Config
 from fxmem.cost_model import matmul_library
-from fxmem.kernels import runlora as runlora_kernel
 from fxmem.kernels.onednn_matmul import (
     MATMUL_LIBRARIES,
     ONEDNN_MM,
@@ -161,14 +160,14 @@ def test_inductor_keeps_the_onednn_product_as_one_extern_call(monkeypatch):
         torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_runlora_linear_runs_its_products_with_w_in_the_measured_library(monkeypatch):
-    monkeypatch.setattr(runlora_kernel, "cpu_matmul_library", lambda *args, **kwargs: "onednn")
+def test_runlora_linear_runs_its_products_with_w_in_the_libraries_given(monkeypatch):
     calls = _onednn_calls(monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(2, 16, 24, requires_grad=True)
     weight, lora_a, lora_b = torch.randn(40, 24), torch.randn(4, 24, requires_grad=True), torch.randn(40, 4)
     lora_b.requires_grad_()
-    runlora_linear(x, weight, None, lora_a, lora_b, 2.0, "forward1", "backward1").square().sum().backward()
+    runlora_linear(x, weight, None, lora_a, lora_b, 2.0, "forward1", "backward1",
+                   ("onednn", "onednn")).square().sum().backward()
     got = [t.grad.clone() for t in (x, lora_a, lora_b)]
     # oneDNN's linear takes the weight as (out, in): W in forward, W^T for dY W in backward
     assert calls == [(40, 24), (24, 40)]
@@ -178,6 +177,14 @@ def test_runlora_linear_runs_its_products_with_w_in_the_measured_library(monkeyp
                                                                               lora_b)).square().sum().backward()
     for grad, t in zip(got, (x, lora_a, lora_b), strict=True):
         torch.testing.assert_close(grad, t.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_weight_libraries_measure_the_forward_and_the_backward_product_with_w(monkeypatch):
+    asked = []
+    monkeypatch.setattr(matmul_library, "cpu_matmul_library",
+                        lambda *args, **kwargs: asked.append((*args, kwargs["b_transposed"])) or "onednn")
+    assert matmul_library.weight_libraries(torch.randn(2, 16, 24), torch.randn(40, 24)) == ("onednn", "onednn")
+    assert asked == [(32, 24, 40, True), (32, 40, 24, False)]  # X W^T with W^T a view; dY W with W row-major
 
 
 def test_inspect_leaves_the_library_choice_out(monkeypatch):

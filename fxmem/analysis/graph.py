@@ -112,6 +112,12 @@ def op_name(target: object) -> str:
     return str(getattr(target, "_opname", None) or getattr(target, "__name__", target)).split(".")[0]
 
 
+def schema_name(target: object) -> str | None:
+    """'namespace::op' of an op overload (aten::mm, fxmem::nf4_linear), None for anything else."""
+    schema = getattr(target, "_schema", None)
+    return schema.name if schema is not None else None
+
+
 def tensor_val(node: Node) -> torch.Tensor | None:
     val = node.meta.get("val")
     return val if isinstance(val, torch.Tensor) else None

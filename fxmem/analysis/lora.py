@@ -12,14 +12,13 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-import torch
 from torch.fx import Graph, Node
 
-import fxmem.kernels.nf4  # noqa: F401  registers torch.ops.fxmem.nf4_linear
 from fxmem.analysis.graph import (
     aten,
     hint,
     module_path,
+    schema_name,
     storage_base,
     strip,
     tensor_val,
@@ -28,8 +27,8 @@ from fxmem.analysis.graph import (
 )
 
 MATMULS = frozenset({aten.mm.default, aten.addmm.default})
-# A LoRA linear's three products: a matmul, or x @ deq(W)^T with W stored NF4 (operands: x, packed W).
-LINEAR_PRODUCTS = MATMULS | {torch.ops.fxmem.nf4_linear.default}
+# x @ deq(W)^T with W stored NF4 (operands: x, packed W), by name: analysis registers no op (fxmem.kernels does).
+NF4_LINEAR = "fxmem::nf4_linear"
 # Meta key the lora_reorder pass sets on a LoRA linear's frozen product x W^T when the layer's output is rebuilt
 # in backward from it: the non-linear consumer it feeds ('silu', 'gelu', 'product', 'q', 'k', 'v').
 LORA_REORDERED = "fxmem_lora_reorder"
@@ -51,6 +50,11 @@ class LoraLinear:
     dropout: bool  # the LoRA branch reads a dropout of x, not x itself
 
 
+def is_linear_product(node: Node) -> bool:
+    """One of a LoRA linear's three products: a matmul, or fxmem::nf4_linear."""
+    return node.target in MATMULS or schema_name(node.target) == NF4_LINEAR
+
+
 def matmul_operands(node: Node) -> tuple[Node, Node]:
     """The two matrices of mm/bmm, or of addmm/baddbmm (whose first argument is the added term)."""
     if node.target in (aten.addmm.default, aten.baddbmm.default):
@@ -66,7 +70,7 @@ def param_source(node: object, params: frozenset[Node]) -> Node | None:
 def find_lora_linears(graph: Graph, params: frozenset[Node]) -> list[LoraLinear]:
     found = []
     for xa in graph.nodes:
-        if xa.op == "call_function" and xa.target in LINEAR_PRODUCTS:
+        if xa.op == "call_function" and is_linear_product(xa):
             match = _match_from_xa(xa, params)
             if match is not None:
                 found.append(match)
@@ -82,7 +86,7 @@ def _match_from_xa(xa: Node, params: frozenset[Node]) -> LoraLinear | None:
     rank = hint(val.shape[-1])
     in_features = hint(tensor_val(x_lora).shape[-1])
     for xab in users_through_views(xa):
-        if xab.target not in LINEAR_PRODUCTS:
+        if not is_linear_product(xab):
             continue
         lhs, b_t = matmul_operands(xab)
         lora_b = param_source(b_t, params)
@@ -95,7 +99,7 @@ def _match_from_xa(xa: Node, params: frozenset[Node]) -> LoraLinear | None:
         output, lora_side, scaling = joined
         base_side = output.args[0] if output.args[1] is lora_side else output.args[1]
         base = strip(base_side, casts=False)
-        if not (isinstance(base, Node) and base.target in LINEAR_PRODUCTS):
+        if not (isinstance(base, Node) and is_linear_product(base)):
             continue
         x_base, w_t = matmul_operands(base)
         weight = param_source(w_t, params)

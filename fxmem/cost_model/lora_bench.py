@@ -1,7 +1,7 @@
 """Single LoRA layer forward+backward time: RunLoRA's chosen orders against PEFT's eager layer.
 
 On the CPU, runlora_linear runs its products with W in the library measured
-faster there (fxmem/cost_model/matmul_library.py); the same orders with aten's
+faster there (fxmem/cost_model/matmul_library.py's weight_libraries); the same orders with aten's
 products are timed too, so that what the orders give and what the library
 gives are read apart.
 """
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from fxmem.cost_model.lora_orders import LoraShape, choose_by_flops
-from fxmem.kernels.runlora import RunLoraLinear, runlora_linear, weight_libraries
-from fxmem.measure import interleaved_step_times, median
+from fxmem.cost_model.matmul_library import weight_libraries
+from fxmem.kernels.runlora import runlora_linear
+from fxmem.timing import interleaved_step_times, median
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,15 @@ def time_lora_layer(shape: LoraShape, *, steps: int, device: str = "cpu") -> Lay
     def peft_step() -> None:
         layer(x).backward(grad_y)
 
+    libraries = weight_libraries(x, weight)
+
     def runlora_step() -> None:
-        runlora_linear(x, weight, None, lora_a, lora_b, 1.0, choice.forward, choice.backward).backward(grad_y)
+        runlora_linear(x, weight, None, lora_a, lora_b, 1.0, choice.forward, choice.backward,
+                       libraries).backward(grad_y)
 
     def runlora_aten_step() -> None:
-        RunLoraLinear.apply(x, weight, None, lora_a, lora_b, 1.0, choice.forward, choice.backward,
-                            ("aten", "aten")).backward(grad_y)
+        runlora_linear(x, weight, None, lora_a, lora_b, 1.0, choice.forward, choice.backward).backward(grad_y)
 
-    libraries = weight_libraries(x, weight)
     candidates = {"peft": peft_step, "runlora": runlora_step}
     if libraries != ("aten", "aten"):
         candidates["runlora, aten"] = runlora_aten_step

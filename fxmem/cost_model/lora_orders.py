@@ -32,27 +32,13 @@ from functools import cache
 
 import torch
 
-FORWARD_ORDERS = ("forward1", "forward2")
-BACKWARD_ORDERS = tuple(f"backward{k}" for k in range(1, 9))
-GRADIENTS = ("x", "a", "b")
-
-# How each backward order associates dA, dB and dX (RunLoRA, Appendix A).
-#   dA: "z1"  X^T (dY B)        "xtdy"  (X^T dY) B
-#   dB: "xa"  (X A^T)^T dY       "xtdy"  A (X^T dY)
-#   dX: "split"  dY W + (dY B) A   "merged"  dY (W + s B A)
-BACKWARD_ASSOCIATIONS: dict[str, tuple[str, str, str]] = {
-    "backward1": ("z1", "xa", "split"),
-    "backward2": ("z1", "xtdy", "split"),
-    "backward3": ("xtdy", "xtdy", "split"),
-    "backward4": ("xtdy", "xtdy", "merged"),
-    "backward5": ("z1", "xa", "merged"),
-    "backward6": ("xtdy", "xa", "split"),
-    "backward7": ("xtdy", "xa", "merged"),
-    "backward8": ("z1", "xtdy", "merged"),
-}
-# The backward orders that leave s B A out of W: all a layer that cannot fold it has.
-SPLIT_DX_BACKWARD_ORDERS = tuple(order for order in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[order][2] == "split")
-
+from fxmem.kernels.runlora import (  # the orders themselves: the kernel computes them
+    BACKWARD_ASSOCIATIONS,
+    BACKWARD_ORDERS,
+    FORWARD_ORDERS,
+    GRADIENTS,
+    SPLIT_DX_BACKWARD_ORDERS,
+)
 
 @dataclass(frozen=True)
 class LoraShape:

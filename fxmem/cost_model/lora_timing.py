@@ -12,7 +12,7 @@ from fxmem.cost_model.lora_orders import (
     order_choice,
 )
 from fxmem.kernels.runlora import lora_backward, lora_forward
-from fxmem.measure import median, step_times
+from fxmem.timing import median, step_times
 
 _CHOICES: dict[tuple[LoraShape, frozenset[str], str], OrderChoice] = {}
 REPEATS = 3

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fxmem.kernels.onednn_matmul import ONEDNN_DTYPES, onednn_available, onednn_mm
-from fxmem.measure import interleaved_step_times, median, step_times
+from fxmem.timing import interleaved_step_times, median, step_times
 
 MatmulLibrary = Literal["aten", "onednn"]  # fxmem/kernels/onednn_matmul.py's MATMUL_LIBRARIES
 # Probe rows: at most MAX_PROBE_ROWS, fewer for wide products (PROBE_FLOPS per run), never below MIN_PROBE_ROWS.
@@ -57,3 +57,14 @@ def cpu_matmul_library(rows: int, inner: int, cols: int, *, b_transposed: bool,
     choice: MatmulLibrary = "onednn" if median(times["onednn"]) < median(times["aten"]) else "aten"
     _CHOICES[key] = choice
     return choice
+
+
+def weight_libraries(x: torch.Tensor, weight: torch.Tensor) -> tuple[str, str]:
+    """What runs a LoRA linear's products with W, forward (X W^T) and backward (dY W), on x's device: on the CPU
+    the library the cost model measured faster for this shape, elsewhere aten's."""
+    if x.device.type != "cpu":
+        return "aten", "aten"
+    rows = x.numel() // x.shape[-1]
+    out_features, in_features = weight.shape
+    return (cpu_matmul_library(rows, in_features, out_features, b_transposed=True, dtype=weight.dtype),
+            cpu_matmul_library(rows, out_features, in_features, b_transposed=False, dtype=weight.dtype))

@@ -9,7 +9,7 @@ from fxmem.kernels.quantize import packed_numel
 
 if TYPE_CHECKING:
     from fxmem.analysis import SavedTensor
-    from fxmem.policy import Plan
+    from fxmem.cost_model.plan import Plan
 
 SCALE_BYTES = 4  # per-channel scale and zero point are float32
 CHANNEL_ID_BYTES = 8  # outlier channel ids are int64

@@ -27,20 +27,18 @@ import math
 
 import torch
 
-from fxmem.config import BITS_CHOICES
-
 try:
     import triton
     import triton.language as tl
 except ImportError:  # a CPU-only install: the torch reference is the only path, and all CPU needs
     triton = None
 
-BITS = BITS_CHOICES
+BITS_CHOICES = (1, 2, 4, 8)  # the widths the packing supports: 8 // bits codes to a byte
 
 
 def check_bits(bits: int) -> None:
-    if bits not in BITS:
-        raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}; got {bits!r}")
+    if bits not in BITS_CHOICES:
+        raise ValueError(f"bits must be one of {', '.join(map(str, BITS_CHOICES))}; got {bits!r}")
 
 
 def packed_numel(numel: int, bits: int) -> int:

@@ -1,6 +1,6 @@
 """A LoRA linear computed in a chosen forward and backward order (RunLoRA), torch reference.
 
-The same formulas as fxmem/cost_model/lora_orders.py, as code: ``lora_forward``
+The orders whose FLOPs fxmem/cost_model/lora_orders.py counts, as code: ``lora_forward``
 and ``lora_backward`` are what the runlora joint pass inserts into the graph
 (as aten ops, traced through these functions) and what ``RunLoraLinear`` runs
 eagerly. X A^T is never kept from forward to backward.
@@ -12,14 +12,28 @@ from typing import Any
 
 import torch
 
-from fxmem.cost_model.lora_orders import (
-    BACKWARD_ASSOCIATIONS,
-    BACKWARD_ORDERS,
-    FORWARD_ORDERS,
-    SPLIT_DX_BACKWARD_ORDERS,
-)
-from fxmem.cost_model.matmul_library import cpu_matmul_library
-from fxmem.kernels.onednn_matmul import matmul
+from fxmem.kernels.onednn_matmul import MATMUL_LIBRARIES, matmul
+
+FORWARD_ORDERS = ("forward1", "forward2")
+BACKWARD_ORDERS = tuple(f"backward{k}" for k in range(1, 9))
+GRADIENTS = ("x", "a", "b")
+
+# How each backward order associates dA, dB and dX (RunLoRA, Appendix A).
+#   dA: "z1"  X^T (dY B)        "xtdy"  (X^T dY) B
+#   dB: "xa"  (X A^T)^T dY       "xtdy"  A (X^T dY)
+#   dX: "split"  dY W + (dY B) A   "merged"  dY (W + s B A)
+BACKWARD_ASSOCIATIONS: dict[str, tuple[str, str, str]] = {
+    "backward1": ("z1", "xa", "split"),
+    "backward2": ("z1", "xtdy", "split"),
+    "backward3": ("xtdy", "xtdy", "split"),
+    "backward4": ("xtdy", "xtdy", "merged"),
+    "backward5": ("z1", "xa", "merged"),
+    "backward6": ("xtdy", "xa", "split"),
+    "backward7": ("xtdy", "xa", "merged"),
+    "backward8": ("z1", "xtdy", "merged"),
+}
+# The backward orders that leave s B A out of W: all a layer that cannot fold it has.
+SPLIT_DX_BACKWARD_ORDERS = tuple(order for order in BACKWARD_ORDERS if BACKWARD_ASSOCIATIONS[order][2] == "split")
 
 
 def lora_forward(order: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -121,27 +135,19 @@ class RunLoraLinear(torch.autograd.Function):
         return grad_x, None, grad_bias, grad_a, grad_b, None, None, None, None
 
 
-def weight_libraries(x: torch.Tensor, weight: torch.Tensor) -> tuple[str, str]:
-    """What runs a LoRA linear's products with W, forward (X W^T) and backward (dY W), on x's device: on the CPU
-    the library the cost model measured faster for this shape, elsewhere aten's."""
-    if x.device.type != "cpu":
-        return "aten", "aten"
-    rows = x.numel() // x.shape[-1]
-    out_features, in_features = weight.shape
-    return (cpu_matmul_library(rows, in_features, out_features, b_transposed=True, dtype=weight.dtype),
-            cpu_matmul_library(rows, out_features, in_features, b_transposed=False, dtype=weight.dtype))
-
-
 def runlora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                    lora_b: torch.Tensor, scaling: float, forward_order: str = "forward1",
-                   backward_order: str = "backward1") -> torch.Tensor:
-    """A LoRA linear (frozen ``weight``) in the given orders; see fxmem/cost_model/lora_orders.py. On the CPU its
-    products with W run in the library measured faster there (fxmem/cost_model/matmul_library.py)."""
+                   backward_order: str = "backward1", libraries: tuple[str, str] = ("aten", "aten")) -> torch.Tensor:
+    """A LoRA linear (frozen ``weight``) in the given orders; see fxmem/cost_model/lora_orders.py. ``libraries`` run
+    its products with W in forward and backward (fxmem.cost_model.matmul_library.weight_libraries measures which
+    is faster on the CPU)."""
     if forward_order not in FORWARD_ORDERS:
         raise ValueError(f"unknown forward order {forward_order!r}; valid orders: {', '.join(FORWARD_ORDERS)}")
     if backward_order not in BACKWARD_ORDERS:
         raise ValueError(f"unknown backward order {backward_order!r}; valid orders: {', '.join(BACKWARD_ORDERS)}")
     if weight.requires_grad:
         raise ValueError("runlora_linear computes no gradient for the base weight: freeze it (requires_grad=False)")
-    return RunLoraLinear.apply(x, weight, bias, lora_a, lora_b, scaling, forward_order, backward_order,
-                               weight_libraries(x, weight))
+    unknown = [library for library in libraries if library not in MATMUL_LIBRARIES]
+    if len(libraries) != 2 or unknown:
+        raise ValueError(f"libraries takes two of {', '.join(MATMUL_LIBRARIES)} (forward, backward); got {libraries!r}")
+    return RunLoraLinear.apply(x, weight, bias, lora_a, lora_b, scaling, forward_order, backward_order, libraries)

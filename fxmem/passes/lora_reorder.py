@@ -15,7 +15,7 @@ A LoRA linear with dropout on its input is left as is (its LoRA branch reads a
 random mask that backward would have to replay); so is one whose output feeds
 no non-linear operator (o_proj, down_proj: a residual add saves nothing), and,
 below 8 bits, one feeding GELU or tanh, whose saved derivative quantizes better
-than their input (policy.rebuild_refusal).
+than their input (cost_model.planner.rebuild_refusal).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from fxmem.analysis.roles import (
 )
 from fxmem.config import Config
 from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
-from fxmem.policy import rebuild_refusal
+from fxmem.cost_model.planner import rebuild_refusal
 
 aten = torch.ops.aten
 # Non-pointwise ops an epilogue may pass through: RoPE's rotate_half is slice, neg, cat.

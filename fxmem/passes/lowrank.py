@@ -41,7 +41,7 @@ from fxmem.passes.saved_rewrite import (
     permute_back,
     rewrite_planned,
 )
-from fxmem.policy import Plan
+from fxmem.cost_model.plan import Plan
 
 aten = torch.ops.aten
 prims = torch.ops.prims

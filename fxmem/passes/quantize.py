@@ -18,7 +18,7 @@ import torch
 from torch.fx import Node
 
 from fxmem.analysis.graph import memory_order
-from fxmem.calibration import QuantSlot, register
+from fxmem.kernels.calibration import QuantSlot, register
 from fxmem.config import Config
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import (
@@ -29,7 +29,7 @@ from fxmem.passes.saved_rewrite import (
     permute_back,
     rewrite_planned,
 )
-from fxmem.policy import Plan
+from fxmem.cost_model.plan import Plan
 
 aten = torch.ops.aten
 

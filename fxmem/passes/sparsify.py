@@ -15,7 +15,7 @@ from fxmem.config import Config
 from fxmem.cost_model.memory import sparse_index_bytes
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import SavedTensorEditor, call, compress_storage, rewrite_planned
-from fxmem.policy import Plan
+from fxmem.cost_model.plan import Plan
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -28,8 +28,7 @@ from rich.table import Table
 from torch._dynamo.utils import counters
 from torch.optim.lr_scheduler import LRScheduler
 
-from fxmem.measure import saved_activation_bytes
-from fxmem.report import format_bytes
+from fxmem.measure import format_bytes, saved_activation_bytes
 
 ORDERS = ("bottom2up", "top2down", "random")
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])

@@ -9,7 +9,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from fxmem.finetune import round_robin
-from fxmem.measure import median, peak_memory, step_times, warm_up_compiler
+from fxmem.measure import peak_memory
+from fxmem.timing import median, step_times, warm_up_compiler
 from fxmem.train.hift import ORDERS, HiFT, optimizer_state_bytes, tensor_bytes
 from fxmem.workloads import Workload
 

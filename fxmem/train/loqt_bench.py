@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fxmem.report import format_bytes
+from fxmem.measure import format_bytes
 from fxmem.train.hift import optimizer_state_bytes, tensor_bytes
 from fxmem.train.loqt import LoQT, LoQTConfig, convert, loqt_layers, weight_nbytes
 from fxmem.workloads import LORA_TARGETS, Setup, Workload

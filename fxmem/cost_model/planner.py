@@ -1,11 +1,9 @@
-"""The plan: what happens to each saved tensor. Decided from the config; priced by the cost model."""
+"""The planner: what happens to each saved tensor of a region, decided from the config, priced by the cost model."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import asdict, dataclass
-from typing import Literal
 
 from torch.fx import Node
 
@@ -16,10 +14,9 @@ from fxmem.analysis.norm import norm_unit
 from fxmem.analysis.rope import attention_input_replay
 from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.memory import lowrank_bytes, planned_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
+from fxmem.cost_model.plan import Plan
 from fxmem.kernels.lowrank import resolve_rank
 from fxmem.kernels.quantize import MAX_OUTLIER_VALUE_POSITION, outlier_value_count
-
-Action = Literal["keep", "quantize", "sparsify", "lowrank", "prenorm"]
 
 # Roles HyC-LoRA stores quantized (section 4.1): the inputs of non-linear operators and of linears.
 QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV,
@@ -47,24 +44,6 @@ REBUILD_ALL_ACTIVATIONS_BITS = 8
 # first, and q, k, v drop below 8 bits last, after everything else is at 2 (docs/quantization.md measures
 # why: the softmax amplifies their error, and norm inputs carry the most after them).
 BUDGET_STAGES = ((8, 0), (8, 1), (8, 2), (4, 0), (4, 1), (2, 0), (2, 1), (4, 2), (2, 2))
-
-
-@dataclass(frozen=True)
-class Plan:
-    action: Action
-    reason: str
-    bits: int | None = None  # quantize
-    channels: int = 0  # quantize: channels with their own scale (the innermost memory dimension)
-    outliers: int = 0  # quantize: channels kept in full precision
-    outlier_values: float = 0.0  # quantize: fraction of the values kept exact beside the codes
-    keep: int = 0  # sparsify: values kept per row
-    rank: int = 0  # lowrank: rank of the factors of the (rows, last dimension) matrix
-    exact_channels: int = 0  # prenorm: input channels (smallest |gamma|) saved exactly
-    source: str | None = None  # the node compressed instead of the saved tensor (x before RoPE, a norm's output)
-    nbytes: int | None = None  # bytes after the plan (cost model), None for keep
-
-    def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v not in (None, 0) or k in ("action", "reason")}
 
 
 def rebuild_refusal(consumer: str, config: Config) -> str | None:
