@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(VENV)/bin/fxmem finetune --workload llama-tiny --steps 40
+	$(VENV)/bin/fxmem bench finetune --workload llama-tiny --steps 40
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

@@ -7,8 +7,10 @@
 
 __version__ = "0.1.0"
 
-from fxmem import kernels  # noqa: F401  registers torch.ops.fxmem.* before anything uses them
-from fxmem import measure
+from fxmem import (
+    kernels,  # noqa: F401  registers torch.ops.fxmem.* before anything uses them
+    measure,
+)
 from fxmem.backend import Backend, backend
 from fxmem.config import PRESETS, Config
 from fxmem.inspection import inspect

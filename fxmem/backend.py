@@ -24,8 +24,8 @@ from torch.fx import GraphModule
 
 from fxmem.analysis import analyze
 from fxmem.config import Config
-from fxmem.passes import PassManager, PipelineState, default_passes
 from fxmem.cost_model.planner import budget_note, plan_region
+from fxmem.passes import PassManager, PipelineState, default_passes
 from fxmem.region import Region
 from fxmem.report import Report
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fxmem.analysis import SavedTensor
-from fxmem.kernels.calibration import QuantSlot
 from fxmem.config import Config
-from fxmem.passes import PassRecord
 from fxmem.cost_model.plan import Plan
+from fxmem.kernels.calibration import QuantSlot
+from fxmem.passes import PassRecord
 
 
 @dataclass

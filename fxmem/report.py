@@ -14,8 +14,8 @@ from rich.table import Table
 from fxmem import __version__
 from fxmem.analysis import ROLE_DESCRIPTIONS, Role, SavedTensor
 from fxmem.cost_model import planned_bytes
-from fxmem.measure import format_bytes
 from fxmem.cost_model.plan import Plan
+from fxmem.measure import format_bytes
 from fxmem.region import Region
 
 

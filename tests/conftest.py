@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from fxmem.workloads import LlamaShape, Workload
+from fxmem.bench.workloads import LlamaShape, Workload
 
 TINY_LLAMA = Workload("test-llama", "llama", 2, 32, "tiny Llama for tests", LlamaShape(64, 172, 2, 4, 256))
 
@@ -17,8 +17,8 @@ TINY_LLAMA = Workload("test-llama", "llama", 2, 32, "tiny Llama for tests", Llam
 @pytest.fixture
 def tiny_workloads(monkeypatch):
     """Every workload name the CLI accepts runs the tiny Llama instead (the commands, not the sizes, are tested)."""
-    from fxmem import cli
-    monkeypatch.setattr(cli, "get_workload", lambda name: TINY_LLAMA)
+    from fxmem.bench import workloads
+    monkeypatch.setattr(workloads, "get_workload", lambda name: TINY_LLAMA)
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fxmem.ablation import ablate, hyclora_settings, loract_settings, probe_steps, select_settings
+from fxmem.bench.ablation import ablate, hyclora_settings, loract_settings, probe_steps, select_settings
 from fxmem.config import Config
 
 from .conftest import TINY_LLAMA
@@ -43,7 +43,7 @@ def test_loract_settings_pair_pre_norm_sharing_with_layer_wise_per_ratio():
 ])
 def test_ablate_command_refuses_options_that_do_not_apply_and_repeated_values(tiny_workloads, capsys, argv, message):
     from fxmem import cli
-    assert cli.main(["ablate", "--steps", "3", *argv]) == 2
+    assert cli.main(["bench", "ablate", "--steps", "3", *argv]) == 2
     assert message in capsys.readouterr().out.replace("\n", " ")
 
 

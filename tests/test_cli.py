@@ -3,8 +3,8 @@ import json
 import pytest
 
 from fxmem import Config, cli
-from fxmem.bench import budget_matching, planned_bytes, run_workload
-from fxmem.finetune import finetune
+from fxmem.bench.compare import budget_matching, planned_bytes, run_workload
+from fxmem.bench.finetune import finetune
 from tests.conftest import TINY_LLAMA
 
 
@@ -43,7 +43,7 @@ def test_inspect_with_a_memory_budget_plans_within_it_and_says_so(tmp_path, caps
 
 def test_bad_counts_are_usage_errors(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["finetune", "--steps", "2"])
+        cli.main(["bench", "finetune", "--steps", "2"])
     assert "--steps: must be an integer >= 3; got 2" in capsys.readouterr().err
 
 
@@ -54,7 +54,7 @@ def test_inspect_names_a_missing_model(tmp_path):
 
 def test_finetune_command_learns_prints_the_side_by_side_table_and_exact_fxmem_matches_compile(
         tiny_workloads, monkeypatch, capsys):
-    from fxmem import finetune as finetune_module
+    from fxmem.bench import finetune as finetune_module
     returned = []
 
     def recording_finetune(*args, **kwargs):
@@ -62,7 +62,7 @@ def test_finetune_command_learns_prints_the_side_by_side_table_and_exact_fxmem_m
         return returned[-1]
 
     monkeypatch.setattr(finetune_module, "finetune", recording_finetune)
-    assert cli.main(["finetune", "--steps", "10", "--lr", "1e-2"]) == 0
+    assert cli.main(["bench", "finetune", "--steps", "10", "--lr", "1e-2"]) == 0
     printed = capsys.readouterr().out
     for expected in ("eager", "compile", "fxmem (exact)", "saved activations", "step peak", "final loss"):
         assert expected in printed

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from fxmem import cli
+from fxmem.bench.hift import compare_hift
 from fxmem.train import HiFT, layer_units
-from fxmem.train.hift_bench import compare_hift
 from tests.conftest import TINY_LLAMA, tiny_model
 
 
@@ -320,7 +320,7 @@ def test_comparison_accounts_gradients_and_state_per_step(tiny_workloads, tmp_pa
     assert all(0 < r.eval_loss < r.losses[0] for r in (same_batches, same_updates, hift))  # all of them learn
 
     out = tmp_path / "hift.md"
-    assert cli.main(["hift", "--cycles", "2", "--orders", "top2down", "--markdown", str(out)]) == 0
+    assert cli.main(["bench", "hift", "--cycles", "2", "--orders", "top2down", "--markdown", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "HiFT top2down" in printed and "2 cycles of k=4 steps" in printed
     assert "| full, same updates | 1 | 2 |" in out.read_text()

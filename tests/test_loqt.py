@@ -296,7 +296,7 @@ def test_fxmem_backend_compiles_loqt_with_eager_gradients_and_saves_only_what_b_
 
 
 def test_pretrain_bench_trains_every_setting_on_the_same_batches():
-    from fxmem.train.loqt_bench import pretrain_settings, train
+    from fxmem.bench.loqt import pretrain_settings, train
     settings = pretrain_settings(4, scale=0.5, first_interval=2)
     assert [s.name for s in settings] == ["full training", "LoQT-nq", "LoQT", "LoQT, no compensation",
                                           "LoQT, fixed interval"]
@@ -317,14 +317,14 @@ def test_loqt_commands_print_their_tables(monkeypatch, capsys, tmp_path):
     from fxmem import cli
     monkeypatch.setattr(cli, "get_workload", lambda name: TINY_LLAMA)
     markdown = tmp_path / "pretrain.md"
-    assert cli.main(["loqt", "pretrain", "--steps", "2", "--rank", "4", "--first-interval", "1", "--eval-batches",
+    assert cli.main(["bench", "loqt", "pretrain", "--steps", "2", "--rank", "4", "--first-interval", "1", "--eval-batches",
                      "1", "--markdown", str(markdown)]) == 0
     printed = capsys.readouterr().out
     for expected in ("full training", "LoQT-nq", "LoQT, no compensation", "LoQT, fixed interval", "vs full",
                      "W bits/param", "optimizer state"):
         assert expected in printed
     assert "| setting | eval loss | vs full |" in markdown.read_text()
-    assert cli.main(["loqt", "memory", "--lora-rank", "4", "--rank", "4", "--pretrain-rank", "8"]) == 0
+    assert cli.main(["bench", "loqt", "memory", "--lora-rank", "4", "--rank", "4", "--pretrain-rank", "8"]) == 0
     printed = capsys.readouterr().out
     for expected in ("full training", "LoRA r=4", "LoQT r=4, only B trains", "4.134", "W + P + adapter"):
         assert expected in printed

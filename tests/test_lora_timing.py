@@ -114,7 +114,7 @@ def test_the_runlora_pass_in_time_mode_times_real_tensors_once_per_layer_shape(m
 
 def test_bench_lora_reports_the_median_of_per_round_ratios_and_their_quartiles(monkeypatch, tmp_path, capsys):
     from fxmem import cli
-    from fxmem.cost_model import lora_bench
+    from fxmem.bench import lora_layer as lora_bench
     # Round 3 is slow for all (the machine's drift): its ratio is 1.0 although the medians alone read 2.0 / 1.5.
     times = {"peft": [2.0, 2.0, 9.0, 2.0, 2.0], "runlora": [1.0, 1.6, 9.0, 1.0, 1.25],
              "runlora, aten": [2.0, 1.6, 9.0, 1.6, 2.0]}
@@ -133,7 +133,7 @@ def test_bench_lora_reports_the_median_of_per_round_ratios_and_their_quartiles(m
     assert timing.speedup_quartiles == (1.25, 2.0)
     assert timing.order_speedups == (1.0, 1.25, 1.0, 1.25, 1.0) and timing.order_speedup == 1.0
     markdown = tmp_path / "table.md"
-    assert cli.main(["bench-lora", "--shapes", "32,24,40,4", "--steps", "5", "--markdown", str(markdown)]) == 0
+    assert cli.main(["bench", "lora", "--shapes", "32,24,40,4", "--steps", "5", "--markdown", str(markdown)]) == 0
     assert ("| 32, 24 -> 40, r=4 | forward2/backward1 | onednn/aten | +1.5% | 2000.0 ms | 1250.0 ms | 1.60x | "
             "1.25-2.00x | 1.00x |") in markdown.read_text()
     # where aten runs both products, "orders only" is runlora itself: no third candidate

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import fxmem
-from fxmem.cost_model import planner
 from fxmem.analysis import Role
+from fxmem.cost_model import planner
 from fxmem.measure import gradient_fidelity
 
 from .conftest import tiny_model, train_at_sequence_lengths
@@ -270,7 +270,7 @@ def test_inductor_lowering_compiles_the_rewrite_and_matches_the_eager_lowering()
 
 def test_the_ratio_command_measures_what_the_plan_says_at_every_ratio(tiny_workloads, tmp_path, capsys):
     from fxmem import cli
-    from fxmem.lowrank_saved import measure_ratios
+    from fxmem.bench.lowrank_saved import measure_ratios
 
     from .conftest import TINY_LLAMA
     results = measure_ratios(TINY_LLAMA, [0.25, 0.125], lowering="eager")
@@ -280,5 +280,5 @@ def test_the_ratio_command_measures_what_the_plan_says_at_every_ratio(tiny_workl
         assert r.saved_bytes == r.planned_bytes and r.prenorm_shared > 0 and -1 <= r.fidelity.min_cosine <= 1
     assert eighth.saved_bytes < quarter.saved_bytes < eager.saved_bytes
     table = tmp_path / "ratios.md"
-    assert cli.main(["lowrank-saved", "--ratios", "0.5", "--lowering", "eager", "--markdown", str(table)]) == 0
+    assert cli.main(["bench", "lowrank-saved", "--ratios", "0.5", "--lowering", "eager", "--markdown", str(table)]) == 0
     assert "| 0.5 |" in table.read_text() and "reduction vs eager" in capsys.readouterr().out

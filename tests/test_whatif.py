@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fxmem import cli
-from fxmem.cost_model.whatif import (
+from fxmem.whatif import (
     SCALING_DEPTHS,
     build_lora_model,
     hf_config,

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from fxmem.data import byte_token_batches, docstring_code_pairs, stdlib_bytes
-from fxmem.workloads import WORKLOADS, get_workload
+from fxmem.bench.data import byte_token_batches, docstring_code_pairs, stdlib_bytes
+from fxmem.bench.workloads import WORKLOADS, get_workload
 
 
 def test_stdlib_text_is_real_and_deterministic():

@@ -40,6 +40,7 @@ from fxmem.kernels.runlora import (  # the orders themselves: the kernel compute
     SPLIT_DX_BACKWARD_ORDERS,
 )
 
+
 @dataclass(frozen=True)
 class LoraShape:
     """One LoRA linear's problem: tokens n = batch x sequence, features in and out, rank, dtype (X's and W's).

@@ -43,8 +43,8 @@ from fxmem.analysis.roles import (
     rope_trig,
 )
 from fxmem.config import Config
-from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
 from fxmem.cost_model.planner import rebuild_refusal
+from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
 
 aten = torch.ops.aten
 # Non-pointwise ops an epilogue may pass through: RoPE's rotate_half is slice, neg, cat.

@@ -30,6 +30,7 @@ from torch.fx import Node
 from fxmem.analysis.graph import memory_order, storage_base
 from fxmem.analysis.norm import norm_unit
 from fxmem.config import Config
+from fxmem.cost_model.plan import Plan
 from fxmem.kernels.lowrank import DEFAULT_NITER
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import (
@@ -41,7 +42,6 @@ from fxmem.passes.saved_rewrite import (
     permute_back,
     rewrite_planned,
 )
-from fxmem.cost_model.plan import Plan
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -21,9 +21,9 @@ from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis import Analysis
-from fxmem.kernels.calibration import QuantSlot
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
+from fxmem.kernels.calibration import QuantSlot
 
 Stage = Literal["joint", "partitioned"]
 STAGES: tuple[Stage, ...] = ("joint", "partitioned")

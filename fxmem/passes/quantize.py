@@ -18,8 +18,9 @@ import torch
 from torch.fx import Node
 
 from fxmem.analysis.graph import memory_order
-from fxmem.kernels.calibration import QuantSlot, register
 from fxmem.config import Config
+from fxmem.cost_model.plan import Plan
+from fxmem.kernels.calibration import QuantSlot, register
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import (
     SavedTensorEditor,
@@ -29,7 +30,6 @@ from fxmem.passes.saved_rewrite import (
     permute_back,
     rewrite_planned,
 )
-from fxmem.cost_model.plan import Plan
 
 aten = torch.ops.aten
 

@@ -18,8 +18,8 @@ from torch.fx import GraphModule, Node
 
 from fxmem.analysis.graph import storage_base, tensor_val, view_chain
 from fxmem.analysis.rope import Replay, attention_input_replay
-from fxmem.passes.manager import PipelineState
 from fxmem.cost_model.plan import Plan
+from fxmem.passes.manager import PipelineState
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 

@@ -13,9 +13,9 @@ from torch.fx import Node
 from fxmem.analysis.graph import storage_base
 from fxmem.config import Config
 from fxmem.cost_model.memory import sparse_index_bytes
+from fxmem.cost_model.plan import Plan
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import SavedTensorEditor, call, compress_storage, rewrite_planned
-from fxmem.cost_model.plan import Plan
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fxmem.bench.workloads import Setup, Workload
 from fxmem.measure import format_bytes
+from fxmem.models import LORA_TARGETS
 from fxmem.train.hift import optimizer_state_bytes, tensor_bytes
 from fxmem.train.loqt import LoQT, LoQTConfig, convert, loqt_layers, weight_nbytes
-from fxmem.workloads import LORA_TARGETS, Setup, Workload
 
 Batch = dict[str, torch.Tensor]
 OnStep = Callable[[str, int, float], None]

@@ -13,7 +13,6 @@ FLOPs chooser.
 from __future__ import annotations
 
 import copy
-import json
 import pathlib
 import warnings
 from collections import Counter
@@ -25,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.config import Config
 from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
+from fxmem.models import build_lora_model, example_batch, hf_config
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}  # state tensors per trainable parameter
 # Traced on fake tensors of this device, not on meta tensors: on meta, SDPA takes its math path and saves the
@@ -35,22 +35,6 @@ TRACE_DEVICE = "cpu"
 # differently from the others.
 SCALING_DEPTHS = (2, 3, 4)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# Known shapes, built from their published dimensions (no download).
-NAMED_SHAPES: dict[str, dict[str, Any]] = {
-    "llama-7b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                 "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000},
-    "llama-13b": {"model_type": "llama", "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
-                  "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000},
-    "mistral-7b": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
-                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                   "vocab_size": 32000, "sliding_window": None},
-    "roberta-base": {"model_type": "roberta", "hidden_size": 768, "intermediate_size": 3072,
-                     "num_hidden_layers": 12, "num_attention_heads": 12, "vocab_size": 50265,
-                     "max_position_embeddings": 514, "type_vocab_size": 1, "hidden_dropout_prob": 0.0,
-                     "attention_probs_dropout_prob": 0.0},
-}
-
 
 @dataclass(frozen=True)
 class PresetCost:
@@ -77,54 +61,6 @@ class WhatIf:
     adapter_dtype: torch.dtype  # PEFT keeps a bf16/fp16 model's adapters in fp32 (autocast_adapter_dtype)
     costs: list[PresetCost] = field(default_factory=list)
     lora_orders: list[tuple[LoraShape, int, OrderChoice]] = field(default_factory=list)  # (shape, layers, choice)
-
-
-def hf_config(model: str) -> Any:
-    """A transformers config for a named shape, a benchmark workload, or a config.json (file or directory)."""
-    from transformers import CONFIG_MAPPING, AutoConfig
-
-    from fxmem.workloads import WORKLOADS, llama_config
-    if model in NAMED_SHAPES:
-        values = dict(NAMED_SHAPES[model])
-        return CONFIG_MAPPING[values.pop("model_type")](**values)
-    if model in WORKLOADS:
-        shape = WORKLOADS[model].llama
-        if shape is None:  # minilm-real: all-MiniLM-L6-v2's BERT shape
-            return CONFIG_MAPPING["bert"](hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
-                                          num_attention_heads=12, vocab_size=30522)
-        return llama_config(shape)
-    path = pathlib.Path(model)
-    if not path.exists():
-        raise ValueError(f"unknown model {model!r}: valid names: {', '.join([*NAMED_SHAPES, *WORKLOADS])}, "
-                         "or a path to a HuggingFace config.json")
-    json.loads((path / "config.json" if path.is_dir() else path).read_text())  # a clear error on a bad file
-    return AutoConfig.from_pretrained(path)
-
-
-def build_lora_model(config: Any, rank: int, dtype: torch.dtype, device: torch.device | str = "meta"
-                     ) -> torch.nn.Module:
-    """The model of ``config`` with LoRA (alpha = rank, dropout 0) on every linear of every block."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    from fxmem.workloads import LORA_TARGETS
-    config.use_cache = False
-    config._attn_implementation = "sdpa"
-    causal = config.model_type in ("llama", "mistral")
-    with torch.device(device):
-        model = (AutoModelForCausalLM if causal else AutoModel).from_config(config, dtype=dtype)
-    family = "llama" if causal else "bert"
-    targets = LORA_TARGETS[family] if config.model_type in ("llama", "mistral", "bert") else "all-linear"
-    if config.model_type == "roberta":
-        targets = LORA_TARGETS["bert"]
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=targets))
-    model.train()
-    return model
-
-
-def example_batch(config: Any, batch: int, seq: int, device: torch.device | str) -> dict[str, torch.Tensor]:
-    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
-    return {"input_ids": ids, "labels": ids} if config.model_type in ("llama", "mistral") else {"input_ids": ids}
 
 
 def fake_lora_model(config: Any, rank: int, dtype: torch.dtype, fake_mode: FakeTensorMode) -> torch.nn.Module:
@@ -176,7 +112,7 @@ def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype
     return [(shape, count, choose_by_flops(shape)) for shape, count in counts.items()]
 
 
-def whatif(model: str, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf16", optimizer: str = "adamw",
+def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf16", optimizer: str = "adamw",
            presets: list[str] | None = None) -> WhatIf:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid dtypes: {', '.join(DTYPES)}")
@@ -194,7 +130,8 @@ def whatif(model: str, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     trainable = [p for p in params if p.requires_grad]
     gradients = sum(p.numel() * p.element_size() for p in trainable)
     state = OPTIMIZER_STATES[optimizer] * sum(p.numel() * 4 for p in trainable)  # optimizer state in fp32
-    result = WhatIf(model, batch, seq, rank, torch_dtype, optimizer, trainable[0].dtype,
+    name = model if isinstance(model, str) else config.model_type
+    result = WhatIf(name, batch, seq, rank, torch_dtype, optimizer, trainable[0].dtype,
                     lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype))
     for preset in presets:
         saved, how = layer_scaled_saved_bytes(config, rank=rank, dtype=torch_dtype, batch=batch, seq=seq,
@@ -267,7 +204,7 @@ def plot(result: WhatIf, path: pathlib.Path) -> None:
     plt.close(figure)
 
 
-def measured_saved_bytes(model: str, *, batch: int, seq: int, rank: int, dtype: str, preset: str,
+def measured_saved_bytes(model: Any, *, batch: int, seq: int, rank: int, dtype: str, preset: str,
                          lowering: str = "inductor") -> int:
     """Saved-activation bytes of one real compiled training forward on the CPU (random weights), as
     fxmem.measure defines them: the check on ``predicted_saved_bytes``. ``lowering="eager"`` runs the

@@ -1,10 +1,8 @@
-"""`fxmem bench`: each workload under fxmem and the four baselines of ../shared/BENCHMARKS.md, in one process."""
+"""`fxmem bench compare`: each workload under fxmem and the four baselines of ../shared/BENCHMARKS.md, in one
+process."""
 
 from __future__ import annotations
 
-import datetime
-import os
-import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,8 +10,8 @@ from typing import Any
 import torch
 from torch._inductor.compile_fx import compile_fx
 
-import fxmem
 from fxmem.backend import Backend
+from fxmem.bench.workloads import Setup, Workload
 from fxmem.config import Config
 from fxmem.measure import (
     Fidelity,
@@ -28,7 +26,6 @@ from fxmem.measure import (
     trainable_gradients,
     warm_up_compiler,
 )
-from fxmem.workloads import Setup, Workload
 
 METHODS = ("eager", "compile", "compile-budget", "hf-checkpointing", "fxmem")
 METHOD_DESCRIPTIONS = {
@@ -197,21 +194,3 @@ def run_workload(workload: Workload, *, preset: str = "exact", device: torch.dev
         p.result.step_samples = samples[method]
     torch._dynamo.reset()
     return [prepared[m].result for m in METHODS if m in prepared]
-
-
-def machine_description(device: torch.device | str) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
-
-
-def bench_metadata(command: str, device: torch.device | str, preset: str) -> dict[str, Any]:
-    return {"date": datetime.date.today().isoformat(), "machine": machine_description(device),
-            "command": command, "preset": preset, "fxmem_version": fxmem.__version__}

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fxmem.bench.finetune import FinetuneRun, round_robin
+from fxmem.bench.workloads import Workload
 from fxmem.config import Config
-from fxmem.finetune import FinetuneRun, round_robin
 from fxmem.measure import Fidelity
 from fxmem.timing import median, warm_up_compiler
-from fxmem.workloads import Workload
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,8 @@ from typing import Any, Literal
 
 import torch
 
-from fxmem.data import byte_token_batches, docstring_code_pairs
-
-# LoRA on every linear of every block (regexes PEFT full-matches against module names).
-LORA_TARGETS = {
-    "llama": r".*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
-    "bert": r".*layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense"
-            r"|output\.dense)",
-}
+from fxmem.bench.data import byte_token_batches, docstring_code_pairs
+from fxmem.models import LORA_TARGETS
 
 
 @dataclass(frozen=True)
@@ -59,6 +53,14 @@ class Workload:
         batches = _llama_batches(self, device) if self.family == "llama" else _minilm_batches(self, device)
         loss = _causal_lm_loss if self.family == "llama" else _contrastive_loss
         return Setup(workload=self, model=model, batches=batches, loss=loss)
+
+    def hf_config(self) -> Any:
+        """The transformers config of the workload's model (what `fxmem whatif` traces for it)."""
+        if self.llama is not None:
+            return llama_config(self.llama)
+        from transformers import BertConfig  # all-MiniLM-L6-v2's shape
+        return BertConfig(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=12,
+                          vocab_size=30522)
 
 
 @dataclass

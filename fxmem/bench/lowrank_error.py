@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fxmem.bench.workloads import get_workload
 from fxmem.kernels import lowrank
 from fxmem.measure import model_tensors
-from fxmem.workloads import get_workload
 
 Rebuild = Callable[[torch.Tensor, int], torch.Tensor]
 

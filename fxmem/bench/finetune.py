@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fxmem.bench import forward_for_method
+from fxmem.bench.compare import forward_for_method
+from fxmem.bench.workloads import Workload
 from fxmem.config import Config
 from fxmem.measure import (
     Fidelity,
@@ -20,7 +21,6 @@ from fxmem.measure import (
     trainable_gradients,
     warm_up_compiler,
 )
-from fxmem.workloads import Workload
 
 FINETUNE_METHODS = ("eager", "compile", "fxmem")
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from fxmem.backend import Backend
+from fxmem.bench.workloads import Workload
 from fxmem.config import Config
 from fxmem.measure import Fidelity, gradient_fidelity, model_tensors, saved_activation_bytes, trainable_gradients
-from fxmem.workloads import Workload
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,33 @@
+"""The `fxmem` command: `inspect` and `whatif` for users; every experiment under `fxmem bench <experiment>`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+import warnings
+from collections.abc import Sequence
+
+from fxmem.cli import bench, inspect, whatif
+from fxmem.cli.common import console
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fxmem", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for command in (inspect, whatif, bench):
+        command.add_parser(commands)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(bench.with_default_experiment(argv))
+    args.command_line = "fxmem " + " ".join(shlex.quote(a) for a in argv)
+    if not console.is_terminal:  # piped or captured: wide rows instead of columns wrapped at 80
+        console.width = max(console.width, 200)
+    # transformers warns about its own deprecations on every traced forward; they are not the user's concern here.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    # peft imports bitsandbytes, which warns that an optional CPU gemv kernel package is absent; fxmem never uses it.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # the benchmarks compile with caches off on purpose; torch says so once per compile.
+    warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
+    return args.run(args)
+

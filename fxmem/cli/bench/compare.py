@@ -1,0 +1,80 @@
+"""`fxmem bench [compare]`: each workload under fxmem and the four baselines of ../shared/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from fxmem.bench.compare import METHOD_DESCRIPTIONS, METHODS, run_workload
+from fxmem.cli.common import (
+    add_outputs,
+    add_preset,
+    console,
+    default_device,
+    get_workload,
+    int_at_least,
+    print_table,
+    workload_names,
+    write_json,
+)
+from fxmem.measure import format_bytes
+
+NAME = "compare"
+COLUMNS = ("workload", "method", "saved activations", "reduction vs eager", "step peak", "static",
+           "peak incl. static", "step time", "vs eager", "vs compile", "min grad cos", "median grad rel err",
+           "compile s")
+LEGEND = {
+    "step peak": "a full training step's peak allocation above what was allocated when it began "
+                 "(CPU: profiler allocation events; CUDA: allocator statistics)",
+    "static": "weights, buffers and optimizer state",
+    "step time": "median of the timed steps, methods timed interleaved in one process",
+    "min grad cos / median grad rel err": "trainable gradients vs eager's on the same batch and weights",
+    "compile s": "first step minus a warm step, every method compiled with inductor's caches off",
+}
+
+
+def add_parser(experiments: argparse._SubParsersAction) -> None:
+    parser = experiments.add_parser(NAME, help="fxmem vs the four baselines on the benchmark workloads")
+    parser.add_argument("--workloads", nargs="+", choices=workload_names(),
+                        help="default: llama-tiny and llama-small, plus llama-7b-shape on a GPU")
+    add_preset(parser)
+    parser.add_argument("--steps", type=int_at_least(1), default=5, help="timed steps per method (median reported)")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                        help="default: fxmem and all four baselines")
+    parser.add_argument("--device", default=default_device())
+    add_outputs(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    names = args.workloads or ["llama-tiny", "llama-small"] + (["llama-7b-shape"] if device.type == "cuda" else [])
+    results = []
+    with console.status("benchmarking") as status:
+        for name in names:
+            results += run_workload(get_workload(name), preset=args.preset, device=device, steps=args.steps,
+                                    methods=args.methods, progress=lambda message: status.update(message))
+    legend = f"preset {args.preset}; {args.steps} timed steps\n" + "\n".join(
+        f"- {name}: {meaning}" for name, meaning in {**METHOD_DESCRIPTIONS, **LEGEND}.items())
+    print_table("fxmem bench", COLUMNS, rows(results), legend, args, device)
+    write_json(results, args, device, preset=args.preset)
+    return 0
+
+
+def rows(results: list) -> list[list[str]]:
+    by_key = {(r.workload, r.method): r for r in results}
+    table = []
+    for r in results:
+        eager, compiled = by_key.get((r.workload, "eager")), by_key.get((r.workload, "compile"))
+        table.append([
+            r.workload, r.method if r.budget is None else f"{r.method} ({r.budget:.3f})", format_bytes(r.saved_bytes),
+            f"{eager.saved_bytes / r.saved_bytes:.2f}x" if eager and r.saved_bytes else "—",
+            format_bytes(r.peak_bytes), format_bytes(r.static_bytes), format_bytes(r.peak_bytes + r.static_bytes),
+            f"{r.step_seconds:.3f} s",
+            f"{r.step_seconds / eager.step_seconds:.2f}" if eager else "—",
+            f"{r.step_seconds / compiled.step_seconds:.2f}" if compiled else "—",
+            f"{r.fidelity.min_cosine:.6f}" if r.fidelity else "(reference)",
+            f"{r.fidelity.median_relative_error:.1e}" if r.fidelity else "—",
+            f"{r.compile_seconds:.1f}" if r.compile_seconds else "—"])
+    return table

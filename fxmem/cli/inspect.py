@@ -1,0 +1,57 @@
+"""`fxmem inspect`: every tensor a model saves for backward, its role and the plan for it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+
+import torch
+
+from fxmem.cli.common import add_preset, console, get_workload, int_at_least, workload_names
+from fxmem.config import Config
+from fxmem.inspection import inspect as inspect_model
+from fxmem.models import build_lora_model, example_batch, hf_config
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("inspect", help="every tensor a model saves for backward, its role and plan")
+    parser.add_argument("model", help=f"a workload ({', '.join(workload_names())}) or a HuggingFace config.json "
+                                      "(file or directory)")
+    parser.add_argument("--batch", type=int_at_least(1), help="batch size (default: the workload's, else 4)")
+    parser.add_argument("--seq", type=int_at_least(1), help="sequence length (default: the workload's, else 512)")
+    parser.add_argument("--lora-rank", type=int_at_least(0), default=16, help="LoRA rank; 0 for full fine-tuning")
+    add_preset(parser)
+    parser.add_argument("--memory-budget", type=float, metavar="FRACTION",
+                        help="cap saved activations at this fraction of what the model saves (see README)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--all", action="store_true", help="also list parameters and inputs (they free nothing)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = Config.from_preset(args.preset, memory_budget=args.memory_budget)
+    except ValueError as error:
+        console.print(f"[red]{error}[/red]")
+        return 2
+    if args.model in workload_names():
+        workload = get_workload(args.model)
+        workload = dataclasses.replace(workload, batch=args.batch or workload.batch, seq=args.seq or workload.seq)
+        setup = workload.build(device=args.device, lora_rank=args.lora_rank)
+        model, batch = setup.model, next(setup.batches)
+    else:
+        if not pathlib.Path(args.model).exists():
+            raise SystemExit(f"{args.model}: neither a workload ({', '.join(workload_names())}) nor an existing "
+                             "config.json")
+        model_config = hf_config(args.model)
+        torch.manual_seed(0)
+        model = build_lora_model(model_config, args.lora_rank, torch.float32, device=args.device)
+        batch = example_batch(model_config, args.batch or 4, args.seq or 512, args.device)
+    report = inspect_model(model, config=config, **batch)
+    console.print(*report.renderables(include_all=args.all))
+    if args.json:
+        args.json.write_text(report.to_json())
+        console.print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,90 @@
+"""`fxmem whatif`: memory per preset and LoRA orders of a model before running it (no GPU, no weights)."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+from fxmem.cli.common import (
+    add_outputs,
+    console,
+    get_workload,
+    int_at_least,
+    provenance_line,
+    run_metadata,
+    show_table,
+    workload_names,
+    write_markdown,
+)
+from fxmem.config import PRESETS
+from fxmem.measure import format_bytes
+from fxmem.models import NAMED_SHAPES
+from fxmem.whatif import DTYPES, OPTIMIZER_STATES, measured_saved_bytes, plot, whatif
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("whatif", help="memory per preset and LoRA orders of a model, before running it "
+                                                "(no GPU, no weights: traced on fake tensors)")
+    parser.add_argument("model", help=f"a named shape ({', '.join(NAMED_SHAPES)}), a workload "
+                                      f"({', '.join(workload_names())}) or a HuggingFace config.json")
+    parser.add_argument("--batch", type=int_at_least(1), default=4)
+    parser.add_argument("--seq", type=int_at_least(1), default=512)
+    parser.add_argument("--rank", type=int_at_least(1), default=16, help="LoRA rank")
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
+    parser.add_argument("--presets", nargs="+", choices=list(PRESETS), help="default: every preset")
+    parser.add_argument("--plot", type=pathlib.Path, metavar="PNG", help="draw the breakdown as stacked bars")
+    parser.add_argument("--measure", action="store_true",
+                        help="also compile the model on this CPU (random weights) and measure the saved bytes")
+    add_outputs(parser, json_results=False)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = get_workload(args.model).hf_config() if args.model in workload_names() else args.model
+    try:
+        result = whatif(model, batch=args.batch, seq=args.seq, rank=args.rank, dtype=args.dtype,
+                        optimizer=args.optimizer, presets=args.presets)
+    except ValueError as error:
+        console.print(f"[red]{error}[/red]")
+        return 2
+    columns = ["preset", "weights", "gradients", "optimizer state", "saved activations", "total"]
+    if args.measure:
+        columns += ["measured saved", "predicted / measured"]
+    rows = []
+    for cost in result.costs:
+        row = [cost.preset, *(format_bytes(b) for b in (cost.weights, cost.gradients, cost.optimizer_state,
+                                                        cost.saved_activations, cost.total))]
+        if args.measure:
+            measured = measured_saved_bytes(model, batch=args.batch, seq=args.seq, rank=args.rank,
+                                            dtype=args.dtype, preset=cost.preset)
+            row += [format_bytes(measured), f"{cost.saved_activations / measured:.3f}"]
+        rows.append(row)
+    title = f"{args.model}: batch {args.batch} x {args.seq}, LoRA r={args.rank}, {args.dtype}, {args.optimizer}"
+    legend = ("weights: every parameter; gradients: the trainable ones, in their dtype; optimizer state: "
+              f"{OPTIMIZER_STATES[args.optimizer]} fp32 tensor(s) per trainable parameter; saved activations: what "
+              "one step holds from forward to backward under the preset (fxmem's analysis of a trace on fake CPU "
+              "tensors, priced by the cost model)" + ("; measured: a real compiled step on this CPU" if args.measure
+                                                      else ""))
+    legend += "".join(f"\nsaved activations, {c.preset}: {c.how}" for c in result.costs)
+    order_columns = ["LoRA shape (in -> out, r)", "layers", "forward", "backward", "GFLOPs fwd+bwd",
+                     "default GFLOPs", "FLOPs saved"]
+    order_rows = [[f"{s.in_features} -> {s.out_features}, r={s.rank}", str(count), c.forward, c.backward,
+                   f"{c.cost.flops / 1e9:.1f}", f"{c.default.flops / 1e9:.1f}", f"{c.flops_saving:+.1%}"]
+                  for s, count, c in result.lora_orders]
+    order_legend = (f"per layer at {args.batch * args.seq} tokens; default: autograd's order, which saves x A^T "
+                    "(RunLoRA's orders recompute it when they need it)")
+    if result.adapter_dtype != result.dtype:
+        order_legend += (f"\nPEFT keeps this {args.dtype} model's adapters in "
+                         f"{str(result.adapter_dtype).removeprefix('torch.')} and casts x for them: s B A cannot be "
+                         "folded into W, so the choice is among forward1 and the backward orders with a split dX")
+    sections = [(title, columns, rows, legend),
+                ("LoRA orders (runlora preset, FLOPs chooser)", order_columns, order_rows, order_legend)]
+    for section in sections:
+        show_table(*section)
+    console.print(provenance_line(run_metadata(args)))
+    write_markdown(sections, args)
+    if args.plot:
+        plot(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
