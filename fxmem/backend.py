@@ -69,6 +69,11 @@ class _Partitioner(CustomPartitionerFn):
         region.slots += state.slots
         return state.fw, state.bw
 
+    def __deepcopy__(self, memo: dict) -> _Partitioner:
+        # Inductor deep-copies its config patches; a copy would record into a copy of the region, and copy the
+        # graphs the region's records point into (fake tensors refuse that).
+        return self
+
     def uuid(self) -> str:
         # Enters inductor's cache key: fxmem's code and this region's config decide the graphs.
         return f"{_source_hash()}:{self.region.config!r}"

@@ -313,12 +313,11 @@ def test_pretrain_bench_trains_every_setting_on_the_same_batches():
         assert 8 * r.trainable_params < r.optimizer_state_bytes < 8 * r.trainable_params + 4 * 100
 
 
-def test_loqt_commands_print_their_tables(monkeypatch, capsys, tmp_path):
+def test_loqt_commands_print_their_tables(tiny_workloads, capsys, tmp_path):
     from fxmem import cli
-    monkeypatch.setattr(cli, "get_workload", lambda name: TINY_LLAMA)
     markdown = tmp_path / "pretrain.md"
-    assert cli.main(["bench", "loqt", "pretrain", "--steps", "2", "--rank", "4", "--first-interval", "1", "--eval-batches",
-                     "1", "--markdown", str(markdown)]) == 0
+    assert cli.main(["bench", "loqt", "pretrain", "--steps", "2", "--rank", "4", "--first-interval", "1",
+                     "--eval-batches", "1", "--markdown", str(markdown)]) == 0
     printed = capsys.readouterr().out
     for expected in ("full training", "LoQT-nq", "LoQT, no compensation", "LoQT, fixed interval", "vs full",
                      "W bits/param", "optimizer state"):

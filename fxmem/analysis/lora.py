@@ -29,9 +29,6 @@ from fxmem.analysis.graph import (
 MATMULS = frozenset({aten.mm.default, aten.addmm.default})
 # x @ deq(W)^T with W stored NF4 (operands: x, packed W), by name: analysis registers no op (fxmem.kernels does).
 NF4_LINEAR = "fxmem::nf4_linear"
-# Meta key the lora_reorder pass sets on a LoRA linear's frozen product x W^T when the layer's output is rebuilt
-# in backward from it: the non-linear consumer it feeds ('silu', 'gelu', 'product', 'q', 'k', 'v').
-LORA_REORDERED = "fxmem_lora_reorder"
 
 
 @dataclass(frozen=True)
@@ -67,73 +64,85 @@ def param_source(node: object, params: frozenset[Node]) -> Node | None:
     return source if source in params else None
 
 
-def find_lora_linears(graph: Graph, params: frozenset[Node]) -> list[LoraLinear]:
+@dataclass(frozen=True)
+class LoraSum:
+    """``add`` = base + s * view((x A^T) B^T): where a LoRA linear's frozen and LoRA branches join."""
+
+    add: Node
+    base: Node  # the add's frozen-side operand, as the add reads it
+    lora: Node  # the LoRA-side operand without its constant scalings: a view of ``product``, or ``product``
+    product: Node  # (x A^T) B^T, a linear product
+    scaling: float  # the constants the LoRA side is multiplied by (1.0 if none)
+
+
+def lora_sums(add: Node) -> list[LoraSum]:
+    """The ways ``add`` reads as a LoRA sum (either operand may be the LoRA side; callers check which holds): the
+    one place fxmem recognises where a LoRA linear's branches join."""
+    if add.op != "call_function" or add.target is not aten.add.Tensor or len(add.args) != 2 or add.kwargs or not all(
+            isinstance(a, Node) for a in add.args):
+        return []
     found = []
-    for xa in graph.nodes:
-        if xa.op == "call_function" and is_linear_product(xa):
-            match = _match_from_xa(xa, params)
-            if match is not None:
-                found.append(match)
+    for lora_side, base in (add.args, add.args[::-1]):
+        scaled = _scaled_product(lora_side)
+        if scaled is not None:
+            found.append(LoraSum(add, base, *scaled))
     return found
 
 
-def _match_from_xa(xa: Node, params: frozenset[Node]) -> LoraLinear | None:
+def _scaled_product(node: Node) -> tuple[Node, Node, float] | None:
+    """(node without its constant multiplications, the linear product it views, the constant) when ``node`` is
+    s * view(product), each step read by this path alone."""
+    scaling = 1.0
+    while node.target in (aten.mul.Tensor, aten.mul.Scalar) and len(users_through_views(node)) == 1:
+        constants = [a for a in node.args if isinstance(a, numbers.Number)]
+        tensors = [a for a in node.args if isinstance(a, Node)]
+        if len(constants) != 1 or len(tensors) != 1:
+            return None
+        scaling *= float(constants[0])
+        node = tensors[0]
+    product = storage_base(node)
+    if not is_linear_product(product) or len(users_through_views(product)) != 1:
+        return None
+    return node, product, scaling
+
+
+def find_lora_linears(graph: Graph, params: frozenset[Node]) -> list[LoraLinear]:
+    """Every LoRA linear of ``graph`` whose weights are among ``params``, in graph order."""
+    found = []
+    for node in graph.nodes:
+        match = next(filter(None, (_match(joined, params) for joined in lora_sums(node))), None)
+        if match is not None:
+            found.append(match)
+    return found
+
+
+def _match(joined: LoraSum, params: frozenset[Node]) -> LoraLinear | None:
+    lhs, b_t = matmul_operands(joined.product)
+    lora_b, xa = param_source(b_t, params), storage_base(lhs)
+    if lora_b is None or xa.op != "call_function" or not is_linear_product(xa):
+        return None
     x_lora, a_t = matmul_operands(xa)
     lora_a = param_source(a_t, params)
     val = tensor_val(xa)
     if lora_a is None or val is None or val.dim() != 2:
         return None
     rank = hint(val.shape[-1])
-    in_features = hint(tensor_val(x_lora).shape[-1])
-    for xab in users_through_views(xa):
-        if not is_linear_product(xab):
-            continue
-        lhs, b_t = matmul_operands(xab)
-        lora_b = param_source(b_t, params)
-        # The bottleneck is on the input side; a LoRA on a narrow head (2 classes, r=8) has r > out.
-        if lora_b is None or storage_base(lhs) is not xa or not rank < in_features:
-            continue
-        joined = _follow_to_add(xab)
-        if joined is None:
-            continue
-        output, lora_side, scaling = joined
-        base_side = output.args[0] if output.args[1] is lora_side else output.args[1]
-        base = strip(base_side, casts=False)
-        if not (isinstance(base, Node) and is_linear_product(base)):
-            continue
-        x_base, w_t = matmul_operands(base)
-        weight = param_source(w_t, params)
-        if weight is None or weight in (lora_a, lora_b):
-            continue
-        dropout = _lora_input_relation(x_base, x_lora)
-        if dropout is None:
-            continue
-        return LoraLinear(module=module_path(output), x=x_base, base=base, xa=xa, xab=xab, output=output,
-                          weight=weight, lora_a=lora_a, lora_b=lora_b, rank=rank, scaling=scaling,
-                          dropout=dropout)
-    return None
-
-
-def _follow_to_add(xab: Node) -> tuple[Node, Node, float] | None:
-    """From the LoRA product, through views and constant scalings, to the add joining the base."""
-    current, scaling = xab, 1.0
-    for _ in range(4):
-        users = users_through_views(current)
-        if len(users) != 1:
-            return None
-        user = users[0]
-        if user.target in (aten.mul.Tensor, aten.mul.Scalar):
-            constants = [a for a in user.args if isinstance(a, numbers.Number)]
-            if len(constants) != 1:
-                return None
-            scaling *= float(constants[0])
-            current = user
-        elif user.target is aten.add.Tensor and len(user.args) == 2 and "alpha" not in user.kwargs:
-            side = next(a for a in user.args if isinstance(a, Node) and storage_base(a) is current)
-            return user, side, scaling
-        else:
-            return None
-    return None
+    # The bottleneck is on the input side; a LoRA on a narrow head (2 classes, r=8) has r > out.
+    if not rank < hint(tensor_val(x_lora).shape[-1]):
+        return None
+    base = strip(joined.base, casts=False)
+    if not (isinstance(base, Node) and is_linear_product(base)):
+        return None
+    x_base, w_t = matmul_operands(base)
+    weight = param_source(w_t, params)
+    if weight is None or weight in (lora_a, lora_b):
+        return None
+    dropout = _lora_input_relation(x_base, x_lora)
+    if dropout is None:
+        return None
+    return LoraLinear(module=module_path(joined.add), x=x_base, base=base, xa=xa, xab=joined.product,
+                      output=joined.add, weight=weight, lora_a=lora_a, lora_b=lora_b, rank=rank,
+                      scaling=joined.scaling, dropout=dropout)
 
 
 def _lora_input_relation(x_base: Node, x_lora: Node) -> bool | None:

@@ -31,7 +31,8 @@ from fxmem.analysis.graph import (
     users_through_views,
     walk_back,
 )
-from fxmem.analysis.lora import LORA_REORDERED, MATMULS, LoraLinear, matmul_operands
+from fxmem.analysis.lora import MATMULS, LoraLinear, matmul_operands
+from fxmem.analysis.meta import LORA_REORDERED
 
 
 class Role(str, Enum):

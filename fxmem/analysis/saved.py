@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.fx import GraphModule, Node
 
@@ -20,7 +20,14 @@ from fxmem.analysis.graph import (
     users_through_views,
 )
 from fxmem.analysis.lora import LoraLinear, find_lora_linears
+from fxmem.analysis.meta import LORA_REORDERED
+from fxmem.analysis.norm import NormUnit, norm_unit
 from fxmem.analysis.roles import FREES_NOTHING, Role, TensorFacts, classify
+from fxmem.analysis.rope import Replay, attention_input_replay
+
+# The graph facts of a record, for the planner and the passes: references into the forward graph, left out of
+# the report's dict.
+_GRAPH = {"graph": True}
 
 
 @dataclass(frozen=True)
@@ -42,13 +49,20 @@ class SavedTensor:
     nbytes: int  # bytes this record accounts for: 0 when it frees nothing or shares a storage
     storage: str  # node that allocated its storage
     shares_storage_with: str | None
+    node: Node = field(metadata=_GRAPH)  # the saved forward node
+    base: Node = field(metadata=_GRAPH)  # the node that allocated its storage
+    # what the q, k or v is rebuilt from (x before RoPE, the tensor before GQA's repeat), for attention inputs
+    replay: Replay | None = field(default=None, metadata=_GRAPH)
+    norm: NormUnit | None = field(default=None, metadata=_GRAPH)  # the norm whose backward saves it (norm inputs)
+    rebuilt_for: str | None = None  # lora_reorder's consumer ('silu', 'q', ...) when backward rebuilds from it
+    feeds_attention: str | None = None  # 'q', 'k' or 'v': attention's input, saved as it is or rebuilt from it
 
     @property
     def frees_memory(self) -> bool:
         return self.role not in FREES_NOTHING
 
     def to_dict(self) -> dict:
-        data = dataclasses.asdict(self)
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("graph")}
         data["role"] = self.role.value
         data["also"] = [r.value for r in self.also]
         return data
@@ -59,7 +73,6 @@ class Analysis:
     """The saved tensors of one partitioned region plus the graph facts passes need."""
 
     saved: list[SavedTensor]
-    nodes: dict[str, Node]  # forward node of each saved tensor, by name
     loras: list[LoraLinear]
     output_storages: frozenset[str] = frozenset()  # storages of the forward's user outputs (the caller holds them)
 
@@ -110,6 +123,7 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
         if frees and shared_with is None:
             first_by_storage[base] = node.name
         nbytes = storage_bytes(tensor_val(base)) if frees and shared_with is None else 0
+        rebuilt_for = base.meta.get(LORA_REORDERED)
         records.append(SavedTensor(
             index=index, name=node.name, role=role, detail=detail,
             also=tuple(dict.fromkeys(r for r, _ in roles[1:] if r is not role)),
@@ -117,9 +131,20 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             backward_consumers=tuple(dict.fromkeys(original_op(u) for u in bw_users)),
             module=module, layer=layer_of(module),
             shape=shape_hint(val), shape_text=shape_text(val), dtype=str(val.dtype).removeprefix("torch."),
-            nbytes=nbytes, storage=base.name, shares_storage_with=shared_with))
+            nbytes=nbytes, storage=base.name, shares_storage_with=shared_with, node=node, base=base,
+            replay=attention_input_replay(base) if role is Role.ATTN_QKV else None,
+            norm=norm_unit(base) if role is Role.NORM_INPUT else None, rebuilt_for=rebuilt_for,
+            feeds_attention=_attention_operand(role, detail, rebuilt_for)))
     outputs = fw.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]
     output_storages = frozenset(storage_base(n).name for n in outputs if isinstance(n, Node))
-    return Analysis(saved=records, nodes={n.name: n for n in saved_nodes}, loras=loras,
-                    output_storages=output_storages)
+    return Analysis(saved=records, loras=loras, output_storages=output_storages)
+
+
+def _attention_operand(role: Role, detail: str, rebuilt_for: str | None) -> str | None:
+    """'q', 'k' or 'v' for attention's input: saved as it is, or the X W lora_reorder rebuilds it from."""
+    if role is Role.ATTN_QKV and detail in ("q", "k", "v"):
+        return detail
+    if role is Role.LORA_BASE_OUTPUT and rebuilt_for in ("q", "k", "v"):
+        return rebuilt_for
+    return None
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Literal
+
+from torch.fx import Node
+
+from fxmem.analysis.norm import NormUnit
+from fxmem.analysis.rope import Replay
 
 Action = Literal["keep", "quantize", "sparsify", "lowrank", "prenorm"]
 
@@ -19,8 +24,19 @@ class Plan:
     keep: int = 0  # sparsify: values kept per row
     rank: int = 0  # lowrank: rank of the factors of the (rows, last dimension) matrix
     exact_channels: int = 0  # prenorm: input channels (smallest |gamma|) saved exactly
-    source: str | None = None  # the node compressed instead of the saved tensor (x before RoPE, a norm's output)
     nbytes: int | None = None  # bytes after the plan (cost model), None for keep
+    # Graph references (left out of comparisons: plans of two compilations of one model compare equal)
+    replay: Replay | None = field(default=None, compare=False)  # quantize, lowrank: compress its source instead
+    norm: NormUnit | None = field(default=None, compare=False)  # prenorm: whose output's factors rebuild the input
+
+    @property
+    def source(self) -> Node | None:
+        """The node compressed instead of the saved tensor: x before RoPE or a repeat, or a norm's output."""
+        if self.replay is not None:
+            return self.replay.source
+        return self.norm.output if self.norm is not None else None
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v not in (None, 0) or k in ("action", "reason")}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("replay", "norm")}
+        data["source"] = self.source.name if self.source is not None else None
+        return {k: v for k, v in data.items() if v not in (None, 0) or k in ("action", "reason")}

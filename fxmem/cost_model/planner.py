@@ -9,9 +9,7 @@ from torch.fx import Node
 
 from fxmem.analysis import Analysis, Role, SavedTensor
 from fxmem.analysis.graph import hint, memory_order, numel_hint, storage_base, storage_bytes, tensor_val
-from fxmem.analysis.lora import LORA_REORDERED
-from fxmem.analysis.norm import norm_unit
-from fxmem.analysis.rope import attention_input_replay
+from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.memory import lowrank_bytes, planned_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
 from fxmem.cost_model.plan import Plan
@@ -113,7 +111,7 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
     # intra=False: only what lora_reorder saves (x W) is quantized, the paper's inter-only ablation row.
     if quantized_role and _quantizable(group, config):
         tables = set(tables_saved)
-        candidates.append((_quantize(owner, analysis, config, tables, _configured_bits(owner, analysis, config)),
+        candidates.append((_quantize(owner, analysis, config, tables, _configured_bits(owner, config)),
                            tables))
     # q, k and v quantized at qkv_bits are protected from the softmax's amplification of their error: not factored
     qkv_protected = bool(candidates) and config.qkv_bits is not None and any(map(_attention_input, group))
@@ -141,21 +139,14 @@ def _quantizable(group: list[SavedTensor], config: Config) -> bool:
         config.intra or all(s.role is Role.LORA_BASE_OUTPUT for s in group))
 
 
-def _feeds_attention(owner: SavedTensor, analysis: Analysis) -> bool:
-    """q, k or v, saved directly or as the X W lora_reorder rebuilds them from."""
-    return _attention_input(owner) or (owner.role is Role.LORA_BASE_OUTPUT and storage_base(
-        analysis.nodes[owner.name]).meta.get(LORA_REORDERED) in ("q", "k", "v"))
-
-
-def _configured_bits(owner: SavedTensor, analysis: Analysis, config: Config) -> int:
-    if config.qkv_bits is not None and _feeds_attention(owner, analysis):
+def _configured_bits(owner: SavedTensor, config: Config) -> int:
+    if config.qkv_bits is not None and owner.feeds_attention is not None:
         return config.qkv_bits
     return config.bits
 
 
 def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_saved: set[str], bits: int) -> Plan:
-    node = storage_base(analysis.nodes[owner.name])
-    node, source, tables_bytes, replay_reason = _replay_source(owner, node, analysis, tables_saved)
+    node, replay, tables_bytes, replay_reason = _replay_source(owner, analysis, tables_saved)
     reason = f"{bits}-bit per channel{replay_reason}"
     val = tensor_val(node)
     if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
@@ -182,33 +173,30 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     if nbytes >= owner.nbytes:
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
     return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, outlier_values=outlier_values,
-                source=source, nbytes=nbytes)
+                replay=replay, nbytes=nbytes)
 
 
 def _attention_input(saved: SavedTensor) -> bool:
-    return saved.role is Role.ATTN_QKV and saved.detail in ("q", "k", "v")
+    """q, k or v saved as they are (not the X W lora_reorder rebuilds them from)."""
+    return saved.role is Role.ATTN_QKV and saved.feeds_attention is not None
 
 
-def _replay_source(owner: SavedTensor, node: Node, analysis: Analysis, tables: set[str]
-                   ) -> tuple[Node, str | None, int, str]:
+def _replay_source(owner: SavedTensor, analysis: Analysis, tables: set[str]) -> tuple[Node, Replay | None, int, str]:
     """For q, k or v after RoPE or GQA's repeat whose input is not saved anyway: compress that input instead
-    and replay the rotation and repeat in backward. Returns the node to compress, its name if it is not the
-    saved tensor, the bytes of the cos/sin tables this adds (those no earlier plan saves; their names are
+    and replay the rotation and repeat in backward. Returns the node to compress, the replay if it is not the
+    saved storage, the bytes of the cos/sin tables this adds (those no earlier plan saves; their names are
     added to ``tables``) and the reason's suffix."""
-    if owner.role is not Role.ATTN_QKV:
-        return node, None, 0, ""
-    replay = attention_input_replay(node)
+    replay = owner.replay
     if replay is None or replay.source.name in analysis.saved_storages:
-        return node, None, 0, ""
+        return owner.base, None, 0, ""
     new_tables = list({t.name: t for t in map(storage_base, replay.tables)
                        if t.name not in analysis.saved_storages | tables}.values())
     tables.update(t.name for t in new_tables)
-    return (replay.source, replay.source.name, sum(storage_bytes(tensor_val(t)) for t in new_tables),
-            f"; {replay.describe()}")
+    return replay.source, replay, sum(storage_bytes(tensor_val(t)) for t in new_tables), f"; {replay.describe()}"
 
 
 def _sparsify(owner: SavedTensor, analysis: Analysis, ratio: float) -> Plan:
-    val = tensor_val(storage_base(analysis.nodes[owner.name]))
+    val = tensor_val(owner.base)
     if any(not isinstance(s, int) for s in val.shape) or not val.is_contiguous():
         return Plan("keep", "attention probabilities with a symbolic or strided layout are kept")
     row = val.shape[-1]
@@ -218,8 +206,7 @@ def _sparsify(owner: SavedTensor, analysis: Analysis, ratio: float) -> Plan:
 
 
 def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_saved: set[str]) -> Plan:  # noqa: PYI041 (int: rank, float: ratio)
-    node, source, tables_bytes, replay_reason = _replay_source(
-        owner, storage_base(analysis.nodes[owner.name]), analysis, tables_saved)
+    node, replay, tables_bytes, replay_reason = _replay_source(owner, analysis, tables_saved)
     val = tensor_val(node)
     if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
         return Plan("keep", "not a floating tensor with rows and a last dimension")
@@ -229,7 +216,7 @@ def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_s
     width = val.shape[order[-1]]
     if not isinstance(width, int):
         return Plan("keep", "symbolic last dimension: the rank is a fixed share of it")
-    if owner.role is Role.ATTN_QKV and width <= hint(tensor_val(analysis.nodes[owner.name]).shape[-1]):
+    if owner.role is Role.ATTN_QKV and width <= hint(tensor_val(owner.node).shape[-1]):
         # A per-head layout (GPT-2's per-head copies; MQA's single k/v head): factors of one head's width
         # share one small subspace across all heads, far worse than factors of a projection's output, which
         # spans several heads (wider than the saved tensor's last dimension).
@@ -240,7 +227,7 @@ def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_s
     nbytes = lowrank_bytes((rows, width), k, val.element_size()) + tables_bytes
     if nbytes >= owner.nbytes:
         return Plan("keep", f"rank-{k} factors would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
-    return Plan("lowrank", f"rank {k} of {width}, as {rows} x {width}{replay_reason}", rank=k, source=source,
+    return Plan("lowrank", f"rank {k} of {width}, as {rows} x {width}{replay_reason}", rank=k, replay=replay,
                 nbytes=nbytes)
 
 
@@ -253,7 +240,7 @@ def _share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
         plan, owner = owner_plans[storage], group[0]
         if owner.role is not Role.NORM_INPUT or plan.action not in ("lowrank", "quantize"):
             continue
-        unit = norm_unit(storage_base(analysis.nodes[owner.name]))
+        unit = owner.norm
         if unit is None or unit.output.name not in owner_plans:
             continue
         output_plan = owner_plans[unit.output.name]
@@ -272,7 +259,7 @@ def _share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
         owner_plans[storage] = Plan(
             "prenorm", f"rebuilt as {formula} from {unit.output.name}'s rank-{output_plan.rank} factors; "
             f"{exact} smallest-|gamma| channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
-            exact_channels=exact, source=unit.output.name, nbytes=nbytes)
+            exact_channels=exact, norm=unit, nbytes=nbytes)
 
 
 def _fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
@@ -292,8 +279,8 @@ def _fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], ow
             if total <= target:
                 return
             owner, plan = by_storage[storage][0], owner_plans[storage]
-            if _sensitivity(owner, analysis) != sensitivity or (plan.action == "quantize" and plan.bits <= bits) \
-                    or bits < _lowest_bits(owner, analysis):
+            if _sensitivity(owner) != sensitivity or (plan.action == "quantize" and plan.bits <= bits) \
+                    or bits < _lowest_bits(owner):
                 continue
             if plan.action == "keep":
                 lowered = _quantize(owner, analysis, config, tables_saved, bits)
@@ -308,17 +295,16 @@ def _fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], ow
             owner_plans[storage] = dataclasses.replace(lowered, reason=f"{lowered.reason} (memory_budget)")
 
 
-def _lowest_bits(owner: SavedTensor, analysis: Analysis) -> int:
+def _lowest_bits(owner: SavedTensor) -> int:
     """An X W that lora_reorder rebuilds a GELU or tanh input from stays at the width that decision assumed
     (rebuild_refusal)."""
-    if owner.role is Role.LORA_BASE_OUTPUT and storage_base(analysis.nodes[owner.name]).meta.get(
-            LORA_REORDERED) in DERIVATIVE_SAVED_ACTIVATIONS:
+    if owner.role is Role.LORA_BASE_OUTPUT and owner.rebuilt_for in DERIVATIVE_SAVED_ACTIVATIONS:
         return REBUILD_ALL_ACTIVATIONS_BITS
     return min(BITS_CHOICES)
 
 
-def _sensitivity(owner: SavedTensor, analysis: Analysis) -> int:
-    if _feeds_attention(owner, analysis):
+def _sensitivity(owner: SavedTensor) -> int:
+    if owner.feeds_attention is not None:
         return 2
     return 1 if owner.role is Role.NORM_INPUT else 0
 

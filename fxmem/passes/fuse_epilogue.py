@@ -20,7 +20,6 @@ to inductor.
 
 from __future__ import annotations
 
-import numbers
 from collections import Counter
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from torch.utils._pytree import tree_map_only
 
 import fxmem.kernels.lora_epilogue as epilogue
 from fxmem.analysis.graph import CONSTANT_FILLS, DTYPE_CASTS, is_replayable_pointwise, is_view, numel_hint, tensor_val
+from fxmem.analysis.lora import LoraSum, lora_sums
 from fxmem.config import Config
 from fxmem.cost_model.memory import epilogue_traffic_saved
 from fxmem.passes.manager import GraphPass, PipelineState
@@ -42,8 +42,8 @@ _SAMPLES = 257  # random values per sample tensor, besides a fixed tail
 
 
 @dataclass(frozen=True)
-class LoraSum:
-    """A LoRA linear's output computed as base + s (X A^T) B^T, base = X W^T or its dequantized copy."""
+class KernelOperands:
+    """What the fused kernels read of a LoRA sum base + s (X A^T) B^T, base = X W^T or its dequantized copy."""
 
     node: Node  # the add
     base: Node  # the frozen side as the add reads it (a view of the matmul or of the dequantize)
@@ -93,7 +93,7 @@ def fuse_graph(gm: GraphModule, *, backward: bool, on_reference: bool) -> list[E
     """Find every SwiGLU and GELU epilogue of a LoRA sum in ``gm``; fuse those the Triton kernels would run
     (all of them with ``on_reference``)."""
     graph = gm.graph
-    sums = {s.node: s for s in map(lora_sum, graph.nodes) if s is not None}
+    sums = {s.node: s for s in map(kernel_operands, graph.nodes) if s is not None}
     if backward:  # backward rebuilds from the quantized copy; an exact one is a saved output, nothing to fuse
         sums = {node: s for node, s in sums.items() if s.quantized is not None}
     found = []
@@ -126,26 +126,18 @@ def _static(node: Node) -> torch.Tensor | None:
     return val if val is not None and all(isinstance(d, int) for d in val.shape) else None
 
 
-def lora_sum(node: Node) -> LoraSum | None:
-    if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
-        return None
+def kernel_operands(node: Node) -> KernelOperands | None:
+    """The fused kernels' operands if ``node`` is a LoRA sum (analysis.lora.lora_sums) of their form."""
     out = _static(node)
-    for base, lora in (node.args, node.args[::-1]):
-        if not (isinstance(base, Node) and isinstance(lora, Node)) or out is None:
-            return None
-        scaling = 1.0
-        if lora.target in (aten.mul.Tensor, aten.mul.Scalar):
-            constants = [a for a in lora.args if isinstance(a, numbers.Real)]
-            tensors = [a for a in lora.args if isinstance(a, Node)]
-            if len(constants) != 1 or len(tensors) != 1:
-                continue
-            scaling, lora = float(constants[0]), tensors[0]
-        sides = [_static(base), _static(lora)]
+    if out is None:
+        return None
+    for joined in lora_sums(node):
+        sides = [_static(joined.base), _static(joined.lora)]
         # No broadcasting and no promotion: the kernels return the sum's shape in the base's dtype.
         if any(v is None or v.shape != out.shape or v.dtype != out.dtype for v in sides):
             continue
-        factors = _lora_product(lora)
-        frozen = _reshaped_from(base)
+        factors = _lora_factors(joined)
+        frozen = _reshaped_from(joined.base)
         if factors is None or frozen is None:
             continue
         xa, b = factors
@@ -156,9 +148,9 @@ def lora_sum(node: Node) -> LoraSum | None:
             packed, _, scale, zero, outlier_ids, bits, *outlier_values = frozen.args
             if tensor_val(outlier_ids).shape[0] != 0 or any(tensor_val(v).numel() for v in outlier_values):
                 continue  # outlier channels and values are not part of the fused kernels' input
-            return LoraSum(node, base, xa, b, scaling, (packed, scale, zero, bits))
+            return KernelOperands(node, joined.base, xa, b, joined.scaling, (packed, scale, zero, bits))
         if frozen.target in (aten.mm.default, aten.addmm.default):
-            return LoraSum(node, base, xa, b, scaling, None)
+            return KernelOperands(node, joined.base, xa, b, joined.scaling, None)
     return None
 
 
@@ -178,10 +170,10 @@ def _reshaped_from(node: Node) -> Node | None:
     return node if val.dim() == 2 and val.is_contiguous() else None
 
 
-def _lora_product(node: Node) -> tuple[Node, Node] | None:
-    """(X A^T, B) for a reshape of mm(X A^T, permute(B, [1, 0]))."""
-    product = _reshaped_from(node)
-    if product is None or product.target is not aten.mm.default:
+def _lora_factors(joined: LoraSum) -> tuple[Node, Node] | None:
+    """(X A^T, B) where the sum's LoRA side is a reshape of mm(X A^T, permute(B, [1, 0]))."""
+    product = joined.product
+    if product.target is not aten.mm.default or _reshaped_from(joined.lora) is not product:
         return None
     xa, b_t = product.args
     if not (b_t.target is aten.permute.default and list(b_t.args[1]) == [1, 0]):
@@ -380,7 +372,7 @@ class KernelCall:
                 self.found[name].replace_all_uses_with(output)
 
 
-def _rewrite(region: Region, sums: list[LoraSum], backward: bool) -> KernelCall | None:
+def _rewrite(region: Region, sums: list[KernelOperands], backward: bool) -> KernelCall | None:
     """The kernel call that computes what the rest of the graph reads from ``region``, if there is one."""
     identified = _identify(region, backward)
     if identified is None:
@@ -413,7 +405,7 @@ def _rewrite(region: Region, sums: list[LoraSum], backward: bool) -> KernelCall 
                       (region.incoming, *_quantized_args(y), y.quantized[3], approximate), ("grad_y", "a"), found)
 
 
-def _quantized_args(s: LoraSum) -> tuple:
+def _quantized_args(s: KernelOperands) -> tuple:
     packed, scale, zero, _ = s.quantized
     return packed, scale, zero, s.xa, s.b, s.scaling
 

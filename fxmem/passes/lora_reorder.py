@@ -34,7 +34,8 @@ from fxmem.analysis.graph import (
     strip,
     users_through_views,
 )
-from fxmem.analysis.lora import LORA_REORDERED, LoraLinear, find_lora_linears
+from fxmem.analysis.lora import LoraLinear, find_lora_linears
+from fxmem.analysis.meta import LORA_REORDERED
 from fxmem.analysis.roles import (
     ACTIVATIONS,
     NONLINEAR_POINTWISE,

@@ -28,7 +28,6 @@ import torch
 from torch.fx import Node
 
 from fxmem.analysis.graph import memory_order, storage_base
-from fxmem.analysis.norm import norm_unit
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.kernels.lowrank import DEFAULT_NITER
@@ -95,9 +94,9 @@ def _factor(editor: SavedTensorEditor, members: list[Node], plan: Plan, rebuilt:
 
 def _share_prenorm(editor: SavedTensorEditor, members: list[Node], plan: Plan,
                    rebuilt: dict[Node, list[Node]]) -> Node:
-    unit = norm_unit(storage_base(members[0]))
-    if unit is None or unit.output not in rebuilt:
-        raise Unmappable(f"its norm output {plan.source} was not stored as factors")
+    unit = plan.norm
+    if unit.output not in rebuilt:
+        raise Unmappable(f"its norm output {unit.output.name} was not stored as factors")
     output_nodes = rebuilt[unit.output]
     first_use = editor.first_backward_use([editor.placeholder_of[m] for m in members])
     position = {n: i for i, n in enumerate(editor.bw.graph.nodes)}

@@ -21,6 +21,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis import Analysis
+from fxmem.analysis.meta import RECOMPUTE
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.kernels.calibration import QuantSlot
@@ -93,7 +94,7 @@ def joint_primals(graph: Graph) -> frozenset[Node]:
 def tag_must_recompute(nodes: Iterable[Node]) -> None:
     """Make torch's min-cut partitioner recompute these joint-graph nodes in backward instead of saving them."""
     for node in nodes:
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        node.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
 
 
 class PassManager:

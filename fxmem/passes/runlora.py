@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from torch.fx import Graph, Node
 
 from fxmem.analysis.graph import DTYPE_CASTS, aten, hint, is_view, storage_base, strip, tensor_val, users_through_views
-from fxmem.analysis.lora import LORA_REORDERED, LoraLinear, find_lora_linears, matmul_operands
+from fxmem.analysis.lora import LoraLinear, find_lora_linears, matmul_operands
+from fxmem.analysis.meta import LORA_REORDERED
 from fxmem.config import Config
 from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.lora_timing import choose_by_time

@@ -17,7 +17,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxmem.analysis.graph import storage_base, tensor_val, view_chain
-from fxmem.analysis.rope import Replay, attention_input_replay
+from fxmem.analysis.meta import VALUE
+from fxmem.analysis.rope import Replay
 from fxmem.cost_model.plan import Plan
 from fxmem.passes.manager import PipelineState
 
@@ -68,7 +69,7 @@ class SavedTensorEditor:
         with self.bw.graph.inserting_after(self.placeholder_of[self._last_saved]):
             placeholder = self.bw.graph.placeholder(node.name)
         placeholder.target = placeholder.name  # the argument is named as the node (renamed on a clash)
-        placeholder.meta["val"] = node.meta["val"]
+        placeholder.meta[VALUE] = node.meta["val"]
         self.placeholder_of[node] = placeholder
         self.bw_nodes[placeholder.name] = placeholder
         self._last_saved = node
@@ -133,7 +134,7 @@ def rewrite_planned(state: PipelineState, action: str,
             groups.setdefault(saved.storage, []).append(index)
     done = []
     for indices in groups.values():
-        members = [state.analysis.nodes[state.analysis.saved[i].name] for i in indices]
+        members = [state.analysis.saved[i].node for i in indices]
         owner_plan = next(state.plans[i] for i in indices if state.plans[i].nbytes is not None)
         try:
             done.append(rewrite(editor, members, owner_plan))
@@ -144,11 +145,10 @@ def rewrite_planned(state: PipelineState, action: str,
 
 
 def compressed_source(members: list[Node], plan: Plan) -> tuple[Node, Replay | None]:
-    """What ``plan`` compresses for ``members`` (saved views of one storage): the storage itself, or, when the plan
-    names a source, the tensor before RoPE or a repeat, with the replay that rebuilds the members from it."""
-    base = storage_base(members[0])
-    replay = attention_input_replay(base) if plan.source is not None else None
-    return (replay.source if replay is not None else base), replay
+    """What ``plan`` compresses for ``members`` (saved views of one storage): the storage itself, or the tensor
+    before RoPE or a repeat, with the replay that rebuilds the members from it."""
+    replay = plan.replay
+    return (replay.source if replay is not None else storage_base(members[0])), replay
 
 
 def compress_storage(editor: SavedTensorEditor, members: list[Node],
@@ -193,13 +193,13 @@ def call(graph: torch.fx.Graph, target: Callable, args: tuple, outputs: int = 0,
     with torch._guards.detect_fake_mode(fake_args):
         val = target(*fake_args, **kwargs)
     node = graph.call_function(target, args, kwargs)
-    node.meta["val"] = val
+    node.meta[VALUE] = val
     if not outputs:
         return node
     items = []
     for index in range(outputs):
         item = graph.call_function(operator.getitem, (node, index))
-        item.meta["val"] = val[index]
+        item.meta[VALUE] = val[index]
         items.append(item)
     return items
 

@@ -1,0 +1,19 @@
+"""Every ``node.meta`` key fxmem writes, declared once.
+
+fxmem's own key:
+
+- ``LORA_REORDERED`` on a LoRA linear's frozen product x W^T in the joint graph: the non-linear consumer ('silu',
+  'gelu', 'product', 'q', 'k', 'v') whose input backward rebuilds from it. Written by passes/lora_reorder.py; read
+  by the analysis (``SavedTensor.rebuilt_for``) and by passes/runlora.py, which leaves such a layer as traced.
+
+torch's keys fxmem writes:
+
+- ``RECOMPUTE`` (``CheckpointPolicy.MUST_RECOMPUTE``) on joint-graph nodes: torch's min-cut recomputes them in
+  backward instead of saving them (passes.manager.tag_must_recompute).
+- ``VALUE``: the fake tensor (or SymInt) of every node fxmem inserts, which inductor needs to lower it
+  (passes.saved_rewrite.call and SavedTensorEditor.save).
+"""
+
+LORA_REORDERED = "fxmem_lora_reorder"
+RECOMPUTE = "recompute"
+VALUE = "val"
