@@ -104,22 +104,6 @@ class Config:
                              f"{', '.join(valid)} (and 'preset')")
         return dataclasses.replace(self, **overrides)
 
-    def enabled_techniques(self) -> list[str]:
-        """Names of the fields whose technique this config turns on."""
-        on = {
-            "bits": self.bits is not None,
-            "attn_sparsity": self.attn_sparsity is not None,
-            "lora_reorder": self.lora_reorder,
-            "lowrank": self.lowrank is not None,
-            "runlora": self.runlora != "off",
-            "memory_budget": self.memory_budget is not None,
-        }
-        return [name for name, is_on in on.items() if is_on]
-
-    def quantizes(self) -> bool:
-        """Saved activations may be stored quantized: ``bits`` set, or a memory budget to fit."""
-        return self.bits is not None or self.memory_budget is not None
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -8,8 +8,9 @@ import torch
 
 from fxmem.backend import Backend
 from fxmem.config import Config
-from fxmem.passes import PassManager, default_passes
+from fxmem.passes import PassManager
 from fxmem.report import Report
+from fxmem.techniques import default_passes
 
 
 def inspect(model: torch.nn.Module, *example_args: Any, config: Config | None = None,

@@ -2,13 +2,13 @@ import pytest
 import torch
 
 import fxmem
-from fxmem import PRESETS, Config
+from fxmem import PRESETS, Config, techniques
 from fxmem.backend import fxmem_backend
 
 
 def test_defaults_are_the_exact_preset():
     assert Config() == PRESETS["exact"] == Config.from_preset("exact")
-    assert Config().enabled_techniques() == []
+    assert techniques.enabled(Config()) == []
 
 
 @pytest.mark.parametrize("field, value, expected", [

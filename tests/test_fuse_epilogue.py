@@ -7,8 +7,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxmem
 from fxmem.kernels import lora_epilogue
 from fxmem.kernels.quantize import quant_params
-from fxmem.passes import FuseEpilogue, PassManager, default_passes
+from fxmem.passes import FuseEpilogue, PassManager
 from fxmem.passes.fuse_epilogue import fuse_graph
+from fxmem.techniques import default_passes
 
 from .conftest import loss_and_grads, tiny_model
 from .test_quantize_pass import _randomize_lora_b
@@ -133,8 +134,8 @@ def test_backward_gelu_rebuild_is_fused_unless_the_rebuilt_output_is_read_elsewh
 
 
 def _backend(config, on_reference):
-    passes = [p for p in default_passes() if not isinstance(p, FuseEpilogue)]
-    passes.append(FuseEpilogue(on_reference=on_reference))
+    passes = default_passes()
+    next(p for p in passes if isinstance(p, FuseEpilogue)).on_reference = on_reference
     return fxmem.Backend(config, lowering="eager", passes=PassManager(passes))
 
 

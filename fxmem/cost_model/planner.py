@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from torch.fx import Node
 
@@ -53,8 +55,21 @@ def rebuild_refusal(consumer: str, config: Config) -> str | None:
     return None
 
 
-def plan_region(analysis: Analysis, config: Config) -> list[Plan]:
-    """One plan per saved tensor, in the analysis' order.
+# A technique's planner hooks (fxmem.techniques registers them): ``propose`` a plan for one storage (None where
+# the technique does not apply; it may add the RoPE tables the plan pays for to the set it is given), ``refine``
+# the region's plans once every storage has one.
+Propose = Callable[[SavedTensor, list[SavedTensor], Analysis, Config, set[str]], Plan | None]
+Refine = Callable[[Analysis, dict[str, list[SavedTensor]], dict[str, Plan], Config, set[str]], None]
+
+
+class TechniqueHooks(Protocol):
+    name: str
+    propose: Propose | None
+    refine: Refine | None
+
+
+def plan_region(analysis: Analysis, config: Config, techniques: Sequence[TechniqueHooks]) -> list[Plan]:
+    """One plan per saved tensor, in the analysis' order, from the hooks of the enabled ``techniques``.
 
     Tensors sharing a storage are planned together: the storage is compressed
     only if every tensor viewing it may be.
@@ -64,12 +79,11 @@ def plan_region(analysis: Analysis, config: Config) -> list[Plan]:
         by_storage.setdefault(saved.storage, []).append(saved)
     tables_saved: set[str] = set()  # RoPE tables already paid for by an earlier plan
     # the analysis counts a storage's bytes on its first saved tensor, its owner
-    owner_plans = {storage: _plan_storage(group[0], group, analysis, config, tables_saved)
+    owner_plans = {storage: _plan_storage(group[0], group, analysis, config, tables_saved, techniques)
                    for storage, group in by_storage.items()}
-    if config.lowrank is not None and config.prenorm_sharing:
-        _share_prenorm(analysis, by_storage, owner_plans)
-    if config.memory_budget is not None:
-        _fit_budget(analysis, by_storage, owner_plans, config, tables_saved)
+    for technique in techniques:
+        if technique.refine is not None:
+            technique.refine(analysis, by_storage, owner_plans, config, tables_saved)
     plans = []
     for saved in analysis.saved:
         owner, owner_plan = by_storage[saved.storage][0], owner_plans[saved.storage]
@@ -84,13 +98,14 @@ def plan_region(analysis: Analysis, config: Config) -> list[Plan]:
     return plans
 
 
-def _held_as_is(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config) -> Plan | None:
-    """The plan of a storage no technique of ``config`` may compress, or None."""
+def _held_as_is(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, any_technique: bool
+                ) -> Plan | None:
+    """The plan of a storage no technique may compress, or None."""
     if not owner.frees_memory:
         return Plan("keep", "frees nothing: not an activation")
     if owner.storage in analysis.output_storages:
         return Plan("keep", "also a forward output: the caller holds it anyway")
-    if not config.enabled_techniques():
+    if not any_technique:
         return Plan("keep", "no technique enabled")
     exact = sorted({r.value for s in group for r in (s.role, *s.also) if r in EXACT_ROLES})
     if exact:
@@ -99,37 +114,57 @@ def _held_as_is(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis
 
 
 def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
-                  tables_saved: set[str]) -> Plan:
-    held = _held_as_is(owner, group, analysis, config)
+                  tables_saved: set[str], techniques: Sequence[TechniqueHooks]) -> Plan:
+    held = _held_as_is(owner, group, analysis, bool(techniques))
     if held is not None:
         return held
-    if owner.role is Role.ATTN_PROBS and owner.detail == "probabilities" and config.attn_sparsity is not None:
-        return _sparsify(owner, analysis, config.attn_sparsity)
     # each with the RoPE tables it would save, on top of tables_saved (only the chosen plan's count)
-    candidates: list[tuple[Plan, set[str]]] = []
-    quantized_role = config.bits is not None and all(s.role in QUANTIZED_ROLES for s in group)
-    # intra=False: only what lora_reorder saves (x W) is quantized, the paper's inter-only ablation row.
-    if quantized_role and _quantizable(group, config):
+    proposals: list[tuple[Plan, set[str]]] = []
+    for technique in techniques:
         tables = set(tables_saved)
-        candidates.append((_quantize(owner, analysis, config, tables, _configured_bits(owner, config)),
-                           tables))
-    # q, k and v quantized at qkv_bits are protected from the softmax's amplification of their error: not factored
-    qkv_protected = bool(candidates) and config.qkv_bits is not None and any(map(_attention_input, group))
-    if config.lowrank is not None and all(s.role in LOWRANK_ROLES for s in group) and not qkv_protected:
-        tables = set(tables_saved)
-        candidates.append((_lowrank(owner, analysis, config.lowrank, tables), tables))
-    if not candidates:
-        if quantized_role:
-            return Plan("keep", "intra-operator quantization off (intra=False)")
+        plan = technique.propose(owner, group, analysis, config, tables) if technique.propose else None
+        if plan is not None:
+            proposals.append((plan, tables))
+    if not proposals:
         return Plan("keep", f"no enabled technique applies to {owner.role.value}")
-    compressing = [c for c in candidates if c[0].action != "keep"]
+    compressing = [c for c in proposals if c[0].action != "keep"]
     if not compressing:
-        return Plan("keep", "; ".join(plan.reason for plan, _ in candidates))
-    # Both bits and lowrank on: the plan with the fewest bytes under the cost model; a tie goes to quantization
-    # (listed first), the cheaper one to compute.
+        return Plan("keep", "; ".join(plan.reason for plan, _ in proposals))
+    # Both bits and lowrank on: the plan with the fewest bytes under the cost model; a tie goes to the technique
+    # registered first (quantization: the cheaper one to compute).
     plan, tables = min(compressing, key=lambda c: c[0].nbytes)
     tables_saved.update(tables)
     return plan
+
+
+def propose_quantized(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
+                      tables: set[str]) -> Plan | None:
+    """``bits``: HyC-LoRA's per-channel quantization, for the roles it stores quantized."""
+    if not all(s.role in QUANTIZED_ROLES for s in group):
+        return None
+    if not _quantizable(group, config):  # intra=False: the paper's inter-only ablation row
+        return Plan("keep", "intra-operator quantization off (intra=False)")
+    return _quantize(owner, analysis, config, tables, _configured_bits(owner, config))
+
+
+def propose_lowrank(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
+                    tables: set[str]) -> Plan | None:
+    """``lowrank``: LoRAct's low-rank factors, for the roles whose backward needs only the value."""
+    if not all(s.role in LOWRANK_ROLES for s in group):
+        return None
+    # q, k and v quantized at qkv_bits are protected from the softmax's amplification of their error: not factored
+    if (config.bits is not None and config.qkv_bits is not None and _quantizable(group, config)
+            and any(map(_attention_input, group))):
+        return None
+    return _lowrank(owner, analysis, config.lowrank, tables)
+
+
+def propose_sparse(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
+                   tables: set[str]) -> Plan | None:
+    """``attn_sparsity``: eager attention's probabilities pruned per row."""
+    if owner.role is Role.ATTN_PROBS and owner.detail == "probabilities":
+        return _sparsify(owner, config.attn_sparsity)
+    return None
 
 
 def _quantizable(group: list[SavedTensor], config: Config) -> bool:
@@ -195,7 +230,7 @@ def _replay_source(owner: SavedTensor, analysis: Analysis, tables: set[str]) -> 
     return replay.source, replay, sum(storage_bytes(tensor_val(t)) for t in new_tables), f"; {replay.describe()}"
 
 
-def _sparsify(owner: SavedTensor, analysis: Analysis, ratio: float) -> Plan:
+def _sparsify(owner: SavedTensor, ratio: float) -> Plan:
     val = tensor_val(owner.base)
     if any(not isinstance(s, int) for s in val.shape) or not val.is_contiguous():
         return Plan("keep", "attention probabilities with a symbolic or strided layout are kept")
@@ -231,11 +266,13 @@ def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_s
                 nbytes=nbytes)
 
 
-def _share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan]
-                   ) -> None:
-    """LoRAct's pre-norm sharing: what a norm's backward saves (RMSNorm's input, LayerNorm's x_hat), planned
-    lossy, whose norm output is stored as factors, is rebuilt from those factors instead of being stored itself,
-    when that costs fewer bytes."""
+def share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
+                  config: Config, tables_saved: set[str]) -> None:
+    """``prenorm_sharing``, LoRAct's pre-norm sharing: what a norm's backward saves (RMSNorm's input, LayerNorm's
+    x_hat), planned lossy, whose norm output is stored as factors, is rebuilt from those factors instead of being
+    stored itself, when that costs fewer bytes."""
+    if not config.prenorm_sharing:
+        return
     for storage, group in by_storage.items():
         plan, owner = owner_plans[storage], group[0]
         if owner.role is not Role.NORM_INPUT or plan.action not in ("lowrank", "quantize"):
@@ -262,8 +299,8 @@ def _share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
             exact_channels=exact, norm=unit, nbytes=nbytes)
 
 
-def _fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
-                config: Config, tables_saved: set[str]) -> None:
+def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
+               config: Config, tables_saved: set[str]) -> None:
     """memory_budget: take the storages that quantization may store (kept or quantized by the config's plan)
     down BUDGET_STAGES' bit widths, the largest first within a stage, until the region's planned bytes are at
     most the budget's share of its saved bytes. Never raises a plan's bits; stops at 2 bits (budget_note then
@@ -271,7 +308,7 @@ def _fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], ow
     target = config.memory_budget * sum(s.nbytes for s in analysis.saved)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
     eligible = sorted((storage for storage, group in by_storage.items()
-                       if _held_as_is(group[0], group, analysis, config) is None
+                       if _held_as_is(group[0], group, analysis, any_technique=True) is None
                        and owner_plans[storage].action in ("keep", "quantize") and _quantizable(group, config)),
                       key=lambda storage: -by_storage[storage][0].nbytes)
     for bits, sensitivity in BUDGET_STAGES:

@@ -1,4 +1,5 @@
-"""Graph rewrites, one file per pass family, run in order by the pass manager."""
+"""Graph rewrites, one file per pass family, run in order by the pass manager (fxmem.techniques declares the
+order and which technique enables each)."""
 
 from fxmem.passes.fuse_epilogue import FuseEpilogue
 from fxmem.passes.lora_reorder import LoraReorder
@@ -11,12 +12,5 @@ from fxmem.passes.recompute_logits import RecomputeLogits
 from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
-
-def default_passes() -> list[GraphPass]:
-    """Every pass fxmem has, in order; each runs only when the region's config enables it."""
-    return [LoraReorder(), RunLora(), RecomputeLogits(), RecomputeAttention(), SparsifyAttention(), QuantizeSaved(),
-            LowRankSaved(), FuseEpilogue(), OnednnMatmul()]
-
-
 __all__ = ["FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord",
-           "PipelineState", "QuantizeSaved", "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention", "default_passes"]
+           "PipelineState", "QuantizeSaved", "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention"]

@@ -32,7 +32,6 @@ from torch.utils._pytree import tree_map_only
 import fxmem.kernels.lora_epilogue as epilogue
 from fxmem.analysis.graph import CONSTANT_FILLS, DTYPE_CASTS, is_replayable_pointwise, is_view, numel_hint, tensor_val
 from fxmem.analysis.lora import LoraSum, lora_sums
-from fxmem.config import Config
 from fxmem.cost_model.memory import epilogue_traffic_saved
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import call
@@ -63,8 +62,6 @@ class FuseEpilogue(GraphPass):
     def __init__(self, *, on_reference: bool = False) -> None:
         self.on_reference = on_reference
 
-    def enabled(self, config: Config) -> bool:
-        return config.lora_reorder
 
     def run(self, state: PipelineState) -> str:
         found = [(f"{e.kind} ({side})", e) for side, gm in (("forward", state.fw), ("backward", state.bw))

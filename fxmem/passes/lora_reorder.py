@@ -43,7 +43,6 @@ from fxmem.analysis.roles import (
     is_fused_attention,
     rope_trig,
 )
-from fxmem.config import Config
 from fxmem.cost_model.planner import rebuild_refusal
 from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
 
@@ -56,8 +55,6 @@ class LoraReorder(GraphPass):
     name = "lora_reorder"
     stage = "joint"
 
-    def enabled(self, config: Config) -> bool:
-        return config.lora_reorder
 
     def run(self, state: PipelineState) -> str:
         graph = state.joint.graph

@@ -28,7 +28,6 @@ import torch
 from torch.fx import Node
 
 from fxmem.analysis.graph import memory_order, storage_base
-from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.kernels.lowrank import DEFAULT_NITER
 from fxmem.passes.manager import GraphPass, PipelineState
@@ -54,8 +53,6 @@ class LowRankSaved(GraphPass):
     name = "lowrank"
     stage = "partitioned"
 
-    def enabled(self, config: Config) -> bool:
-        return config.lowrank is not None
 
     def run(self, state: PipelineState) -> str:
         rebuilt: dict[Node, list[Node]] = {}  # forward storage -> the backward nodes that rebuild it, last = value

@@ -68,9 +68,11 @@ class GraphPass(ABC):
     stage: ClassVar[Stage]
     # Changes which kernel runs a product, not what is saved: fxmem.inspect (and whatif) leave it out.
     speed_only: ClassVar[bool] = False
+    # The techniques it serves (fxmem.techniques sets them): it runs when one of them is enabled; () always.
+    techniques: tuple[Any, ...] = ()
 
     def enabled(self, config: Config) -> bool:
-        return True
+        return not self.techniques or any(technique.enabled(config) for technique in self.techniques)
 
     @abstractmethod
     def run(self, state: PipelineState) -> str:

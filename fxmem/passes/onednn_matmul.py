@@ -16,7 +16,6 @@ from __future__ import annotations
 from torch.fx import Graph, Node
 
 from fxmem.analysis.graph import aten, hint, tensor_val
-from fxmem.config import Config
 from fxmem.cost_model.matmul_library import cpu_matmul_library
 from fxmem.kernels.onednn_matmul import ONEDNN_MM, onednn_applies
 from fxmem.passes.manager import GraphPass, PipelineState
@@ -30,8 +29,6 @@ class OnednnMatmul(GraphPass):
     stage = "partitioned"
     speed_only = True
 
-    def enabled(self, config: Config) -> bool:
-        return config.runlora != "off"
 
     def run(self, state: PipelineState) -> str:
         moved = total = 0

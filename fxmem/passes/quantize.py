@@ -38,8 +38,6 @@ class QuantizeSaved(GraphPass):
     name = "quantize"
     stage = "partitioned"
 
-    def enabled(self, config: Config) -> bool:
-        return config.quantizes()
 
     def run(self, state: PipelineState) -> str:
         slots = rewrite_planned(state, "quantize", lambda editor, members, plan: _rewrite(

@@ -20,7 +20,6 @@ import operator
 from torch.fx import Node
 
 from fxmem.analysis.roles import is_fused_attention
-from fxmem.config import Config
 from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
 
 
@@ -28,8 +27,6 @@ class RecomputeAttention(GraphPass):
     name = "recompute_attention"
     stage = "joint"
 
-    def enabled(self, config: Config) -> bool:
-        return config.quantizes() or config.lowrank is not None
 
     def run(self, state: PipelineState) -> str:
         tagged = skipped = 0

@@ -19,7 +19,6 @@ from torch.fx import Node
 from fxmem.analysis.graph import DTYPE_CASTS, is_view, numel_hint, original_op, storage_bytes, tensor_val
 from fxmem.analysis.lora import MATMULS, matmul_operands
 from fxmem.analysis.roles import LOG_SOFTMAXES
-from fxmem.config import Config
 from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
 
 
@@ -27,9 +26,6 @@ class RecomputeLogits(GraphPass):
     name = "recompute_logits"
     stage = "joint"
 
-    def enabled(self, config: Config) -> bool:
-        # Every compressing technique: the logits stay exact under each, so recomputing them is what shrinks them.
-        return config.quantizes() or config.lowrank is not None
 
     def run(self, state: PipelineState) -> str:
         heads: dict[Node, set[Node]] = {}

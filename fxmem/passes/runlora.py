@@ -29,7 +29,6 @@ from torch.fx import Graph, Node
 from fxmem.analysis.graph import DTYPE_CASTS, aten, hint, is_view, storage_base, strip, tensor_val, users_through_views
 from fxmem.analysis.lora import LoraLinear, find_lora_linears, matmul_operands
 from fxmem.analysis.meta import LORA_REORDERED
-from fxmem.config import Config
 from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.lora_timing import choose_by_time
 from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
@@ -64,8 +63,6 @@ class RunLora(GraphPass):
     name = "runlora"
     stage = "joint"
 
-    def enabled(self, config: Config) -> bool:
-        return config.runlora != "off"
 
     def run(self, state: PipelineState) -> str:
         graph = state.joint.graph

@@ -11,7 +11,6 @@ import torch
 from torch.fx import Node
 
 from fxmem.analysis.graph import storage_base
-from fxmem.config import Config
 from fxmem.cost_model.memory import sparse_index_bytes
 from fxmem.cost_model.plan import Plan
 from fxmem.passes.manager import GraphPass, PipelineState
@@ -25,8 +24,6 @@ class SparsifyAttention(GraphPass):
     name = "sparsify_attention"
     stage = "partitioned"
 
-    def enabled(self, config: Config) -> bool:
-        return config.attn_sparsity is not None
 
     def run(self, state: PipelineState) -> str:
         pruned = rewrite_planned(state, "sparsify", _rewrite)

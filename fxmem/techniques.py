@@ -1,0 +1,84 @@
+"""Every technique as one registered unit: its section of ``Config``, its planner hooks and its passes.
+
+Adding a technique means a Config section (fields, validation, presets), planner hooks in cost_model/planner.py,
+a pass in passes/, and one ``Technique`` here. The order passes run in is declared once: ``PASS_ORDER``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fxmem.config import Config
+from fxmem.cost_model import planner
+from fxmem.passes import (
+    FuseEpilogue,
+    GraphPass,
+    LoraReorder,
+    LowRankSaved,
+    OnednnMatmul,
+    QuantizeSaved,
+    RecomputeAttention,
+    RecomputeLogits,
+    RunLora,
+    SparsifyAttention,
+)
+
+
+@dataclass(frozen=True)
+class Technique:
+    name: str
+    fields: tuple[str, ...]  # its section of Config
+    enabled: Callable[[Config], bool]
+    passes: tuple[str, ...] = ()  # the passes it needs, by name (PASS_ORDER orders them; shared ones run once)
+    propose: planner.Propose | None = None  # a plan for one saved storage
+    refine: planner.Refine | None = None  # a pass over the region's plans, in registration order
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "fields": list(self.fields), "passes": list(self.passes)}
+
+
+# Quantization and low-rank factors both recompute the logits and fused attention, so that those are not saved
+# exact beside the compressed tensors (passes/recompute_logits.py, passes/recompute_attention.py).
+_COMPRESSION_RECOMPUTES = ("recompute_logits", "recompute_attention")
+
+# Registration order is planning order: where two proposals save as many bytes, the earlier technique's wins.
+TECHNIQUES: tuple[Technique, ...] = (
+    Technique("quantize", ("bits", "qkv_bits", "outlier_ratio", "outlier_values", "calibration_steps",
+                           "calibration", "intra"),
+              lambda config: config.bits is not None, (*_COMPRESSION_RECOMPUTES, "quantize"),
+              propose=planner.propose_quantized),
+    Technique("lowrank", ("lowrank", "prenorm_sharing"), lambda config: config.lowrank is not None,
+              (*_COMPRESSION_RECOMPUTES, "lowrank"), propose=planner.propose_lowrank, refine=planner.share_prenorm),
+    Technique("attn_sparsity", ("attn_sparsity",), lambda config: config.attn_sparsity is not None,
+              ("sparsify_attention",), propose=planner.propose_sparse),
+    Technique("lora_reorder", ("lora_reorder",), lambda config: config.lora_reorder,
+              ("lora_reorder", "fuse_epilogue")),
+    Technique("runlora", ("runlora",), lambda config: config.runlora != "off", ("runlora", "onednn_matmul")),
+    Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
+              (*_COMPRESSION_RECOMPUTES, "quantize"), refine=planner.fit_budget),
+)
+
+PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
+    LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved,
+    FuseEpilogue, OnednnMatmul)}
+# Joint passes first (lora_reorder tags what runlora must leave alone), then the partitioned ones: sparsify,
+# quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses, and onednn_matmul swaps the
+# products of the finished graphs.
+PASS_ORDER = ("lora_reorder", "runlora", "recompute_logits", "recompute_attention", "sparsify_attention", "quantize",
+              "lowrank", "fuse_epilogue", "onednn_matmul")
+
+
+def enabled(config: Config) -> list[Technique]:
+    """The techniques ``config`` turns on, in registration order."""
+    return [t for t in TECHNIQUES if t.enabled(config)]
+
+
+def default_passes() -> list[GraphPass]:
+    """Every pass of every technique in ``PASS_ORDER``, each running when one of its techniques is enabled."""
+    passes = []
+    for name in PASS_ORDER:
+        graph_pass = PASSES[name]()
+        graph_pass.techniques = tuple(t for t in TECHNIQUES if name in t.passes)
+        passes.append(graph_pass)
+    return passes

@@ -1,0 +1,36 @@
+import dataclasses
+
+import pytest
+
+from fxmem import PRESETS, Config, techniques
+
+
+def test_every_config_field_belongs_to_exactly_one_technique():
+    owners = [name for t in techniques.TECHNIQUES for name in t.fields]
+    assert sorted(owners) == sorted(f.name for f in dataclasses.fields(Config))
+
+
+def test_every_pass_is_declared_once_in_the_order_and_served_by_a_technique():
+    assert sorted(techniques.PASS_ORDER) == sorted(techniques.PASSES)
+    served = {name for t in techniques.TECHNIQUES for name in t.passes}
+    assert served == set(techniques.PASS_ORDER)
+    assert [p.name for p in techniques.default_passes()] == list(techniques.PASS_ORDER)
+
+
+@pytest.mark.parametrize("preset, names, passes", [
+    ("exact", [], []),
+    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder"],
+     ["lora_reorder", "recompute_logits", "recompute_attention", "sparsify_attention", "quantize", "fuse_epilogue"]),
+    ("loract", ["lowrank"], ["recompute_logits", "recompute_attention", "lowrank"]),
+    ("runlora", ["runlora"], ["runlora", "onednn_matmul"]),
+])
+def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order(preset, names, passes):
+    config = PRESETS[preset]
+    assert [t.name for t in techniques.enabled(config)] == names
+    assert [p.name for p in techniques.default_passes() if p.enabled(config)] == passes
+
+
+def test_a_memory_budget_alone_runs_the_quantize_pass_and_its_refinement():
+    config = Config(memory_budget=0.5)
+    assert [t.name for t in techniques.enabled(config)] == ["memory_budget"]
+    assert "quantize" in [p.name for p in techniques.default_passes() if p.enabled(config)]
