@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from fxmem.bench.workloads import LlamaShape, Workload
+from fxmem.measure import model_tensors, saved_activation_bytes
 
 TINY_LLAMA = Workload("test-llama", "llama", 2, 32, "tiny Llama for tests", LlamaShape(64, 172, 2, 4, 256))
 
@@ -88,3 +89,21 @@ def loss_and_grads(forward, model, batch, seed: int = 0):
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
+
+
+def randomize_lora_b(model):
+    # PEFT starts B at zero, where A's gradient is zero too: nothing to compare.
+    generator = torch.Generator().manual_seed(7)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+
+
+def compiled_step(model, batch, backend, steps=1):
+    """Saved bytes, loss and gradients of the last of ``steps`` training steps of ``model`` under ``backend``."""
+    forward = torch.compile(model, backend=backend)
+    for _ in range(steps - 1):
+        loss_and_grads(forward, model, batch)
+    saved, _ = saved_activation_bytes(lambda: forward(**batch), model_tensors(model) + list(batch.values()))
+    loss, grads = loss_and_grads(forward, model, batch)
+    return saved, loss, grads

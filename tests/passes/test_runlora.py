@@ -7,9 +7,7 @@ from fxmem import Backend, Config
 from fxmem.cost_model.lora_orders import BACKWARD_ORDERS, FORWARD_ORDERS, OrderChoice
 from fxmem.measure import saved_activation_bytes
 from fxmem.passes import runlora as runlora_pass
-
-from .conftest import loss_and_grads, tiny_model
-from .test_quantize_pass import _randomize_lora_b
+from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
 
 SPLIT_DX_ORDERS = ["backward1", "backward2", "backward3", "backward6"]  # dX = dY W + (dY B) A: s B A not in W
 
@@ -84,7 +82,7 @@ def test_forward_saves_no_x_a_and_inductor_compiles_it(monkeypatch):
 def _bf16_model_with_fp32_adapters():
     """PEFT's default for a bf16 model: adapters in fp32, x cast to fp32 for them."""
     model, batch = tiny_model("llama", lora=True)
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     model.to(torch.bfloat16)
     for name, parameter in model.named_parameters():
         if "lora_" in name:
@@ -106,7 +104,7 @@ def _reordered_in_forward1_and(monkeypatch, backward, model, batch):
 @pytest.mark.parametrize("backward", SPLIT_DX_ORDERS)
 def test_lora_dropout_layers_are_reordered_and_give_the_traced_gradients(monkeypatch, backward):
     model, batch = tiny_model("llama", lora=True, lora_dropout=0.1)
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     model.double()
     reference_loss, reference, loss, grads = _reordered_in_forward1_and(monkeypatch, backward, model, batch)
     torch.testing.assert_close(loss, reference_loss)
@@ -152,7 +150,7 @@ def test_fp32_adapters_on_a_bf16_model_save_neither_x_a_nor_an_fp32_copy_of_x():
 
 def test_a_layer_the_pass_cannot_follow_is_left_as_traced_and_named():
     model, batch = tiny_model("llama", lora=True)
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     model.double()
     for name, parameter in model.named_parameters():
         if "lora_B" in name:

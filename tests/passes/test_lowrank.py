@@ -7,15 +7,13 @@ import fxmem
 from fxmem.analysis import Role
 from fxmem.cost_model import planner
 from fxmem.measure import gradient_fidelity
-
-from .conftest import tiny_model, train_at_sequence_lengths
-from .test_quantize_pass import _randomize_lora_b, _run
+from tests.conftest import compiled_step, randomize_lora_b, tiny_model, train_at_sequence_lengths
 
 
 def _llama(seq: int = 64, **kwargs):
     """The tiny Llama on 2 x ``seq`` tokens: enough rows (128) that rank-k factors of a 64-wide tensor shrink it."""
     model, _ = tiny_model("llama", lora=True, **kwargs)
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(3))
     return model, {"input_ids": ids, "labels": ids}
 
@@ -27,7 +25,7 @@ def _no_byte_limit(monkeypatch):
 
 
 def _exact(model, batch):
-    return _run(model, batch, fxmem.Backend(lowering="eager"))
+    return compiled_step(model, batch, fxmem.Backend(lowering="eager"))
 
 
 def _passes(backend):
@@ -41,7 +39,7 @@ def test_loract_saves_what_the_plan_says_and_gradients_stay_close():
     exact_saved, exact_loss, exact_grads = _exact(model, batch)
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config.from_preset("loract", lowrank=0.25), lowering="eager")
-    saved, loss, grads = _run(model, batch, backend)
+    saved, loss, grads = compiled_step(model, batch, backend)
     report = backend.report()
     assert saved == report.planned_bytes  # U and V at the planned rank, exact channel columns and ids
     assert saved < 0.5 * exact_saved  # LoRA x@A, the final norm's input and small statistics stay as they are
@@ -81,7 +79,7 @@ def test_loract_saves_what_the_plan_says_and_gradients_stay_close():
 def test_without_prenorm_sharing_norm_inputs_get_their_own_factors():
     model, batch = _llama()
     backend = fxmem.Backend(fxmem.Config(lowrank=0.25, prenorm_sharing=False), lowering="eager")
-    saved, _, _ = _run(model, batch, backend)
+    saved, _, _ = compiled_step(model, batch, backend)
     rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
     assert saved == backend.report().planned_bytes
     assert not [p for _, p in rows if p.action == "prenorm"]
@@ -98,7 +96,7 @@ def test_gqa_repeat_of_k_and_v_is_undone_and_replayed_in_backward(monkeypatch):
     _, _, exact_grads = _exact(model, batch)
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(bits=8), lowering="eager")
-    saved, _, grads = _run(model, batch, backend)
+    saved, _, grads = compiled_step(model, batch, backend)
     assert saved == backend.report().planned_bytes
     for _, tensor, plan in backend.report().rows():
         if tensor.role is Role.ATTN_QKV and tensor.detail in ("k", "v") and tensor.nbytes > 0:
@@ -107,7 +105,7 @@ def test_gqa_repeat_of_k_and_v_is_undone_and_replayed_in_backward(monkeypatch):
     _no_byte_limit(monkeypatch)
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(lowrank=10_000), lowering="eager")
-    _, _, grads = _run(model, batch, backend)
+    _, _, grads = compiled_step(model, batch, backend)
     reasons = [p.reason for _, s, p in backend.report().rows() if s.role is Role.ATTN_QKV and s.nbytes > 0]
     assert len(reasons) == 6 and sum("rotation and repeat (expand + clone) replayed" in r for r in reasons) == 2  # k
     for name, grad in exact_grads.items():
@@ -121,21 +119,21 @@ def test_per_head_copies_are_not_factored_and_q_k_v_keep_their_qkv_bits(monkeypa
     model, batch = tiny_model("gpt2", lora=True)
     _no_byte_limit(monkeypatch)
     backend = fxmem.Backend(fxmem.Config(lowrank=0.25), lowering="eager")
-    _run(model, batch, backend)
+    compiled_step(model, batch, backend)
     qkv = [(s.detail, p) for _, s, p in backend.report().rows() if s.role is Role.ATTN_QKV and s.nbytes > 0]
     assert sorted(d for d, _ in qkv) == ["k", "k", "q", "q", "v", "v"]
     assert all(p.reason.startswith("per-head layout (128 x 16)") for _, p in qkv), qkv
     monkeypatch.undo()
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(bits=8), lowering="eager")  # quantizing per channel suits these copies
-    _run(model, batch, backend)
+    compiled_step(model, batch, backend)
     assert [p.action for _, s, p in backend.report().rows() if s.role is Role.ATTN_QKV and s.nbytes > 0] == \
         ["quantize"] * 6
     # with bits on, q, k and v stay quantized at qkv_bits even where rank-8 factors would take fewer bytes
     model, batch = _llama(kv_heads=2)
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(bits=4, lowrank=0.125), lowering="eager")
-    _run(model, batch, backend)
+    compiled_step(model, batch, backend)
     plans = [(s.detail, p) for _, s, p in backend.report().rows() if s.role is Role.ATTN_QKV and s.nbytes > 0]
     assert {p.bits for d, p in plans} == {8} and {d for d, _ in plans} == {"q", "k", "v"}
     assert all(p.action == "quantize" for _, p in plans)
@@ -191,7 +189,7 @@ def test_full_rank_rebuild_and_pre_norm_sharing_give_the_exact_gradients(zero_ga
     _, _, exact_grads = _exact(model, batch)
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(lowrank=10_000), lowering="eager")  # clamped to the full width
-    _, _, grads = _run(model, batch, backend)
+    _, _, grads = compiled_step(model, batch, backend)
     assert _passes(backend)["lowrank"] == "16 storage(s) stored as low-rank factors; 3 norm input(s) rebuilt " \
                                           "from their output's factors"
     for name, grad in exact_grads.items():
@@ -204,7 +202,7 @@ def test_layer_norm_x_hat_is_rebuilt_from_the_output_minus_beta_over_gamma(monke
     dropout masks between the two runs."""
     _no_byte_limit(monkeypatch)
     model, batch = tiny_model("gpt2", lora=True)
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     with torch.no_grad():
         for block in model.base_model.model.transformer.h:
             block.ln_1.weight[3] = 0
@@ -215,7 +213,7 @@ def test_layer_norm_x_hat_is_rebuilt_from_the_output_minus_beta_over_gamma(monke
     _, _, exact_grads = _exact(model, batch)
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(lowrank=10_000), lowering="eager")
-    _, _, grads = _run(model, batch, backend)
+    _, _, grads = compiled_step(model, batch, backend)
     shared = [p for _, s, p in backend.report().rows() if p.action == "prenorm" and s.nbytes > 0]
     assert len(shared) == 3 and all(p.reason.startswith("rebuilt as (output - beta) / gamma") for p in shared)
     for name, grad in exact_grads.items():
@@ -228,7 +226,7 @@ def test_with_bits_and_lowrank_each_tensor_gets_the_plan_with_fewer_bytes():
     for config in (fxmem.Config(bits=8), fxmem.Config(lowrank=0.125), fxmem.Config(bits=8, lowrank=0.125)):
         torch._dynamo.reset()
         backend = fxmem.Backend(config, lowering="eager")
-        _run(model, batch, backend)
+        compiled_step(model, batch, backend)
         plans[config] = {s.name: (s, p) for _, s, p in backend.report().rows() if s.nbytes > 0}
     quantized, factored, both = ({name: p for name, (_, p) in by_name.items()} for by_name in plans.values())
     assert {p.action for p in both.values()} >= {"quantize", "lowrank"}
@@ -259,7 +257,7 @@ def test_inductor_lowering_compiles_the_rewrite_and_matches_the_eager_lowering()
     for lowering in ("eager", "inductor"):
         torch._dynamo.reset()
         backend = fxmem.Backend(fxmem.Config(lowrank=0.25), lowering=lowering)
-        results.append(_run(model, batch, backend))
+        results.append(compiled_step(model, batch, backend))
         assert "3 norm input(s) rebuilt" in _passes(backend)["lowrank"]
         assert not [n for r in backend.regions for n in r.notes], "inductor fell back to running aten ops"
     (saved_e, loss_e, grads_e), (saved_i, loss_i, grads_i) = results
@@ -271,8 +269,7 @@ def test_inductor_lowering_compiles_the_rewrite_and_matches_the_eager_lowering()
 def test_the_ratio_command_measures_what_the_plan_says_at_every_ratio(tiny_workloads, tmp_path, capsys):
     from fxmem import cli
     from fxmem.bench.lowrank_saved import measure_ratios
-
-    from .conftest import TINY_LLAMA
+    from tests.conftest import TINY_LLAMA
     results = measure_ratios(TINY_LLAMA, [0.25, 0.125], lowering="eager")
     assert [r.setting for r in results] == ["eager PEFT", "0.25", "0.125"]
     eager, quarter, eighth = results

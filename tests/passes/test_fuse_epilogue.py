@@ -10,9 +10,7 @@ from fxmem.kernels.quantize import quant_params
 from fxmem.passes import FuseEpilogue, PassManager
 from fxmem.passes.fuse_epilogue import fuse_graph
 from fxmem.techniques import default_passes
-
-from .conftest import loss_and_grads, tiny_model
-from .test_quantize_pass import _randomize_lora_b
+from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
 
 ROWS, CHANNELS, IN, RANK = 24, 40, 16, 4
 
@@ -145,7 +143,7 @@ def _backend(config, on_reference):
 ])
 def test_fused_training_step_gives_the_unfused_gradients(family, overrides, kind, monkeypatch):
     model, batch = tiny_model(family, lora=True)
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     config = fxmem.Config.from_preset("hyclora-2bit", **overrides)
     unfused = _backend(config, on_reference=False)
     _, expected = loss_and_grads(torch.compile(model, backend=unfused), model, batch)

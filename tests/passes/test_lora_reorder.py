@@ -5,9 +5,7 @@ import torch
 import fxmem
 from fxmem.analysis import Role
 from fxmem.measure import gradient_fidelity
-
-from .conftest import loss_and_grads, tiny_model
-from .test_quantize_pass import _randomize_lora_b, _run
+from tests.conftest import compiled_step, loss_and_grads, randomize_lora_b, tiny_model
 
 
 def _saved_rows(backend):
@@ -21,7 +19,7 @@ def _summary(backend, name="lora_reorder"):
 def test_llama_saves_x_w_quantized_and_x_a_exact_instead_of_the_mlp_and_qkv_outputs():
     model, batch = tiny_model("llama", lora=True)
     backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit"), lowering="eager")
-    saved, _, _ = _run(model, batch, backend)
+    saved, _, _ = compiled_step(model, batch, backend)
     assert saved == backend.report().planned_bytes
     assert _summary(backend).startswith("10 LoRA output(s) rebuilt in backward from x W and x A "
                                         "(2x k, 2x product, 2x q, 2x silu, 2x v)")
@@ -42,14 +40,14 @@ def test_llama_saves_x_w_quantized_and_x_a_exact_instead_of_the_mlp_and_qkv_outp
 
 def test_inter_improves_gradient_fidelity_over_intra_at_equal_bits_and_honours_the_lora_scaling():
     model, batch = tiny_model("llama", lora=True)  # lora_alpha 32, r 8: scaling 4
-    _randomize_lora_b(model)
-    _, _, exact = _run(model, batch, fxmem.Backend(lowering="eager"))
+    randomize_lora_b(model)
+    _, _, exact = compiled_step(model, batch, fxmem.Backend(lowering="eager"))
     cosine = {}
     for name, overrides in [("intra", {"lora_reorder": False}), ("intra+inter", {}),
                             ("inter 8-bit", {"bits": 8, "intra": False})]:
         torch._dynamo.reset()
         config = fxmem.Config.from_preset("hyclora-2bit", **overrides)
-        _, _, grads = _run(model, batch, fxmem.Backend(config, lowering="eager"))
+        _, _, grads = compiled_step(model, batch, fxmem.Backend(config, lowering="eager"))
         cosine[name] = gradient_fidelity(exact, grads).min_cosine
     assert cosine["intra+inter"] > cosine["intra"] + 0.02, cosine
     assert cosine["inter 8-bit"] > 0.9995, cosine  # only x W is rounded, to 8 bits: a wrong rebuild would show
@@ -57,11 +55,11 @@ def test_inter_improves_gradient_fidelity_over_intra_at_equal_bits_and_honours_t
 
 def test_bert_gelu_ffn_and_qkv_are_rebuilt_and_the_gradients_hold():
     model, batch = tiny_model("bert", lora=True)
-    _randomize_lora_b(model)
-    _, exact_loss, exact = _run(model, batch, fxmem.Backend(lowering="eager"))
+    randomize_lora_b(model)
+    _, exact_loss, exact = compiled_step(model, batch, fxmem.Backend(lowering="eager"))
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(bits=8, lora_reorder=True, intra=False), lowering="eager")
-    _, loss, grads = _run(model, batch, backend)
+    _, loss, grads = compiled_step(model, batch, backend)
     # eager attention here (attention dropout): q/k reach the softmax through matmuls; tanh: the pooler
     assert _summary(backend).startswith("9 LoRA output(s) rebuilt in backward from x W and x A "
                                         "(2x gelu, 2x k, 2x q, 1x tanh, 2x v)")
@@ -82,11 +80,11 @@ def test_lora_dropout_layers_are_left_as_is_and_named():
 
 def test_runlora_leaves_the_rebuilt_layers_to_lora_reorder_and_gradients_still_match():
     model, batch = tiny_model("llama", lora=True, layers=1)
-    _randomize_lora_b(model)
-    _, _, exact = _run(model, batch, fxmem.Backend(lowering="eager"))
+    randomize_lora_b(model)
+    _, _, exact = compiled_step(model, batch, fxmem.Backend(lowering="eager"))
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(bits=8, lora_reorder=True, intra=False, runlora="flops"), lowering="eager")
-    _, _, grads = _run(model, batch, backend)
+    _, _, grads = compiled_step(model, batch, backend)
     runlora = _summary(backend, "runlora")
     assert runlora.startswith("2 LoRA linear(s) reordered")  # o_proj and down_proj
     assert runlora.count("output rebuilt in backward by lora_reorder") == 5
@@ -96,7 +94,7 @@ def test_runlora_leaves_the_rebuilt_layers_to_lora_reorder_and_gradients_still_m
 def test_below_8_bits_gelu_and_tanh_outputs_keep_torchs_saved_derivative():
     model, batch = tiny_model("bert", lora=True, layers=1)
     backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit"), lowering="eager")
-    _run(model, batch, backend)
+    compiled_step(model, batch, backend)
     summary = _summary(backend)
     assert summary.startswith("3 LoRA output(s) rebuilt in backward from x W and x A (1x k, 1x q, 1x v)"), summary
     assert ("1 feeding gelu left as is: at 2 bits the saved gelu derivative is more faithful than a rebuilt "

@@ -6,16 +6,14 @@ import torch
 import fxmem
 from fxmem.analysis import Role
 from fxmem.measure import gradient_fidelity
-
-from .conftest import tiny_model
-from .test_quantize_pass import _randomize_lora_b, _run
+from tests.conftest import compiled_step, randomize_lora_b, tiny_model
 
 
 def _budget_run(config):
     model, batch = tiny_model("llama", lora=True)
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     backend = fxmem.Backend(config, lowering="eager")
-    saved, _, grads = _run(model, batch, backend)
+    saved, _, grads = compiled_step(model, batch, backend)
     torch._dynamo.reset()
     [region] = backend.report().regions
     return saved, grads, region
@@ -83,7 +81,7 @@ def test_x_w_rebuilt_for_gelu_or_tanh_stays_at_8_bits_under_any_budget():
     backend = fxmem.Backend(fxmem.Config(bits=8, lora_reorder=True, intra=False, memory_budget=0.01),
                             lowering="eager")
     with pytest.warns(UserWarning, match="memory_budget 0.01 not met"):
-        _run(model, batch, backend)
+        compiled_step(model, batch, backend)
     rebuilt = {s.detail.removeprefix("output rebuilt for "): p.bits for _, s, p in backend.report().rows()
                if s.role is Role.LORA_BASE_OUTPUT and s.nbytes}
     assert rebuilt["gelu"] == 8

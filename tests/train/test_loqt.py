@@ -9,8 +9,7 @@ import torch
 from fxmem.kernels.nf4 import bitsandbytes, nf4_dequantize, nf4_nbytes, nf4_quantize
 from fxmem.train import LoQT, LoQTConfig, LoQTLinear
 from fxmem.train.loqt import FrozenMatrix, convert, loqt_layers, weight_nbytes
-
-from .conftest import TINY_LLAMA, tiny_model
+from tests.conftest import TINY_LLAMA, tiny_model
 
 
 def _linear(in_features: int, out_features: int, *, bias: bool = False, seed: int = 0) -> torch.nn.Linear:

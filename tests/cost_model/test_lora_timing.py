@@ -17,8 +17,7 @@ from fxmem.cost_model.lora_orders import (
     forward_cost,
 )
 from fxmem.cost_model.lora_timing import choose_by_time
-
-from .conftest import tiny_model
+from tests.conftest import tiny_model
 
 SHAPE = LoraShape(32, 24, 40, 4)
 

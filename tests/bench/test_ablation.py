@@ -4,8 +4,7 @@ import pytest
 
 from fxmem.bench.ablation import ablate, hyclora_settings, loract_settings, probe_steps, select_settings
 from fxmem.config import Config
-
-from .conftest import TINY_LLAMA
+from tests.conftest import TINY_LLAMA
 
 
 def test_settings_cover_bits_intra_inter_outliers_and_the_papers_static_calibration():

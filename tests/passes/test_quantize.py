@@ -5,38 +5,20 @@ import torch
 
 import fxmem
 from fxmem.analysis import Role
-from fxmem.measure import gradient_fidelity, model_tensors, saved_activation_bytes
-
-from .conftest import loss_and_grads, tiny_model, train_at_sequence_lengths
-
-
-def _randomize_lora_b(model):
-    # PEFT starts B at zero, where A's gradient is zero too: nothing to compare.
-    generator = torch.Generator().manual_seed(7)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data.copy_(torch.randn(p.shape, generator=generator) * 0.05)
-
-
-def _run(model, batch, backend, steps=1):
-    forward = torch.compile(model, backend=backend)
-    for _ in range(steps - 1):
-        loss_and_grads(forward, model, batch)
-    saved, _ = saved_activation_bytes(lambda: forward(**batch), model_tensors(model) + list(batch.values()))
-    loss, grads = loss_and_grads(forward, model, batch)
-    return saved, loss, grads
+from fxmem.measure import gradient_fidelity
+from tests.conftest import compiled_step, loss_and_grads, randomize_lora_b, tiny_model, train_at_sequence_lengths
 
 
 @pytest.mark.parametrize("family, attn", [("llama", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("gpt2", "eager")])
 def test_saved_bytes_are_what_the_plan_says_and_far_fewer(family, attn):
     model, batch = tiny_model(family, lora=True, attn=attn)
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     exact = fxmem.Backend(lowering="eager")
-    exact_saved, exact_loss, exact_grads = _run(model, batch, exact)
+    exact_saved, exact_loss, exact_grads = compiled_step(model, batch, exact)
     torch._dynamo.reset()
     # Pruning eager attention to 5% of 32 keys keeps 2 per row of a near-uniform map: tested on its own below.
     four = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", attn_sparsity=None), lowering="eager")
-    saved, loss, grads = _run(model, batch, four)
+    saved, loss, grads = compiled_step(model, batch, four)
     report = four.report()
     assert saved == report.planned_bytes  # packed sizes, outliers, scales, ids: the cost model is exact
     assert saved * 2.2 < exact_saved  # a 64-wide model: per-channel scales weigh more than in real ones
@@ -50,7 +32,7 @@ def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     model, batch = tiny_model("llama", lora=True)
     # Intra-operator only: with lora_reorder (tests/test_lora_reorder.py) q, k, v and the MLP's outputs are rebuilt.
     backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", lora_reorder=False), lowering="eager")
-    _run(model, batch, backend)
+    compiled_step(model, batch, backend)
     rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
     quantized = {s.role for s, p in rows if p.action == "quantize"}
     assert quantized == {Role.LINEAR_INPUT, Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV}
@@ -79,7 +61,7 @@ def test_qkv_bits_none_quantizes_q_and_k_like_the_rest():
     model, batch = tiny_model("llama", lora=True)
     backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", qkv_bits=None, lora_reorder=False),
                             lowering="eager")
-    _run(model, batch, backend)
+    compiled_step(model, batch, backend)
     plans = [(s, p) for _, s, p in backend.report().rows() if p.action == "quantize"]
     assert {s.detail for s, p in plans if s.role is Role.ATTN_QKV} == {"q", "k", "v"}
     assert {p.bits for _, p in plans} == {4}
@@ -88,7 +70,7 @@ def test_qkv_bits_none_quantizes_q_and_k_like_the_rest():
 def test_eager_attention_probabilities_are_pruned_to_the_largest_per_row():
     model, batch = tiny_model("llama", lora=True, attn="eager")
     backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", attn_sparsity=0.25), lowering="eager")
-    _run(model, batch, backend)
+    compiled_step(model, batch, backend)
     pruned = [(s, p) for _, s, p in backend.report().rows() if p.action == "sparsify"]
     assert len(pruned) == 2
     for saved, plan in pruned:
@@ -118,12 +100,12 @@ def test_calibration_freezes_after_the_configured_steps_and_the_report_shows_it(
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])  # eager: the pruned probabilities go through inductor too
 def test_inductor_lowering_matches_the_eager_lowering(attn):
     model, batch = tiny_model("llama", lora=True, attn=attn)
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     config = fxmem.Config.from_preset("hyclora-4bit", calibration_steps=1)
     results = []
     for lowering in ("eager", "inductor"):
         torch._dynamo.reset()
-        results.append(_run(model, batch, fxmem.Backend(config, lowering=lowering)))
+        results.append(compiled_step(model, batch, fxmem.Backend(config, lowering=lowering)))
     (saved_e, loss_e, grads_e), (saved_i, loss_i, grads_i) = results
     assert saved_e == saved_i
     torch.testing.assert_close(loss_i, loss_e, rtol=1e-5, atol=1e-6)
