@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import torch
 from torch.fx import Node
 
 from fxmem.analysis import Analysis, Role, SavedTensor
@@ -184,11 +185,10 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     node, replay, tables_bytes, replay_reason = _replay_source(owner, analysis, tables_saved)
     reason = f"{bits}-bit per channel{replay_reason}"
     val = tensor_val(node)
-    if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
-        return Plan("keep", "not a floating tensor with rows and channels")
+    refused = _refused_layout(val, "channels", "channel layout to quantize")
+    if refused is not None:
+        return refused
     order = memory_order(val)
-    if order is None:
-        return Plan("keep", "not dense in memory: no channel layout to quantize")
     if not isinstance(val.shape[order[-1]], int):
         return Plan("keep", "symbolic channel dimension: scales need a fixed channel count")
     channels = val.shape[order[-1]]
@@ -209,6 +209,15 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
     return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, outlier_values=outlier_values,
                 replay=replay, nbytes=nbytes)
+
+
+def _refused_layout(val: torch.Tensor, inner: str, layout: str) -> Plan | None:
+    """Why a tensor cannot be stored by rows of its innermost memory dimension (``inner``), or None."""
+    if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
+        return Plan("keep", f"not a floating tensor with rows and {inner}")
+    if memory_order(val) is None:
+        return Plan("keep", f"not dense in memory: no {layout}")
+    return None
 
 
 def _attention_input(saved: SavedTensor) -> bool:
@@ -243,11 +252,10 @@ def _sparsify(owner: SavedTensor, ratio: float) -> Plan:
 def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_saved: set[str]) -> Plan:  # noqa: PYI041 (int: rank, float: ratio)
     node, replay, tables_bytes, replay_reason = _replay_source(owner, analysis, tables_saved)
     val = tensor_val(node)
-    if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
-        return Plan("keep", "not a floating tensor with rows and a last dimension")
+    refused = _refused_layout(val, "a last dimension", "rows x last-dimension matrix to factor")
+    if refused is not None:
+        return refused
     order = memory_order(val)
-    if order is None:
-        return Plan("keep", "not dense in memory: no rows x last-dimension matrix to factor")
     width = val.shape[order[-1]]
     if not isinstance(width, int):
         return Plan("keep", "symbolic last dimension: the rank is a fixed share of it")

@@ -55,7 +55,6 @@ class LoraReorder(GraphPass):
     name = "lora_reorder"
     stage = "joint"
 
-
     def run(self, state: PipelineState) -> str:
         graph = state.joint.graph
         params = joint_primals(graph)

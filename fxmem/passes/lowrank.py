@@ -53,7 +53,6 @@ class LowRankSaved(GraphPass):
     name = "lowrank"
     stage = "partitioned"
 
-
     def run(self, state: PipelineState) -> str:
         rebuilt: dict[Node, list[Node]] = {}  # forward storage -> the backward nodes that rebuild it, last = value
         factored = rewrite_planned(state, "lowrank", lambda editor, members, plan: _factor(

@@ -29,7 +29,6 @@ class OnednnMatmul(GraphPass):
     stage = "partitioned"
     speed_only = True
 
-
     def run(self, state: PipelineState) -> str:
         moved = total = 0
         for gm in (state.fw, state.bw):

@@ -38,7 +38,6 @@ class QuantizeSaved(GraphPass):
     name = "quantize"
     stage = "partitioned"
 
-
     def run(self, state: PipelineState) -> str:
         slots = rewrite_planned(state, "quantize", lambda editor, members, plan: _rewrite(
             editor, members, plan, state.config))

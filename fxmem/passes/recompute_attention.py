@@ -27,7 +27,6 @@ class RecomputeAttention(GraphPass):
     name = "recompute_attention"
     stage = "joint"
 
-
     def run(self, state: PipelineState) -> str:
         tagged = skipped = 0
         for node in state.joint.graph.nodes:

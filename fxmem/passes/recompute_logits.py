@@ -26,7 +26,6 @@ class RecomputeLogits(GraphPass):
     name = "recompute_logits"
     stage = "joint"
 
-
     def run(self, state: PipelineState) -> str:
         heads: dict[Node, set[Node]] = {}
         for node in state.joint.graph.nodes:

@@ -63,7 +63,6 @@ class RunLora(GraphPass):
     name = "runlora"
     stage = "joint"
 
-
     def run(self, state: PipelineState) -> str:
         graph = state.joint.graph
         params = joint_primals(graph)

@@ -24,7 +24,6 @@ class SparsifyAttention(GraphPass):
     name = "sparsify_attention"
     stage = "partitioned"
 
-
     def run(self, state: PipelineState) -> str:
         pruned = rewrite_planned(state, "sparsify", _rewrite)
         return f"{len(pruned)} attention map(s) pruned" if pruned else ""
