@@ -70,10 +70,14 @@ class _Partitioner(CustomPartitionerFn):
         region.slots += state.slots
         return state.fw, state.bw
 
+    # Inductor deep-copies its config patches, and pickles them into its cache key. A copy would record into a
+    # copy of the region, and both would copy the graphs the region's records point into (fake tensors refuse):
+    # a copy is the partitioner itself, and its pickle is its uuid, which says all that decides the graphs.
     def __deepcopy__(self, memo: dict) -> _Partitioner:
-        # Inductor deep-copies its config patches; a copy would record into a copy of the region, and copy the
-        # graphs the region's records point into (fake tensors refuse that).
         return self
+
+    def __reduce__(self) -> tuple:
+        return str, (self.uuid(),)
 
     def uuid(self) -> str:
         # Enters inductor's cache key: fxmem's code and this region's config decide the graphs.

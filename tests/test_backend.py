@@ -171,3 +171,15 @@ def test_an_analysis_failure_falls_back_to_inductor_and_says_so(monkeypatch):
     assert_same(reference, result)
     assert "compiles as plain inductor" in backend.regions[0].notes[0]
     assert "synthetic analysis bug" in backend.report().table()
+
+
+def test_the_partitioner_pickles_to_its_cache_identity_and_copies_to_itself():
+    import copy
+    import pickle
+
+    from fxmem.backend import _Partitioner
+    from fxmem.region import Region
+    partitioner = _Partitioner(Region(index=0, config=fxmem.Config(bits=4)), None)
+    assert copy.deepcopy(partitioner) is partitioner
+    assert pickle.loads(pickle.dumps(partitioner)) == partitioner.uuid()
+    assert "bits=4" in partitioner.uuid()

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
                                     methods=args.methods, progress=lambda message: status.update(message))
     legend = f"preset {args.preset}; {args.steps} timed steps\n" + "\n".join(
         f"- {name}: {meaning}" for name, meaning in {**METHOD_DESCRIPTIONS, **LEGEND}.items())
-    print_table("fxmem bench", COLUMNS, rows(results), legend, args, device)
+    print_table("fxmem bench compare", COLUMNS, rows(results), legend, args, device)
     write_json(results, args, device, preset=args.preset)
     return 0
 
