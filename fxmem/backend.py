@@ -28,7 +28,7 @@ from fxmem.cost_model.planner import budget_note, plan_region
 from fxmem.passes import PassManager, PipelineState
 from fxmem.region import Region
 from fxmem.report import Report
-from fxmem.techniques import default_passes, enabled
+from fxmem.techniques import default_passes, enabled_techniques
 
 Lowering = Literal["inductor", "eager"]
 LOWERINGS = ("inductor", "eager")
@@ -49,7 +49,7 @@ class _Partitioner(CustomPartitionerFn):
         fw, bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
         try:
             state.analysis = analyze(fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices"))
-            state.plans = plan_region(state.analysis, region.config, enabled(region.config))
+            state.plans = plan_region(state.analysis, region.config, enabled_techniques(region.config))
             budget = budget_note(state.analysis, state.plans, region.config)
         except Exception as error:  # an unforeseen graph: compile it exactly as inductor would
             note = (f"saved-tensor analysis or planning failed ({type(error).__name__}: {error}); "

@@ -14,9 +14,6 @@ from typing import TypeVar
 import torch
 from torch._C._profiler import _EventType
 
-# Timing is fxmem.timing's; fxmem.measure offers it beside the other metrics.
-from fxmem.timing import interleaved_step_times, median, step_times, warm_up_compiler  # noqa: F401
-
 T = TypeVar("T")
 
 

@@ -34,9 +34,6 @@ class Technique:
     propose: planner.Propose | None = None  # a plan for one saved storage
     refine: planner.Refine | None = None  # a pass over the region's plans, in registration order
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "fields": list(self.fields), "passes": list(self.passes)}
-
 
 # Quantization and low-rank factors both recompute the logits and fused attention, so that those are not saved
 # exact beside the compressed tensors (passes/recompute_logits.py, passes/recompute_attention.py).
@@ -69,16 +66,16 @@ PASS_ORDER = ("lora_reorder", "runlora", "recompute_logits", "recompute_attentio
               "lowrank", "fuse_epilogue", "onednn_matmul")
 
 
-def enabled(config: Config) -> list[Technique]:
+# A pass runs when one of the techniques it serves is on, wherever it is built.
+for _name, _pass in PASSES.items():
+    _pass.techniques = tuple(t for t in TECHNIQUES if _name in t.passes)
+
+
+def enabled_techniques(config: Config) -> list[Technique]:
     """The techniques ``config`` turns on, in registration order."""
     return [t for t in TECHNIQUES if t.enabled(config)]
 
 
 def default_passes() -> list[GraphPass]:
-    """Every pass of every technique in ``PASS_ORDER``, each running when one of its techniques is enabled."""
-    passes = []
-    for name in PASS_ORDER:
-        graph_pass = PASSES[name]()
-        graph_pass.techniques = tuple(t for t in TECHNIQUES if name in t.passes)
-        passes.append(graph_pass)
-    return passes
+    """Every pass of every technique, in ``PASS_ORDER``."""
+    return [PASSES[name]() for name in PASS_ORDER]

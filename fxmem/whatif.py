@@ -113,7 +113,9 @@ def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype
 
 
 def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf16", optimizer: str = "adamw",
-           presets: list[str] | None = None) -> WhatIf:
+           presets: list[str] | None = None, name: str | None = None) -> WhatIf:
+    """Memory per preset and LoRA orders of ``model`` (a named shape, a config.json or a transformers config),
+    called ``name`` in the result (default: ``model`` if it is a name, else the config's model type)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid dtypes: {', '.join(DTYPES)}")
     if optimizer not in OPTIMIZER_STATES:
@@ -130,7 +132,7 @@ def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     trainable = [p for p in params if p.requires_grad]
     gradients = sum(p.numel() * p.element_size() for p in trainable)
     state = OPTIMIZER_STATES[optimizer] * sum(p.numel() * 4 for p in trainable)  # optimizer state in fp32
-    name = model if isinstance(model, str) else config.model_type
+    name = name or (model if isinstance(model, str) else config.model_type)
     result = WhatIf(name, batch, seq, rank, torch_dtype, optimizer, trainable[0].dtype,
                     lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype))
     for preset in presets:

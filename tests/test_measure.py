@@ -3,11 +3,9 @@ import torch
 
 from fxmem.measure import (
     gradient_fidelity,
-    interleaved_step_times,
     peak_memory,
     saved_activation_bytes,
     static_bytes,
-    step_times,
 )
 
 
@@ -46,12 +44,6 @@ def test_cpu_peak_sees_a_transient_allocation():
     assert size <= peak < size + (1 << 20)
 
 
-def test_step_times_returns_one_sample_per_step():
-    calls = []
-    times = step_times(lambda: calls.append(1), steps=3, warmup=2)
-    assert len(times) == 3 and len(calls) == 5 and all(t >= 0 for t in times)
-
-
 def test_gradient_fidelity():
     reference = {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.0, 2.0]), "c": torch.zeros(2)}
     same = gradient_fidelity(reference, {k: v.clone() for k, v in reference.items()})
@@ -72,11 +64,3 @@ def test_static_bytes_count_weights_and_optimizer_state_once():
     optimizer.step()
     # AdamW adds exp_avg and exp_avg_sq per parameter, and a step counter per parameter tensor
     assert static_bytes(model, optimizer) == 220 * 4 * 3 + 2 * 4
-
-
-def test_interleaved_step_times_rotate_the_order():
-    calls = []
-    samples = interleaved_step_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
-                                     steps=2, warmup=1)
-    assert calls == ["a", "b", "b", "a", "a", "b"]
-    assert {name: len(times) for name, times in samples.items()} == {"a": 2, "b": 2}

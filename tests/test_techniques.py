@@ -26,11 +26,11 @@ def test_every_pass_is_declared_once_in_the_order_and_served_by_a_technique():
 ])
 def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order(preset, names, passes):
     config = PRESETS[preset]
-    assert [t.name for t in techniques.enabled(config)] == names
+    assert [t.name for t in techniques.enabled_techniques(config)] == names
     assert [p.name for p in techniques.default_passes() if p.enabled(config)] == passes
 
 
 def test_a_memory_budget_alone_runs_the_quantize_pass_and_its_refinement():
     config = Config(memory_budget=0.5)
-    assert [t.name for t in techniques.enabled(config)] == ["memory_budget"]
+    assert [t.name for t in techniques.enabled_techniques(config)] == ["memory_budget"]
     assert "quantize" in [p.name for p in techniques.default_passes() if p.enabled(config)]

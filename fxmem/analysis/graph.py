@@ -45,7 +45,7 @@ def is_view(node: Node) -> bool:
     return is_view_op(node.target)
 
 
-def _view_source(node: Node) -> Node:
+def view_source(node: Node) -> Node:
     """What a view node looks at: its first argument, or for getitem of split/unbind, the split's input."""
     return node.args[0].args[0] if node.target is operator.getitem else node.args[0]
 
@@ -53,7 +53,7 @@ def _view_source(node: Node) -> Node:
 def storage_base(node: Node) -> Node:
     """The node that allocated the storage ``node`` looks at (itself unless it is a view)."""
     while is_view(node):
-        node = _view_source(node)
+        node = view_source(node)
     return node
 
 
@@ -62,7 +62,7 @@ def view_chain(node: Node) -> list[Node]:
     chain = []
     while is_view(node):
         chain.append(node)
-        node = _view_source(node)
+        node = view_source(node)
     return chain[::-1]
 
 
@@ -87,7 +87,7 @@ def users_through_views(node: Node) -> list[Node]:
 def strip(node: object, *, casts: bool = True) -> object:
     """``node`` with views (and, by default, dtype casts) peeled off its front."""
     while isinstance(node, Node) and (is_view(node) or (casts and node.target in DTYPE_CASTS)):
-        node = _view_source(node) if is_view(node) else node.args[0]
+        node = view_source(node) if is_view(node) else node.args[0]
     return node
 
 
@@ -212,7 +212,7 @@ def walk_back(node: Node, through: Iterable[object] = (), depth: int = 8) -> Ite
             if current.op != "call_function":
                 continue
             if is_view(current):
-                next_frontier.append(_view_source(current))
+                next_frontier.append(view_source(current))
             elif current.target in DTYPE_CASTS or current.target in through or original_op(current) in through:
                 next_frontier.extend(tensor_args(current))
         frontier = next_frontier

@@ -17,12 +17,14 @@ from torch.fx import Graph, Node
 from fxmem.analysis.graph import (
     aten,
     hint,
+    is_view,
     module_path,
     schema_name,
     storage_base,
     strip,
     tensor_val,
     users_through_views,
+    view_source,
     walk_back,
 )
 
@@ -82,7 +84,7 @@ def lora_sums(add: Node) -> list[LoraSum]:
             isinstance(a, Node) for a in add.args):
         return []
     found = []
-    for lora_side, base in (add.args, add.args[::-1]):
+    for base, lora_side in (add.args, add.args[::-1]):  # PEFT's order first: base + lora
         scaled = _scaled_product(lora_side)
         if scaled is not None:
             found.append(LoraSum(add, base, *scaled))
@@ -90,20 +92,28 @@ def lora_sums(add: Node) -> list[LoraSum]:
 
 
 def _scaled_product(node: Node) -> tuple[Node, Node, float] | None:
-    """(node without its constant multiplications, the linear product it views, the constant) when ``node`` is
-    s * view(product), each step read by this path alone."""
-    scaling = 1.0
-    while node.target in (aten.mul.Tensor, aten.mul.Scalar) and len(users_through_views(node)) == 1:
-        constants = [a for a in node.args if isinstance(a, numbers.Number)]
+    """(what the innermost constant multiplication reads, or ``node`` without one; the linear product it views; the
+    constants' product) when ``node`` is views and multiplications by constants of a product, each step read by
+    this path alone."""
+    scaling, unscaled = 1.0, node
+    for _ in range(_MAX_SCALING_STEPS):
+        if is_view(node):
+            node = view_source(node)
+            continue
+        if node.target not in (aten.mul.Tensor, aten.mul.Scalar) or len(users_through_views(node)) != 1:
+            break
+        constants = [a for a in node.args if isinstance(a, numbers.Real)]
         tensors = [a for a in node.args if isinstance(a, Node)]
         if len(constants) != 1 or len(tensors) != 1:
             return None
         scaling *= float(constants[0])
-        node = tensors[0]
-    product = storage_base(node)
-    if not is_linear_product(product) or len(users_through_views(product)) != 1:
+        node = unscaled = tensors[0]
+    if not is_linear_product(node) or len(users_through_views(node)) != 1:
         return None
-    return node, product, scaling
+    return unscaled, node, scaling
+
+
+_MAX_SCALING_STEPS = 8  # views and scalings between a LoRA product and its add
 
 
 def find_lora_linears(graph: Graph, params: frozenset[Node]) -> list[LoraLinear]:

@@ -10,7 +10,7 @@ from it. Two forms are matched:
   * rstd and rstd): output = x_hat * gamma (+ beta), so x_hat = (output -
   beta) / gamma.
 
-This module finds the pieces; the policy decides and ``passes/lowrank.py``
+This module finds the pieces; the planner decides and ``passes/lowrank.py``
 rewrites.
 """
 

@@ -1,7 +1,7 @@
-"""`fxmem ablate`: the accuracy side of a lossy preset, as HyC-LoRA's Table 1 and LoRAct's Tables 3-4 report it.
+"""`fxmem bench ablate`: the accuracy side of a lossy preset, as HyC-LoRA's Table 1 and LoRAct's Tables 3-4 report it.
 
 Each setting fine-tunes the same workload from the same weights on the same
-batches (round-robin, as `fxmem finetune`), next to eager PEFT and
+batches (round-robin, as `fxmem bench finetune`), next to eager PEFT and
 torch.compile. Reported per setting: saved-activation bytes, gradient fidelity
 (every trainable gradient on a fixed probe batch against the eager model's at
 the same weights, probed through training) and the final loss against

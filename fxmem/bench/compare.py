@@ -16,16 +16,13 @@ from fxmem.config import Config
 from fxmem.measure import (
     Fidelity,
     gradient_fidelity,
-    interleaved_step_times,
-    median,
     model_tensors,
     peak_memory,
     saved_activation_bytes,
     static_bytes,
-    step_times,
     trainable_gradients,
-    warm_up_compiler,
 )
+from fxmem.timing import interleaved_step_times, median, step_times, warm_up_compiler
 
 METHODS = ("eager", "compile", "compile-budget", "hf-checkpointing", "fxmem")
 METHOD_DESCRIPTIONS = {

@@ -1,4 +1,4 @@
-"""`fxmem finetune`: a short LoRA fine-tune on real text, with and without fxmem, side by side."""
+"""`fxmem bench finetune`: a short LoRA fine-tune on real text, with and without fxmem, side by side."""
 
 from __future__ import annotations
 
@@ -13,14 +13,12 @@ from fxmem.config import Config
 from fxmem.measure import (
     Fidelity,
     gradient_fidelity,
-    median,
     model_tensors,
     peak_memory,
     saved_activation_bytes,
-    step_times,
     trainable_gradients,
-    warm_up_compiler,
 )
+from fxmem.timing import median, step_times, warm_up_compiler
 
 FINETUNE_METHODS = ("eager", "compile", "fxmem")
 

@@ -1,4 +1,4 @@
-"""`fxmem hift`: plain full fine-tuning against HiFT in each order, side by side on the same batches."""
+"""`fxmem bench hift`: plain full fine-tuning against HiFT in each order, side by side on the same batches."""
 
 from __future__ import annotations
 

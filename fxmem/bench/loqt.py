@@ -1,4 +1,4 @@
-"""`fxmem loqt`: LoQT measured on the benchmark workloads.
+"""`fxmem bench loqt`: LoQT measured on the benchmark workloads.
 
 - pretrain: a random-init Llama on real text, the paper's ablation side by side
   (full training, LoQT-nq, LoQT, LoQT without error compensation, LoQT with a

@@ -1,4 +1,4 @@
-"""How well each low-rank method rebuilds a matrix at equal rank, and how long it takes (``fxmem lowrank-error``).
+"""How well each low-rank method rebuilds a matrix at equal rank, and how long it takes (``fxmem bench lowrank-error``).
 
 Methods, all at the same rank k (the stored factors are the same size):
 LoRAct's sampling-based decomposition, fxmem's randomized SVD (Gaussian test

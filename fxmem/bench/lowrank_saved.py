@@ -1,4 +1,5 @@
-"""`fxmem lowrank-saved`: saved-activation bytes and gradient fidelity of LoRAct per rank ratio, vs eager PEFT LoRA.
+"""`fxmem bench lowrank-saved`: saved-activation bytes and gradient fidelity of LoRAct per rank ratio, vs eager
+PEFT LoRA.
 
 One batch of the workload at its initial (seeded) weights: eager PEFT runs it
 first (the reference bytes and gradients), then fxmem at each ratio, compiled

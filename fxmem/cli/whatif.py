@@ -44,9 +44,9 @@ def run(args: argparse.Namespace) -> int:
     model = get_workload(args.model).hf_config() if args.model in workload_names() else args.model
     try:
         result = whatif(model, batch=args.batch, seq=args.seq, rank=args.rank, dtype=args.dtype,
-                        optimizer=args.optimizer, presets=args.presets)
+                        optimizer=args.optimizer, presets=args.presets, name=args.model)
     except ValueError as error:
-        console.print(f"[red]{error}[/red]")
+        console.print(f"[red]{error}; or a workload: {', '.join(workload_names())}[/red]")
         return 2
     columns = ["preset", "weights", "gradients", "optimizer state", "saved activations", "total"]
     if args.measure:

@@ -62,7 +62,6 @@ class FuseEpilogue(GraphPass):
     def __init__(self, *, on_reference: bool = False) -> None:
         self.on_reference = on_reference
 
-
     def run(self, state: PipelineState) -> str:
         found = [(f"{e.kind} ({side})", e) for side, gm in (("forward", state.fw), ("backward", state.bw))
                  for e in fuse_graph(gm, backward=side == "backward", on_reference=self.on_reference)]

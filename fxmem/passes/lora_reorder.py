@@ -30,11 +30,12 @@ from fxmem.analysis.graph import (
     is_replayable_pointwise,
     is_view,
     original_op,
+    schema_name,
     storage_base,
     strip,
     users_through_views,
 )
-from fxmem.analysis.lora import LoraLinear, find_lora_linears
+from fxmem.analysis.lora import NF4_LINEAR, LoraLinear, find_lora_linears
 from fxmem.analysis.meta import LORA_REORDERED
 from fxmem.analysis.roles import (
     ACTIVATIONS,
@@ -58,8 +59,7 @@ class LoraReorder(GraphPass):
     def run(self, state: PipelineState) -> str:
         graph = state.joint.graph
         params = joint_primals(graph)
-        loras = [lora for lora in find_lora_linears(graph, params) if lora.base.target is not
-                 torch.ops.fxmem.nf4_linear.default]
+        loras = [lora for lora in find_lora_linears(graph, params) if schema_name(lora.base.target) != NF4_LINEAR]
         dropout = [lora for lora in loras if lora.dropout]
         followed = [lora for lora in loras if not lora.dropout]
         epilogue = _epilogue(graph, {lora.output for lora in followed}, params)

@@ -68,7 +68,8 @@ class GraphPass(ABC):
     stage: ClassVar[Stage]
     # Changes which kernel runs a product, not what is saved: fxmem.inspect (and whatif) leave it out.
     speed_only: ClassVar[bool] = False
-    # The techniques it serves (fxmem.techniques sets them): it runs when one of them is enabled; () always.
+    # The techniques it serves (fxmem.techniques sets them on fxmem's passes): it runs when one of them is
+    # enabled; () always.
     techniques: tuple[Any, ...] = ()
 
     def enabled(self, config: Config) -> bool:

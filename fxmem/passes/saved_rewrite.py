@@ -69,7 +69,7 @@ class SavedTensorEditor:
         with self.bw.graph.inserting_after(self.placeholder_of[self._last_saved]):
             placeholder = self.bw.graph.placeholder(node.name)
         placeholder.target = placeholder.name  # the argument is named as the node (renamed on a clash)
-        placeholder.meta[VALUE] = node.meta["val"]
+        placeholder.meta[VALUE] = node.meta[VALUE]
         self.placeholder_of[node] = placeholder
         self.bw_nodes[placeholder.name] = placeholder
         self._last_saved = node

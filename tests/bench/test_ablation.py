@@ -1,4 +1,4 @@
-"""fxmem ablate: settings, probes and the loss/bytes bookkeeping, on a tiny workload."""
+"""fxmem bench ablate: settings, probes and the loss/bytes bookkeeping, on a tiny workload."""
 
 import pytest
 

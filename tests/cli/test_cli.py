@@ -2,10 +2,8 @@ import json
 
 import pytest
 
-from fxmem import Config, cli
-from fxmem.bench.compare import budget_matching, planned_bytes, run_workload
+from fxmem import cli
 from fxmem.bench.finetune import finetune
-from tests.conftest import TINY_LLAMA
 
 
 def test_inspect_a_config_json(tmp_path, capsys):
@@ -88,23 +86,3 @@ def test_bench_runs_every_baseline_and_writes_json_and_markdown(tiny_workloads, 
     markdown = markdown_path.read_text()
     assert "| workload | method | saved activations |" in markdown and "Command: `fxmem bench" in markdown
     assert "- step peak: " in markdown
-
-
-def test_budget_search_finds_a_budget_below_one_for_a_smaller_target():
-    full = planned_bytes(TINY_LLAMA, Config(), "cpu", 16)
-    budget = budget_matching(TINY_LLAMA, full // 2, "cpu", 16, iterations=4)
-    assert 0.0 <= budget < 1.0
-    assert planned_bytes(TINY_LLAMA, Config(), "cpu", 16, budget=budget) <= full // 2
-
-
-def test_finetune_rejects_unknown_methods_and_too_few_steps():
-    with pytest.raises(ValueError, match="unknown method 'deepspeed'; valid methods: eager, compile, fxmem"):
-        finetune(TINY_LLAMA, ("eager", "deepspeed"), steps=3)
-    with pytest.raises(ValueError, match="steps must be >= 3"):
-        finetune(TINY_LLAMA, steps=2)
-
-
-def test_run_workload_rejects_unknown_methods():
-    with pytest.raises(ValueError, match="unknown method.*valid methods: eager, compile"):
-        run_workload(TINY_LLAMA, methods=["eager", "deepspeed"])
-

@@ -30,7 +30,7 @@ def test_saved_bytes_are_what_the_plan_says_and_far_fewer(family, attn):
 
 def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     model, batch = tiny_model("llama", lora=True)
-    # Intra-operator only: with lora_reorder (tests/test_lora_reorder.py) q, k, v and the MLP's outputs are rebuilt.
+    # Intra-operator only: with lora_reorder (passes/test_lora_reorder.py) q, k, v and the MLP's outputs are rebuilt.
     backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", lora_reorder=False), lowering="eager")
     compiled_step(model, batch, backend)
     rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
