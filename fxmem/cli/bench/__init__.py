@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from fxmem.cli.bench import ablate, compare, finetune, hift, loqt, lora, lowrank_error, lowrank_saved
+from fxmem.cli.bench import ablate, compare, finetune, hift, loqt, lora, lowrank_error, lowrank_saved, profile
 
-EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, lora, hift, loqt, lowrank_error,
-                                                  lowrank_saved)}
+EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, hift, loqt,
+                                                  lowrank_error, lowrank_saved)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
