@@ -11,7 +11,7 @@ def test_profile_times_the_plan_with_and_without_compression_and_lists_its_kerne
                      "--json", str(out)]) == 0
     assert "compressing and decompressing take" in " ".join(capsys.readouterr().out.split())
     [result] = json.loads(out.read_text())["results"]
-    assert len(result["step_samples"]) == len(result["uncompressed_samples"]) == 1
+    assert len(result["step_samples"]) == len(result["uncompressed_samples"]) == len(result["compile_samples"]) == 1
     assert any("cpp_fused_" in entry["name"] for entry in result["top"])  # inductor's kernels, by name
     # every op of the step is listed (500 of them at most), so their self times add up to the step's
     assert result["profiled_seconds"] == pytest.approx(sum(entry["seconds"] for entry in result["top"]))

@@ -40,10 +40,12 @@ def run(args: argparse.Namespace) -> int:
     rows = [[name, f"{seconds * 1000:.1f} ms", f"{seconds / result.profiled_seconds:.1%}", str(calls)]
             for name, seconds, calls in result.top]
     step, plain = median(result.step_samples), median(result.uncompressed_samples)
-    legend = (f"{workload.name}, preset {args.preset}: step {step:.3f} s, the same without the compression passes "
-              f"({', '.join(COMPRESSION_PASSES)}) {plain:.3f} s (medians of {args.steps} interleaved steps): "
-              f"compressing and decompressing take {result.compression_seconds:.3f} s, "
-              f"{result.compression_share:.1%} of the step.\nop or kernel: the profiler's self CPU time in one "
+    compiled = median(result.compile_samples)
+    legend = (f"{workload.name}, preset {args.preset}: step {step:.3f} s ({step / compiled:.2f}x torch.compile's "
+              f"{compiled:.3f} s), the same without the compression passes ({', '.join(COMPRESSION_PASSES)}) "
+              f"{plain:.3f} s ({plain / compiled:.2f}x), medians of {args.steps} interleaved steps: compressing and "
+              f"decompressing take {result.compression_seconds:.3f} s, {result.compression_share:.1%} of the step."
+              "\nop or kernel: the profiler's self CPU time in one "
               "profiled step (inductor's kernels by name: cpp_fused_<ops>); share: of that step's total self time.")
     print_table(f"fxmem bench profile: {workload.name}, {args.preset}", COLUMNS, rows, legend, args, args.device)
     write_json([result], args, args.device)
