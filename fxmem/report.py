@@ -116,9 +116,11 @@ class Report:
                 calibrated = sum(slot.calibrated for slot in region.slots)
                 parts.append(f"region {region.index}: {len(region.slots)} quantized storages, {calibrated} with "
                              f"frozen scales (static, {region.config.calibration_steps} calibration steps)")
-            elif region.slots:
-                parts.append(f"region {region.index}: {len(region.slots)} quantized storages, scales from every "
-                             "batch (dynamic)")
+            else:
+                quantized = sum(p.action == "quantize" and p.nbytes is not None for p in region.plans)
+                if quantized:
+                    parts.append(f"region {region.index}: {quantized} quantized storages, scales from every batch "
+                                 "(dynamic)")
             parts += [f"region {region.index}: pass {p.name} ({p.stage}): {p.error or p.summary or 'no change'}"
                       for p in region.passes]
         return parts

@@ -6,6 +6,9 @@ fxmem's own key:
   'gelu', 'product', 'q', 'k', 'v') whose input backward rebuilds from it. Written by passes/lora_reorder.py; read
   by the analysis (``SavedTensor.rebuilt_for``) and by passes/runlora.py, which leaves such a layer as traced.
 
+Every value is plain data: inductor pickles the graphs, meta included, for its cache key. (What a pass tells a
+later one about nodes, the quantize pass's restored tensors, travels in ``PipelineState`` instead.)
+
 torch's keys fxmem writes:
 
 - ``RECOMPUTE`` (``CheckpointPolicy.MUST_RECOMPUTE``) on joint-graph nodes: torch's min-cut recomputes them in

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fxmem.kernels.lowrank import factor_numel
-from fxmem.kernels.quantize import packed_numel
+from fxmem.kernels.quantize import packed_width
 
 if TYPE_CHECKING:
     from fxmem.analysis import SavedTensor
@@ -13,16 +13,16 @@ if TYPE_CHECKING:
 
 SCALE_BYTES = 4  # per-channel scale and zero point are float32
 CHANNEL_ID_BYTES = 8  # outlier channel ids are int64
-VALUE_POSITION_BYTES = 4  # outlier values' flat positions are int32
+CHUNK_INDEX_BYTES = 1  # an outlier value's index in its chunk
 
 
-def quantized_bytes(numel: int, channels: int, bits: int, outliers: int, element_size: int,
-                    outlier_values: int = 0) -> int:
-    """Packed codes + full-precision outlier columns + per-channel scale and zero + outlier ids + the exact
-    outlier values and their int32 positions."""
+def quantized_bytes(numel: int, channels: int, bits: int, outliers: int, element_size: int, chunk: int = 0) -> int:
+    """Packed codes, row by row + full-precision outlier columns + per-channel scale and zero + outlier ids + per
+    row, one exact value and its index for each chunk of ``chunk`` channels (fxmem.kernels.quantize)."""
     rows = numel // channels
-    return (packed_numel(numel, bits) + rows * outliers * element_size + 2 * channels * SCALE_BYTES
-            + outliers * CHANNEL_ID_BYTES + outlier_values * (element_size + VALUE_POSITION_BYTES))
+    chunks = -(-channels // chunk) if chunk else 0
+    return (rows * packed_width(channels, bits) + rows * outliers * element_size + 2 * channels * SCALE_BYTES
+            + outliers * CHANNEL_ID_BYTES + rows * chunks * (element_size + CHUNK_INDEX_BYTES))
 
 
 def sparse_index_bytes(row_length: int) -> int:

@@ -20,7 +20,7 @@ class Plan:
     bits: int | None = None  # quantize
     channels: int = 0  # quantize: channels with their own scale (the innermost memory dimension)
     outliers: int = 0  # quantize: channels kept in full precision
-    outlier_values: float = 0.0  # quantize: fraction of the values kept exact beside the codes
+    chunk: int = 0  # quantize: each row keeps one value exact per chunk of this many channels (0: none)
     keep: int = 0  # sparsify: values kept per row
     rank: int = 0  # lowrank: rank of the factors of the (rows, last dimension) matrix
     exact_channels: int = 0  # prenorm: input channels (smallest |gamma|) saved exactly

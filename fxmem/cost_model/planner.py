@@ -17,7 +17,7 @@ from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.memory import lowrank_bytes, planned_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
 from fxmem.cost_model.plan import Plan
 from fxmem.kernels.lowrank import resolve_rank
-from fxmem.kernels.quantize import MAX_OUTLIER_VALUE_POSITION, outlier_value_count
+from fxmem.kernels.quantize import outlier_chunk
 
 # Roles HyC-LoRA stores quantized (section 4.1): the inputs of non-linear operators and of linears.
 QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV,
@@ -197,18 +197,14 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
         outliers = min(channels, max(1, round(config.outlier_ratio * channels)))
         reason += f", {outliers} outlier channel{'s' if outliers > 1 else ''} exact"
     # The fused LoRA epilogue kernels read a rebuilt X W's codes alone: its outlier values would be lost there.
-    outlier_values = (config.outlier_values if bits < 8 and owner.role is not Role.LORA_BASE_OUTPUT else 0.0)
-    if outlier_values and numel_hint(val) > MAX_OUTLIER_VALUE_POSITION:
-        outlier_values = 0.0
-        reason += ", no outlier values (their int32 positions address 2^31 values at most)"
-    if outlier_values:
-        reason += f", {outlier_values:.1%} of the values exact"
-    nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(),
-                             outlier_value_count(numel_hint(val), outlier_values)) + tables_bytes
+    chunk = outlier_chunk(config.outlier_values) if bits < 8 and owner.role is not Role.LORA_BASE_OUTPUT else 0
+    if chunk:
+        reason += f", one value in {chunk} of each row exact"
+    nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(), chunk) + tables_bytes
     if nbytes >= owner.nbytes:
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
-    return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, outlier_values=outlier_values,
-                replay=replay, nbytes=nbytes)
+    return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, chunk=chunk, replay=replay,
+                nbytes=nbytes)
 
 
 def _refused_layout(val: torch.Tensor, inner: str, layout: str) -> Plan | None:

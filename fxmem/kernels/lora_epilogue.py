@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from fxmem.kernels.quantize import check_bits, dequantize_reference, packed_numel
+from fxmem.kernels.quantize import check_bits, packed_width, unpack
 
 try:
     import triton
@@ -57,10 +57,13 @@ def _check_quantized(prefix: str, packed: torch.Tensor, scale: torch.Tensor, zer
     """The packed Y_W, per-channel parameters and LoRA factors fit an output of ``shape``."""
     channels = shape[-1]
     rows = shape.numel() // channels
-    expected = packed_numel(rows * channels, bits)
-    if packed.dim() != 1 or packed.numel() != expected:
-        raise ValueError(f"{prefix}packed must hold {expected} bytes ({rows} x {channels} codes of {bits} bits); "
-                         f"got shape {tuple(packed.shape)}")
+    if channels % (8 // bits):
+        raise ValueError(f"{prefix}the kernels read packed codes in flat order: channels ({channels}) must be a "
+                         f"multiple of {8 // bits} at {bits} bits")
+    expected = rows * packed_width(channels, bits)
+    if packed.numel() != expected or not packed.is_contiguous():
+        raise ValueError(f"{prefix}packed must hold {expected} contiguous bytes ({rows} x {channels} codes of {bits} "
+                         f"bits); got shape {tuple(packed.shape)}")
     if scale.numel() != channels or zero.numel() != channels:
         raise ValueError(f"{prefix}scale and {prefix}zero must have one value per channel ({channels}); "
                          f"got {scale.numel()} and {zero.numel()}")
@@ -82,7 +85,7 @@ def _lora_term(xa: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tenso
 def _rebuilt(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
              scaling: float, bits: int, rows: int, channels: int) -> torch.Tensor:
     """deq(Y_W) + s (XA) B^T, (rows, channels) in fp32."""
-    y_w = dequantize_reference(packed, scale, zero, bits, (rows, channels), torch.float32)
+    y_w = unpack(packed.reshape(rows, -1), scale, zero, bits, channels)
     return y_w + _lora_term(xa, b, scaling)
 
 
@@ -138,7 +141,7 @@ def lora_gelu_forward_reference(base: torch.Tensor, xa: torch.Tensor, b: torch.T
 if triton is not None:
     @triton.jit
     def _dequantized_tile(packed_ptr, scale_ptr, zero_ptr, rows, cols, mask, channels, BITS: tl.constexpr):
-        """deq(Y_W) on a tile, as dequantize_reference: code i of the flat row-major order is in byte i // (8 // BITS)."""
+        """deq(Y_W) on a tile, as quantize.unpack: code i of the flat row-major order is in byte i // (8 // BITS)."""
         per_byte: tl.constexpr = 8 // BITS
         index = rows[:, None].to(tl.int64) * channels + cols[None, :]
         packed = tl.load(packed_ptr + index // per_byte, mask=mask, other=0).to(tl.int32)

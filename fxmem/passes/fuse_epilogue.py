@@ -64,7 +64,8 @@ class FuseEpilogue(GraphPass):
 
     def run(self, state: PipelineState) -> str:
         found = [(f"{e.kind} ({side})", e) for side, gm in (("forward", state.fw), ("backward", state.bw))
-                 for e in fuse_graph(gm, backward=side == "backward", on_reference=self.on_reference)]
+                 for e in fuse_graph(gm, backward=side == "backward", on_reference=self.on_reference,
+                                     dequantized=state.dequantized)]
         parts = []
         left = ("{kinds} left to inductor: the fused kernels are Triton (CUDA), where they would save {traffic} of "
                 "memory traffic; their CPU path, the torch reference, does not")
@@ -85,11 +86,13 @@ class Epilogue:
     traffic_saved: int  # bytes, under the cost model, when fused
 
 
-def fuse_graph(gm: GraphModule, *, backward: bool, on_reference: bool) -> list[Epilogue]:
+def fuse_graph(gm: GraphModule, *, backward: bool, on_reference: bool,
+               dequantized: dict[Node, tuple] | None = None) -> list[Epilogue]:
     """Find every SwiGLU and GELU epilogue of a LoRA sum in ``gm``; fuse those the Triton kernels would run
     (all of them with ``on_reference``)."""
     graph = gm.graph
-    sums = {s.node: s for s in map(kernel_operands, graph.nodes) if s is not None}
+    operands = (kernel_operands(node, dequantized or {}) for node in graph.nodes)
+    sums = {s.node: s for s in operands if s is not None}
     if backward:  # backward rebuilds from the quantized copy; an exact one is a saved output, nothing to fuse
         sums = {node: s for node, s in sums.items() if s.quantized is not None}
     found = []
@@ -122,8 +125,9 @@ def _static(node: Node) -> torch.Tensor | None:
     return val if val is not None and all(isinstance(d, int) for d in val.shape) else None
 
 
-def kernel_operands(node: Node) -> KernelOperands | None:
-    """The fused kernels' operands if ``node`` is a LoRA sum (analysis.lora.lora_sums) of their form."""
+def kernel_operands(node: Node, dequantized: dict[Node, tuple]) -> KernelOperands | None:
+    """The fused kernels' operands if ``node`` is a LoRA sum (analysis.lora.lora_sums) of their form;
+    ``dequantized``: the quantize pass's restored tensors and the saved parts they read."""
     out = _static(node)
     if out is None:
         return None
@@ -140,11 +144,11 @@ def kernel_operands(node: Node) -> KernelOperands | None:
         channels = tensor_val(b).shape[0]
         if tensor_val(frozen).shape != (tensor_val(xa).shape[0], channels):
             continue
-        if frozen.target is torch.ops.fxmem.dequantize.default:
-            packed, _, scale, zero, outlier_ids, bits, *outlier_values = frozen.args
-            if tensor_val(outlier_ids).shape[0] != 0 or any(tensor_val(v).numel() for v in outlier_values):
-                continue  # outlier channels and values are not part of the fused kernels' input
-            return KernelOperands(node, joined.base, xa, b, joined.scaling, (packed, scale, zero, bits))
+        if frozen in dequantized:
+            packed, scale, zero, spec = dequantized[frozen]
+            if spec.outliers or spec.chunk or spec.channels % (8 // spec.bits):
+                continue  # outliers are not the kernels' input; they read the codes in flat order
+            return KernelOperands(node, joined.base, xa, b, joined.scaling, (packed, scale, zero, spec.bits))
         if frozen.target in (aten.mm.default, aten.addmm.default):
             return KernelOperands(node, joined.base, xa, b, joined.scaling, None)
     return None

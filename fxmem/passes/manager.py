@@ -43,6 +43,8 @@ class PipelineState:
     analysis: Analysis | None = None
     plans: list[Plan] = field(default_factory=list)
     slots: list[QuantSlot] = field(default_factory=list)  # runtime state the rewritten graphs use
+    # backward node restoring a quantized storage -> (packed codes, scale, zero, QuantSpec) it reads (quantize)
+    dequantized: dict[Node, tuple] = field(default_factory=dict)
 
     def graphs(self, stage: Stage) -> dict[str, GraphModule]:
         return {"joint": self.joint} if stage == "joint" else {"fw": self.fw, "bw": self.bw}
@@ -112,7 +114,7 @@ class PassManager:
         if not active:
             return []
         snapshot = {key: copy_graph_module(gm) for key, gm in state.graphs(stage).items()}
-        plans, slots = list(state.plans), list(state.slots)
+        plans, slots, dequantized = list(state.plans), list(state.slots), dict(state.dequantized)
         records: list[PassRecord] = []
         for position, graph_pass in enumerate(active):
             start = time.perf_counter()
@@ -124,7 +126,7 @@ class PassManager:
             except Exception as error:  # roll the stage back: the region compiles as if fxmem did nothing here
                 for key, gm in snapshot.items():
                     setattr(state, key, gm)
-                state.slots = slots
+                state.slots, state.dequantized = slots, dequantized
                 state.plans = [p if p.action == "keep" else Plan("keep", f"pass {graph_pass.name} failed: rolled back")
                                for p in plans]
                 records.append(PassRecord(graph_pass.name, stage, "", time.perf_counter() - start,

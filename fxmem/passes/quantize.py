@@ -1,15 +1,15 @@
-"""Store saved activations quantized per channel, outlier channels exact (HyC-LoRA, intra-operator).
+"""Store saved activations quantized per channel, outlier channels and values exact (HyC-LoRA, intra-operator).
 
-For each storage the plan quantizes, the forward calls ``fxmem::quantize_saved``
-on it (in memory order, so the innermost dimension is the channel) and saves the
-packed codes, outlier columns, scales, zero points, outlier ids and outlier
-values with their positions instead of the tensor. The backward dequantizes
-right before the first use and replays the views its saved tensors took of the
-storage. For q and k after RoPE the plan
-names the tensor before rotation as the source: that is what gets quantized,
-and the rotation (with its small cos/sin tables saved as they are) is replayed
-in backward; likewise for k and v repeated per head by grouped-query attention,
-whose tensor before the repeat is quantized.
+For each storage the plan quantizes, the forward computes ``fxmem.kernels.quantize.quantize`` of it right after
+the op that produced it (in memory order, so the innermost dimension is the channel) and saves the packed codes,
+scales, zero points and outliers instead of the tensor; the backward computes ``dequantize`` right before the
+first use and replays the views its saved tensors took of the storage. Both are traced into the graphs as aten
+ops: inductor generates the statistics, codes and packing inside the producer's kernel and the unpacking,
+scaling and outlier merge inside the consumer's, with no host synchronisation and no data-dependent shape.
+
+For q and k after RoPE the plan names the tensor before rotation as the source: that is what gets quantized,
+and the rotation (with its small cos/sin tables saved as they are) is replayed in backward; likewise for k and
+v repeated per head by grouped-query attention, whose tensor before the repeat is quantized.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from torch.fx import Node
 
 from fxmem.analysis.graph import memory_order
-from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
+from fxmem.kernels import quantize as kernel
 from fxmem.kernels.calibration import QuantSlot, register
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import (
@@ -29,6 +29,7 @@ from fxmem.passes.saved_rewrite import (
     compressed_source,
     permute_back,
     rewrite_planned,
+    trace_into,
 )
 
 aten = torch.ops.aten
@@ -39,31 +40,37 @@ class QuantizeSaved(GraphPass):
     stage = "partitioned"
 
     def run(self, state: PipelineState) -> str:
-        slots = rewrite_planned(state, "quantize", lambda editor, members, plan: _rewrite(
-            editor, members, plan, state.config))
-        state.slots += slots
-        return f"{len(slots)} storage(s) quantized" if slots else ""
+        done = rewrite_planned(state, "quantize", lambda editor, members, plan: _rewrite(
+            editor, members, plan, state))
+        state.slots += [slot for slot in done if slot is not None]
+        return f"{len(done)} storage(s) quantized" if done else ""
 
 
-def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, config: Config) -> QuantSlot:
+def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, state: PipelineState) -> QuantSlot | None:
+    """Quantize one storage; its calibration slot under static calibration."""
+    config = state.config
     source, replay = compressed_source(members, plan)
-    order = memory_order(source.meta["val"])
+    val = source.meta["val"]
+    order = memory_order(val)
     permuted = order != sorted(order)
-    slot = QuantSlot(name=members[0].name, channels=plan.channels, bits=plan.bits, outliers=plan.outliers,
-                     outlier_values=plan.outlier_values, calibration_steps=config.calibration_steps,
-                     mode=config.calibration)
+    spec = kernel.QuantSpec(plan.channels, plan.bits, plan.outliers, plan.chunk)
+    slot = None
+    if config.calibration == "static":
+        slot = QuantSlot(name=members[0].name, channels=plan.channels, bits=plan.bits, outliers=plan.outliers,
+                         calibration_steps=config.calibration_steps)
+    slot_id = register(slot) if slot is not None else None
 
     def compress(graph: torch.fx.Graph, node: Node) -> list[Node]:
         if permuted:
             node = call(graph, aten.permute.default, (node, order))
-        return call(graph, torch.ops.fxmem.quantize_saved.default, (node, slot_id), outputs=7)
+        return trace_into(graph, lambda x: kernel.quantize(x, spec, slot_id), [node])
 
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
-        restored = call(graph, torch.ops.fxmem.dequantize.default, (*parts[:5], plan.bits, *parts[5:]))
+        [restored] = trace_into(graph, lambda *saved: kernel.dequantize(saved, spec, val.dtype), parts)
+        state.dequantized[restored] = (*parts[:3], spec)
         if permuted:
             restored = permute_back(graph, restored, order)
         return restored
 
-    slot_id = register(slot)
     compress_storage(editor, members, compress, restore, replay)
     return slot

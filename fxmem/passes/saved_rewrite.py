@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.fx import GraphModule, Node
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxmem.analysis.graph import storage_base, tensor_val, view_chain
 from fxmem.analysis.meta import VALUE
@@ -210,3 +212,18 @@ def _fake(arg: Any) -> Any:
     if isinstance(arg, (list, tuple)):
         return type(arg)(_fake(a) for a in arg)
     return arg
+
+
+def trace_into(graph: Graph, function: Callable[..., Any], inputs: Sequence[Node]) -> list[Node]:
+    """Insert ``function``'s ops at ``graph``'s insertion point, applied to ``inputs``; its outputs, as nodes.
+
+    The function is plain torch code (a kernel's formula): it is traced on the inputs' fake values, under their
+    fake mode, into aten ops with inductor's decompositions, so inductor fuses them with the ops around them.
+    Sizes it reads become ``sym_size`` nodes of the inputs: symbolic sizes stay symbolic.
+    """
+    values = [node.meta[VALUE] for node in inputs]
+    with torch._guards.detect_fake_mode(values):
+        traced = make_fx(function, decomposition_table=select_decomp_table())(*values)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs, strict=True)))
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]

@@ -49,7 +49,7 @@ def test_an_unreachable_budget_takes_every_quantizable_tensor_to_2_bits_warns_an
 
 def test_the_ladder_finishes_each_stage_before_the_next_and_lowers_q_k_v_last():
     from fxmem.cost_model.planner import BUDGET_STAGES
-    _, _, region = _budget_run(fxmem.Config(memory_budget=0.3))  # reaches q, k, v at 4 bits on this model
+    _, _, region = _budget_run(fxmem.Config(memory_budget=0.28))  # reaches q, k, v at 4 bits on this model
     sensitivity = {Role.ATTN_QKV: 2, Role.NORM_INPUT: 1}  # no lora_reorder here: no X W among them
     bits = {s.name: (p.bits, sensitivity.get(s.role, 0)) for s, p in _quantized(region)}
     reached = max(BUDGET_STAGES.index((b, group)) for b, group in bits.values())

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from fxmem.kernels import lora_epilogue as epilogue
-from fxmem.kernels.quantize import dequantize_reference, quant_params, quantize_reference
+from fxmem.kernels.quantize import pack, quant_params, unpack
 
 needs_triton = pytest.mark.skipif(epilogue.triton is None, reason="triton is not installed")
 
@@ -22,16 +22,14 @@ def _linear(shape: tuple[int, ...], rank: int, bits: int, seed: int, dtype: torc
     rows = torch.Size(shape).numel() // channels
     y_w = torch.randn(rows, channels, generator=generator) * 2
     scale, zero = quant_params(y_w.amin(0), y_w.amax(0), bits)
-    return {"packed": quantize_reference(y_w, scale, zero, bits), "scale": scale, "zero": zero,
+    return {"packed": pack(y_w, scale, zero, bits), "scale": scale, "zero": zero,
             "xa": torch.randn(rows, rank, generator=generator).to(dtype),
             "b": (torch.randn(channels, rank, generator=generator) / rank**0.5).to(b_dtype or dtype)}
 
 
 def _rebuilt(linear: dict[str, torch.Tensor], scaling: float, bits: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """The plain composition: dequantize_reference, then the LoRA term by torch's mm."""
-    rows = torch.Size(shape).numel() // shape[-1]
-    y_w = dequantize_reference(linear["packed"], linear["scale"], linear["zero"], bits, (rows, shape[-1]),
-                               torch.float32)
+    """The plain composition: unpack, then the LoRA term by torch's mm."""
+    y_w = unpack(linear["packed"], linear["scale"], linear["zero"], bits, shape[-1])
     return (y_w + scaling * (linear["xa"].float() @ linear["b"].float().t())).reshape(shape)
 
 
@@ -166,8 +164,11 @@ def test_bad_inputs_are_refused_with_the_valid_choices():
         torch.ops.fxmem.lora_gelu_backward(*_gelu_args(grad, gate, 4, "erf"))
     with pytest.raises(ValueError, match="approximate must be one of 'none', 'tanh'; got 'exact'"):
         torch.ops.fxmem.lora_gelu_forward(grad, gate["xa"], gate["b"], 1.0, "exact")
-    with pytest.raises(ValueError, match=r"gate_packed must hold 30 bytes \(5 x 24 codes of 2 bits\)"):
+    with pytest.raises(ValueError, match=r"gate_packed must hold 30 contiguous bytes \(5 x 24 codes of 2 bits\)"):
         torch.ops.fxmem.lora_swiglu_backward(*_swiglu_args(grad, gate, up, 2))
+    with pytest.raises(ValueError, match=r"channels \(23\) must be a multiple of 2 at 4 bits"):
+        torch.ops.fxmem.lora_gelu_backward(grad[:, :23], gate["packed"], gate["scale"][:23], gate["zero"][:23],
+                                           gate["xa"], gate["b"][:23], 1.0, 4, "none")
     with pytest.raises(ValueError, match=r"up_xa must be \(rows, r\) = \(5, r\); got shape \(4, 8\)"):
         torch.ops.fxmem.lora_swiglu_backward(*_swiglu_args(grad, gate, {**up, "xa": up["xa"][:4]}, 4))
     with pytest.raises(ValueError, match=r"b must be \(channels, r\) = \(24, 8\); got shape \(24, 7\)"):

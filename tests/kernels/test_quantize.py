@@ -1,153 +1,138 @@
-"""fxmem::quantize / fxmem::dequantize: the Triton kernels against the torch reference (interpreted on CPU)."""
-
-import math
+"""fxmem.kernels.quantize: the formulas against plain references, and inductor's code for them against eager."""
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxmem.kernels import quantize as kernels
-
-pytestmark = pytest.mark.skipif(kernels.triton is None, reason="triton is not installed")
-
-SHAPES = [(3, 5, 7), (64, 256), (2, 3, 1), (4, 2, 3, 10)]
+from fxmem.kernels import quantize as q
 
 
-def _params(x: torch.Tensor, bits: int, symmetric: bool = False):
-    rows = x.reshape(-1, x.shape[-1]).float()
-    return kernels.quant_params(rows.amin(0), rows.amax(0), bits, symmetric=symmetric)
+def _params(x: torch.Tensor, bits: int):
+    low, high, *_ = q.channel_stats(x)
+    return q.quant_params(low, high, bits)
 
 
-@pytest.mark.parametrize("bits", kernels.BITS_CHOICES)
-@pytest.mark.parametrize("shape", SHAPES)
+def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Equation (1) element by element, as Python numbers: the reference the packed bytes are read against."""
+    return torch.tensor([[min(max(int((float(v) / float(s) + float(z) + 0.5) // 1), 0), 2**bits - 1)
+                          for v, s, z in zip(row, scale, zero, strict=True)] for row in x.reshape(-1, x.shape[-1])])
+
+
+@pytest.mark.parametrize("bits", q.BITS_CHOICES)
+@pytest.mark.parametrize("channels", [8, 7, 1])
+def test_codes_are_packed_along_each_row_first_in_the_lowest_bits(bits, channels):
+    x = torch.randn(3, channels, generator=torch.Generator().manual_seed(bits)) * 3 + 1
+    scale, zero = _params(x, bits)
+    packed = q.pack(x, scale, zero, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, q.packed_width(channels, bits))
+    per_byte, codes = 8 // bits, _codes(x, scale, zero, bits)
+    for row in range(3):
+        for channel in range(channels):
+            byte = int(packed[row, channel // per_byte])
+            assert (byte >> (channel % per_byte * bits)) & (2**bits - 1) == codes[row, channel]
+    padding = q.packed_width(channels, bits) * per_byte - channels  # the row's last byte: zero codes after it
+    assert int(packed[0, -1]) >> ((per_byte - padding) * bits) == 0 if padding else True
+
+
+@pytest.mark.parametrize("bits", q.BITS_CHOICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_triton_kernels_match_the_reference_byte_for_byte(bits, shape, dtype):
-    x = (torch.randn(shape, generator=torch.Generator().manual_seed(bits)) * 3 + 1).to(dtype)
-    scale, zero = _params(x, bits)
-    packed = kernels.quantize_reference(x, scale, zero, bits)
-    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(x.numel() * bits / 8)
-    assert torch.equal(kernels.quantize_triton(x, scale, zero, bits), packed)
-    restored = kernels.dequantize_reference(packed, scale, zero, bits, shape, dtype)
-    assert restored.dtype == dtype
-    from_triton = kernels.dequantize_triton(packed, scale, zero, bits, shape, dtype)
-    if dtype == torch.bfloat16:  # the interpreter (numpy) truncates float32 -> bfloat16; torch and CUDA round
-        torch.testing.assert_close(from_triton, restored, rtol=2**-7, atol=0)
-    else:
-        assert torch.equal(from_triton, restored)
+def test_round_trip_error_is_at_most_half_a_step_in_the_tensors_dtype(bits, dtype):
+    x = (torch.randn(4, 32, 16, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 10, 16)).to(dtype)
+    parts = q.quantize(x, q.QuantSpec(16, bits))
+    restored = q.dequantize(parts, q.QuantSpec(16, bits), dtype)
+    assert restored.dtype == dtype and restored.shape == x.shape
+    scale = parts[1]
+    rounding = 0 if dtype == torch.float32 else x.abs().float() * 2**-7  # the restored value in x's dtype
+    assert ((restored.float() - x.float()).abs() <= scale / 2 * (1 + 1e-5) + 1e-6 + rounding).all()
 
 
-def test_two_bit_codes_pack_four_to_a_byte_first_value_lowest():
-    x = torch.tensor([[0.0, 1.0, 2.0, 3.0, 1.0]]).T.repeat(1, 1).reshape(5, 1)  # one channel, five values
-    scale, zero = torch.ones(1), torch.zeros(1)
-    packed = kernels.quantize_reference(x, scale, zero, 2)
-    assert packed.tolist() == [0 | 1 << 2 | 2 << 4 | 3 << 6, 1]
-
-
-@pytest.mark.parametrize("bits, symmetric", [(b, False) for b in kernels.BITS_CHOICES] + [(b, True) for b in (2, 4, 8)])
-def test_round_trip_error_is_at_most_half_a_step(bits, symmetric):
-    x = torch.randn(128, 16, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 10, 16)
-    scale, zero = _params(x, bits, symmetric)
-    restored = kernels.dequantize_reference(kernels.quantize_reference(x, scale, zero, bits), scale, zero, bits,
-                                            x.shape, x.dtype)
-    assert ((restored - x).abs() <= scale / 2 * (1 + 1e-5) + 1e-6).all()
-
-
-def test_symmetric_zero_is_the_middle_code_and_one_bit_is_refused():
-    scale, zero = kernels.quant_params(torch.tensor([-2.0]), torch.tensor([1.0]), 4, symmetric=True)
-    assert zero.item() == 8 and scale.item() == pytest.approx(2 / 7)
-    with pytest.raises(ValueError, match="symmetric quantization needs at least 2 bits"):
-        kernels.quant_params(torch.tensor([-1.0]), torch.tensor([1.0]), 1, symmetric=True)
+def test_a_constant_channel_comes_back_exactly_and_bits_are_checked():
+    x = torch.tensor([[2.5, 0.0, -1.0], [2.5, 0.0, 3.0]])
+    spec = q.QuantSpec(3, 2)
+    restored = q.dequantize(q.quantize(x, spec), spec, x.dtype)
+    assert restored[:, 0].tolist() == [2.5, 2.5] and restored[:, 1].tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="bits must be one of 1, 2, 4, 8; got 3"):
-        kernels.quant_params(torch.tensor([-1.0]), torch.tensor([1.0]), 3)
+        q.QuantSpec(4, 3)
+    with pytest.raises(ValueError, match="chunk must be a power of two up to 256"):
+        q.QuantSpec(4, 4, chunk=48)
 
 
-@pytest.mark.parametrize("bits", kernels.BITS_CHOICES)
-def test_constant_channels_come_back_exactly(bits):
-    x = torch.tensor([[3.5, -2.0, 0.0, 1e-30]]).repeat(6, 1)
-    scale, zero = _params(x, bits)
-    assert torch.isfinite(scale).all() and (scale > 0).all()
-    restored = kernels.dequantize_reference(kernels.quantize_reference(x, scale, zero, bits), scale, zero, bits,
-                                            x.shape, x.dtype)
-    assert torch.equal(restored, x)
+def test_outlier_channels_come_back_exactly():
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    x[:, 5] *= 100
+    spec = q.QuantSpec(16, 2, outliers=2)
+    parts = q.quantize(x, spec)
+    assert 5 in parts[3].tolist() and parts[4].shape == (64, 2)
+    restored = q.dequantize(parts, spec, x.dtype)
+    assert torch.equal(restored[:, parts[3]], x[:, parts[3]])
 
 
-def test_non_finite_values_and_bounds_never_produce_nan():
-    x = torch.randn(8, 4)
-    x[0, 0], x[1, 1], x[2, 2] = float("nan"), float("inf"), float("-inf")
-    scale, zero = kernels.quant_params(torch.tensor([float("nan"), -1, float("-inf"), 0]),
-                                       torch.tensor([float("inf"), 1, 2, float("nan")]), 4)
-    assert torch.isfinite(scale).all() and torch.isfinite(zero).all()
-    for quantize, dequantize in [(kernels.quantize_reference, kernels.dequantize_reference),
-                                 (kernels.quantize_triton, kernels.dequantize_triton)]:
-        restored = dequantize(quantize(x, scale, zero, 4), scale, zero, 4, x.shape, x.dtype)
-        assert torch.isfinite(restored).all()
+@pytest.mark.parametrize("channels", [64, 40])  # 40: a last chunk of padding
+def test_each_chunk_keeps_its_farthest_value_exactly(channels):
+    x = torch.randn(32, channels, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.5, 4, channels)
+    x[3, 7] = 80.0
+    x[9, 20] = float("nan")
+    spec = q.QuantSpec(channels, 2, chunk=16)
+    low, high, mean, std, _ = q.channel_stats(x)
+    index, values = q.select_outlier_values(x, mean, std, 16)
+    assert index.dtype == torch.uint8 and index.shape == (32, -(-channels // 16))
+    deviation = ((x - mean) / std).abs().nan_to_num(float("inf"))
+    padded = torch.nn.functional.pad(deviation, (0, -channels % 16), value=-1.0)
+    assert torch.equal(index.long(), padded.reshape(32, -1, 16).argmax(-1))
+    restored = q.dequantize(q.quantize(x, spec), spec, x.dtype)
+    kept = torch.zeros_like(x, dtype=torch.bool)
+    kept.scatter_(1, (index.long() + torch.arange(0, channels, 16)).clamp_max(channels - 1), True)
+    assert torch.equal(restored[kept].nan_to_num(-1.0), x[kept].nan_to_num(-1.0))  # the NaN, exactly
+    assert restored[3, 7] == 80.0 and restored[9, 20].isnan()
+    # the rest: on a grid of mean +- 2.5 std, clamped there
+    scale = (torch.minimum(high, mean + q.SPREAD * std) - torch.maximum(low, mean - q.SPREAD * std)) / 3
+    inside = ~kept & ((x - mean).abs() <= q.SPREAD * std)
+    assert ((restored - x).abs()[inside] <= (scale / 2 * (1 + 1e-5)).expand_as(x)[inside]).all()
 
 
-def test_outlier_channels_are_restored_exactly_through_the_ops():
-    x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(3))
-    x[..., 5] *= 100
-    scale, zero = _params(x, 2)
-    ids = torch.tensor([5, 17])
-    packed, outliers = torch.ops.fxmem.quantize(x, scale, zero, ids, 2)
-    assert outliers.shape == (2, 10, 2) and packed.numel() == x.numel() // 4
-    restored = torch.ops.fxmem.dequantize(packed, outliers, scale, zero, ids, 2)
-    assert torch.equal(restored[..., ids], x[..., ids])
-    others = [c for c in range(32) if c not in (5, 17)]
-    assert ((restored - x)[..., others].abs() <= scale[others] / 2 * (1 + 1e-5)).all()
+def test_outlier_chunk_is_the_power_of_two_nearest_the_ratio():
+    assert [q.outlier_chunk(r) for r in (0.0, 0.02, 0.01, 0.1, 0.4)] == [0, 64, 128, 8, 2]
 
 
-def test_custom_ops_pass_opcheck():
-    x = torch.randn(4, 6, 8)
-    scale, zero = _params(x, 4)
-    ids = torch.tensor([1])
-    torch.library.opcheck(torch.ops.fxmem.quantize.default, (x, scale, zero, ids, 4))
-    packed, outliers = torch.ops.fxmem.quantize(x, scale, zero, ids, 4)
-    torch.library.opcheck(torch.ops.fxmem.dequantize.default, (packed, outliers, scale, zero, ids, 4))
+def test_the_traced_formulas_have_no_host_sync_and_no_data_dependent_size():
+    spec = q.QuantSpec(64, 4, outliers=1, chunk=64)
+    x = torch.randn(8, 5, 64)
+    traced = make_fx(lambda t: q.quantize(t, spec), tracing_mode="symbolic")(x)
+    aten = torch.ops.aten
+    syncing = {aten.nonzero.default, aten.item.default, aten._local_scalar_dense.default, aten.masked_select.default}
+    assert not {n.target for n in traced.graph.nodes} & syncing
+    sizes = [n.meta["val"].shape for n in traced.graph.nodes if n.op == "output" for n in n.args[0]]
+    assert all(str(s[0]) == str(sizes[0][0]) for s in sizes[:1] + sizes[4:])  # rows stay the input's symbol
 
 
-@pytest.mark.parametrize("shape", [(64, 256), (4, 50, 48), (3, 700)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_outlier_values_are_the_values_farthest_from_their_channel_mean(shape, dtype):
-    x = (torch.randn(shape, generator=torch.Generator().manual_seed(5)) ** 3).to(dtype)  # heavy tails
-    count = kernels.outlier_value_count(x.numel(), 0.01)
-    rest, positions, values = kernels.split_outlier_values(x, count)
-    rows = x.reshape(-1, shape[-1]).float()
-    deviation = ((rows - rows.mean(0)) / rows.std(0, correction=0)).abs().reshape(-1)
-    ranked = deviation.sort(descending=True).values
-    assert positions.unique().numel() == count  # the count farthest (up to rounding at the boundary)
-    assert deviation[positions.long()].min() >= ranked[count] * (1 - 1e-5)
-    assert positions.dtype == torch.int32 and values.dtype == dtype
-    assert torch.equal(values, x.reshape(-1)[positions.long()])
-    channel_means = rows.mean(0).to(dtype)[positions.long() % shape[-1]]
-    torch.testing.assert_close(rest.reshape(-1)[positions.long()], channel_means)
-    untouched = torch.ones(x.numel(), dtype=torch.bool)
-    untouched[positions.long()] = False
-    assert torch.equal(rest.reshape(-1)[untouched], x.reshape(-1)[untouched])
+def _kernels(code: str) -> list[str]:
+    """The names of the C++ kernels inductor generated: cpp_fused_<the ops it fused>_<n>."""
+    return [line.split("=")[0].strip() for line in code.splitlines() if "= async_compile.cpp_pybinding(" in line]
 
 
-def test_largest_is_exact_where_the_sampled_quantile_overshoots():
-    values = torch.rand(64 * 100)
-    values[::64] += 10  # every sampled value is large, yet only 100 are: too few candidates for 1000
-    assert set(kernels._largest(values, 1000).tolist()) == set(values.topk(1000).indices.tolist())
-    assert set(kernels._largest(values, 50).tolist()) == set(values.topk(50).indices.tolist())
+def test_inductor_fuses_the_statistics_into_the_producers_kernel_and_unpacks_in_the_consumers_bit_for_bit():
+    spec = q.QuantSpec(256, 4)
+    a, b, grad = (torch.randn(128, 256, generator=torch.Generator().manual_seed(i)) for i in range(3))
 
+    def forward(a, b):
+        y = torch.nn.functional.silu(a) * b
+        return (y, *q.quantize(y, spec))
 
-def test_outlier_value_count_is_integer_arithmetic_on_the_size():
-    assert [kernels.outlier_value_count(n, 0.01) for n in (99, 100, 6291456)] == [0, 1, 62914]
-    assert kernels.outlier_value_count(1000, 0.0) == 0
+    def backward(grad, *parts):
+        return grad * torch.sigmoid(q.dequantize(parts, spec, torch.float32))
 
-
-def test_dequantize_with_outlier_values_passes_opcheck_and_restores_them():
-    x = torch.randn(4, 6, 8)
-    scale, zero = _params(x, 4)
-    ids = torch.tensor([], dtype=torch.long)
-    packed, outliers = torch.ops.fxmem.quantize(x, scale, zero, ids, 4)
-    positions, values = torch.tensor([0, 17, 191], dtype=torch.int32), torch.tensor([9.0, -9.0, 0.5])
-    args = (packed, outliers, scale, zero, ids, 4, positions, values)
-    torch.library.opcheck(torch.ops.fxmem.dequantize.default, args)
-    restored = torch.ops.fxmem.dequantize(*args).reshape(-1)
-    assert restored[[0, 17, 191]].tolist() == [9.0, -9.0, 0.5]
-
-
-def test_outlier_values_refuse_a_tensor_their_int32_positions_cannot_address():
-    with pytest.raises(ValueError, match="at most 2\\^31 values.*set outlier_values=0"):
-        kernels.split_outlier_values(torch.empty(2**31, device="meta"), 10)
+    eager = forward(a, b)
+    compiled, (code,) = run_and_get_code(torch.compile(forward), a, b)
+    for got, want in zip(compiled, eager, strict=True):
+        assert torch.equal(got, want)  # min/max statistics: no summation order to differ in
+    # One kernel: y, its per-channel statistics, and (in one more loop over y: the codes need the statistics of
+    # every row) the packed codes; nothing else runs.
+    [producer] = _kernels(code)
+    assert all(op in producer for op in ("silu", "amax", "amin", "bitwise_or", "lshift")), producer
+    call = code.split("def call(")[1].split("\ndef ")[0]
+    assert "extern_kernels." not in call and "aten." not in call
+    restored, (code,) = run_and_get_code(torch.compile(backward), grad, *eager[1:])
+    torch.testing.assert_close(restored, backward(grad, *eager[1:]), rtol=1e-6, atol=1e-6)
+    [consumer] = _kernels(code)  # unpacking, scaling and the consumer: one kernel, no dequantized tensor
+    assert "bitwise_and" in consumer and "rshift" in consumer and "sigmoid" in consumer, consumer

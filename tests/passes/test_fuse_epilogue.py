@@ -6,7 +6,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxmem
 from fxmem.kernels import lora_epilogue
-from fxmem.kernels.quantize import quant_params
+from fxmem.kernels.quantize import QuantSpec, dequantize, quantize
 from fxmem.passes import FuseEpilogue, PassManager
 from fxmem.passes.fuse_epilogue import fuse_graph
 from fxmem.techniques import default_passes
@@ -95,40 +95,47 @@ def test_a_broadcasting_sum_and_a_symbolic_graph_are_left_alone():
     _assert_left_alone(_gelu_tanh, [x, w, xa, b], backward=False, tracing_mode="symbolic")
 
 
-def _quantized(y, bits=4):
-    scale, zero = quant_params(y.amin(0), y.amax(0), bits)
-    empty = torch.empty(0, dtype=torch.long)
-    packed, outliers = torch.ops.fxmem.quantize(y, scale, zero, empty, bits)
-    return packed, outliers, scale, zero, empty
+SPEC = QuantSpec(CHANNELS, 4)
 
 
 def _gelu_backward_graph(also_return_y):
-    def backward(grad, packed, outliers, scale, zero, ids, xa, b):
-        y = torch.ops.fxmem.dequantize(packed, outliers, scale, zero, ids, 4) + torch.mm(xa, b.permute(1, 0)) * 2.0
+    """A backward that rebuilds y = deq(X W) + 2 (X A) B^T for GELU's derivative, traced; and what the quantize
+    pass would have recorded for it: the restored X W and the saved parts it reads."""
+    def backward(grad, packed, scale, zero, ids, channel_values, index, values, xa, b):
+        y_w = dequantize((packed, scale, zero, ids, channel_values, index, values), SPEC, torch.float32)
+        y = y_w + torch.mm(xa, b.permute(1, 0)) * 2.0
         grad_y = torch.ops.aten.gelu_backward(grad, y)
         return (grad_y, y) if also_return_y else (grad_y,)
 
     generator = torch.Generator().manual_seed(1)
     y_w = torch.randn(ROWS, CHANNELS, generator=generator)
-    args = [torch.randn(ROWS, CHANNELS, generator=generator), *_quantized(y_w),
+    args = [torch.randn(ROWS, CHANNELS, generator=generator), *quantize(y_w, SPEC),
             torch.randn(ROWS, RANK, generator=generator), torch.randn(CHANNELS, RANK, generator=generator) / 4]
-    return backward, args
+    gm = make_fx(backward, tracing_mode="fake")(*args)
+    [add] = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor and n.args[0].op != "placeholder"
+             and n.args[1].target is torch.ops.aten.mul.Tensor]
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    return gm, args, backward, {add.args[0]: (*placeholders[1:4], SPEC)}
 
 
 def test_backward_gelu_rebuild_is_fused_unless_the_rebuilt_output_is_read_elsewhere():
-    backward, args = _gelu_backward_graph(also_return_y=False)
-    gm = make_fx(backward, tracing_mode="fake")(*args)
-    found = fuse_graph(gm, backward=True, on_reference=True)
+    gm, args, backward, dequantized = _gelu_backward_graph(also_return_y=False)
+    found = fuse_graph(gm, backward=True, on_reference=True, dequantized=dequantized)
     gm.recompile()
     assert [(e.kind, e.fused) for e in found] == [("gelu", True)]
     assert found[0].traffic_saved == 4 * ROWS * CHANNELS * 4  # the dequantized x W and the LoRA product
     targets = _targets(gm)
-    assert "fxmem.lora_gelu_backward.default" in targets and "fxmem.dequantize.default" not in targets
+    assert "fxmem.lora_gelu_backward.default" in targets and "aten.bitwise_and.Scalar" not in targets
     torch.testing.assert_close(gm(*args), backward(*args), rtol=1e-5, atol=1e-5)
+    # without the quantize pass's record, the same graph is not recognised as a quantized rebuild
+    gm, args, _, _ = _gelu_backward_graph(also_return_y=False)
+    assert fuse_graph(gm, backward=True, on_reference=True) == []
 
     # y itself is a graph output: the kernel would have to rebuild it once more, so nothing is fused.
-    backward, args = _gelu_backward_graph(also_return_y=True)
-    _assert_left_alone(backward, args, backward=True)
+    gm, args, _, dequantized = _gelu_backward_graph(also_return_y=True)
+    before = _targets(gm)
+    assert fuse_graph(gm, backward=True, on_reference=True, dequantized=dequantized) == []
+    assert _targets(gm) == before
 
 
 def _backend(config, on_reference):
