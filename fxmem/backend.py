@@ -8,6 +8,7 @@ min-cut partition -> saved-tensor analysis -> plan -> forward/backward rewrites.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 import time
@@ -22,10 +23,12 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.fx import GraphModule
 
-from fxmem.analysis import analyze
+from fxmem.analysis import Analysis, SavedTensor, analyze
 from fxmem.config import Config
-from fxmem.cost_model.planner import budget_note, plan_region
+from fxmem.cost_model.plan import Plan
+from fxmem.cost_model.planner import budget_bytes, budget_note, plan_region
 from fxmem.passes import PassManager, PipelineState
+from fxmem.passes.manager import copy_graph_module, tag_must_recompute
 from fxmem.region import Region
 from fxmem.report import Report
 from fxmem.techniques import default_passes, enabled_techniques
@@ -41,16 +44,35 @@ class _Partitioner(CustomPartitionerFn):
 
     def __call__(self, joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
                  ) -> tuple[GraphModule, GraphModule]:
-        region = self.region
+        region, config = self.region, self.region.config
         region.kind = "training"
-        state = PipelineState(config=region.config, joint=joint, joint_inputs=joint_inputs,
+        state = PipelineState(config=config, joint=joint, joint_inputs=joint_inputs,
                               num_fwd_outputs=kwargs["num_fwd_outputs"])
+        untouched = copy_graph_module(joint) if config.memory_budget is not None else None
         region.passes += self.passes.run("joint", state)
+        compresses = config.bits is not None or config.lowrank is not None or config.memory_budget is not None
+        # min-cut marks the graph it partitions: a copy to partition again with the planner's recomputations
+        joint_for_recompute = copy_graph_module(state.joint) if compresses else None
         fw, bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
+        recomputed: list[tuple[SavedTensor, Plan]] = []
         try:
-            state.analysis = analyze(fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices"))
-            state.plans = plan_region(state.analysis, region.config, enabled_techniques(region.config))
-            budget = budget_note(state.analysis, state.plans, region.config)
+            exact_bytes = None
+            if untouched is not None and not config.budget_in_bytes():  # the budget's fraction is of this
+                exact_fw, exact_bw = min_cut_rematerialization_partition(untouched, joint_inputs, **kwargs)
+                exact_bytes = sum(s.nbytes for s in self._analyze(exact_fw, exact_bw, kwargs).saved)
+            state.analysis = self._analyze(fw, bw, kwargs, exact_bytes)
+            state.plans = plan_region(state.analysis, config, enabled_techniques(config))
+            recomputed = [(s, p) for s, p in zip(state.analysis.saved, state.plans, strict=True)
+                          if p.action == "recompute"]
+            if recomputed:  # partition again, those tensors' chains tagged, and plan what is saved then
+                names = {node.name for _, plan in recomputed for node in plan.chain}
+                tag_must_recompute(n for n in joint_for_recompute.graph.nodes if n.name in names)
+                fw, bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)
+                state.analysis = self._analyze(fw, bw, kwargs, exact_bytes, recompute=False)
+                state.plans = plan_region(state.analysis, config, enabled_techniques(config))
+            budget = budget_note(state.analysis, state.plans, config)
+            if config.memory_budget is not None:
+                region.budget_bytes = (region.budget_bytes or 0) + budget_bytes(state.analysis, config)
         except Exception as error:  # an unforeseen graph: compile it exactly as inductor would
             note = (f"saved-tensor analysis or planning failed ({type(error).__name__}: {error}); "
                     "this region compiles as plain inductor")
@@ -65,10 +87,19 @@ class _Partitioner(CustomPartitionerFn):
         state.fw, state.bw = fw, bw
         region.passes += self.passes.run("partitioned", state)
         # Appended: inductor may partition nested subgraphs of the region through this same hook.
-        region.saved += state.analysis.saved
-        region.plans += state.plans
+        region.saved += state.analysis.saved + [saved for saved, _ in recomputed]
+        region.plans += state.plans + [plan for _, plan in recomputed]
         region.slots += state.slots
         return state.fw, state.bw
+
+    @staticmethod
+    def _analyze(fw: GraphModule, bw: GraphModule, kwargs: dict[str, Any], exact_bytes: int | None = None, *,
+                 recompute: bool = True) -> Analysis:
+        """The saved tensors of a partition; ``recompute=False``: none offered for recomputation (the planner's
+        recomputations are already in the partition)."""
+        analysis = analyze(fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices"))
+        saved = analysis.saved if recompute else [dataclasses.replace(s, recompute=None) for s in analysis.saved]
+        return dataclasses.replace(analysis, saved=saved, exact_bytes=exact_bytes)
 
     # Inductor deep-copies its config patches, and pickles them into its cache key. A copy would record into a
     # copy of the region, and both would copy the graphs the region's records point into (fake tensors refuse):

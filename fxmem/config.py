@@ -42,10 +42,13 @@ class Config:
     runlora: how a LoRA linear's forward/backward order is chosen: "off" (as traced),
         "flops" (cost model) or "time" (measured once at compile time). When on, CPU fp32 products also run in
         the library measured faster on the machine (aten's MKL or oneDNN).
-    memory_budget: cap on each compiled region's saved-activation bytes, as a fraction in (0, 1] of what it
-        saves as partitioned (at most what the exact preset saves: fxmem's recomputations shrink it first). The
-        plan quantizes further, least sensitive roles and largest tensors first, down to 2 bits, until the region
-        fits (cost_model.planner.BUDGET_STAGES); the report says whether it did. None is no cap.
+    memory_budget: the planner's target for each compiled region's saved-activation bytes: a fraction in (0, 1]
+        of what torch.compile's own partition of the region saves, or an integer number of bytes (> 1). The planner
+        starts from the exact plan and spends down to the target cheapest first: tensors backward can rebuild
+        element-wise from what stays saved, then quantization 8, 4, 2 bits, least sensitive roles and largest
+        tensors first (cost_model.planner.fit_budget); the preset's structural passes (lora_reorder, the
+        recomputed logits and attention) stay. The report says whether the target was met. None is no target:
+        the preset's plan.
     """
 
     bits: int | None = None
@@ -60,7 +63,7 @@ class Config:
     lowrank: float | int | None = None
     prenorm_sharing: bool = True
     runlora: str = "off"
-    memory_budget: float | None = None
+    memory_budget: float | int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("bits", self.bits, BITS_CHOICES + (None,))
@@ -86,8 +89,9 @@ class Config:
         if not self.prenorm_sharing and self.lowrank is None:
             raise ValueError("prenorm_sharing=False turns off a part of lowrank: set lowrank too")
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)
-        _check_fraction("memory_budget", self.memory_budget, low_open=True, high=1.0, high_open=False,
-                        allow_none=True)
+        if not _budget_in_bytes(self.memory_budget):
+            _check_fraction("memory_budget", self.memory_budget, low_open=True, high=1.0, high_open=False,
+                            allow_none=True, bytes_too=True)
 
     @classmethod
     def from_preset(cls, preset: str = "exact", **overrides: Any) -> Config:
@@ -105,6 +109,10 @@ class Config:
                              f"{', '.join(valid)} (and 'preset')")
         return dataclasses.replace(self, **overrides)
 
+    def budget_in_bytes(self) -> bool:
+        """memory_budget is a number of bytes rather than a fraction."""
+        return _budget_in_bytes(self.memory_budget)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -119,8 +127,13 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
         raise ValueError(f"{name} must be one of {shown}; got {value!r}")
 
 
+def _budget_in_bytes(value: Any) -> bool:
+    """memory_budget given in bytes: an integer above 1 (1 is the whole, as 1.0)."""
+    return isinstance(value, int) and not _is_bool(value) and value > 1
+
+
 def _check_fraction(name: str, value: Any, *, low_open: bool, high: float, high_open: bool,
-                    allow_none: bool) -> None:
+                    allow_none: bool, bytes_too: bool = False) -> None:
     if value is None and allow_none:
         return
     in_range = (isinstance(value, (int, float)) and not _is_bool(value)
@@ -128,7 +141,7 @@ def _check_fraction(name: str, value: Any, *, low_open: bool, high: float, high_
                 and (value < high if high_open else value <= high))
     if not in_range:
         interval = f"{'(' if low_open else '['}0, {high}{')' if high_open else ']'}"
-        suffix = " or None (off)" if allow_none else ""
+        suffix = (", an integer number of bytes > 1" if bytes_too else "") + (" or None (off)" if allow_none else "")
         raise ValueError(f"{name} must be a number in {interval}{suffix}; got {value!r}")
 
 

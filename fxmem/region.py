@@ -25,3 +25,4 @@ class Region:
     notes: list[str] = field(default_factory=list)
     slots: list[QuantSlot] = field(default_factory=list)  # quantization state of the saved tensors
     compile_seconds: float = 0.0
+    budget_bytes: float | None = None  # memory_budget's target in bytes, where one is set

@@ -69,6 +69,7 @@ class Report:
                 "kind": r.kind,
                 "config": r.config.to_dict(),
                 "compile_seconds": round(r.compile_seconds, 3),
+                "budget_bytes": r.budget_bytes,
                 "notes": r.notes,
                 "quantization": [slot.to_dict() for slot in r.slots],
                 "passes": [p.to_dict() for p in r.passes],
@@ -86,7 +87,7 @@ class Report:
         tensors = Table(title="Tensors saved for backward", title_justify="left")
         for column in ("region", "#", "tensor", "role", "detail", "module", "shape", "dtype"):
             tensors.add_column(column)
-        for column in ("bytes", "plan", "bits", "outliers", "rank", "after"):
+        for column in ("bytes", "plan", "bits", "outliers", "rank", "after", "price"):
             tensors.add_column(column, justify="right" if column != "plan" else "left")
         hidden = 0
         for region, saved, plan in self.rows():
@@ -98,7 +99,8 @@ class Report:
             tensors.add_row(str(region.index), str(saved.index), saved.name, saved.role.value, saved.detail,
                             saved.module.removeprefix(prefix).lstrip(".") or "(top)", saved.shape_text,
                             saved.dtype, shown, plan.action, str(plan.bits or ""), str(plan.outliers or ""),
-                            str(plan.rank or ""), format_bytes(planned_bytes(saved, plan)))
+                            str(plan.rank or ""), format_bytes(planned_bytes(saved, plan)),
+                            f"{plan.seconds * 1e3:.2f} ms" if plan.seconds else "")
         parts: list[RenderableType] = [tensors,
                                        _totals_table("By role", "role", self.by_role(), describe_roles=True),
                                        _totals_table("By layer", "layer", self.by_layer())]

@@ -31,8 +31,9 @@ def test_defaults_are_the_exact_preset():
     ("lowrank", 0, "lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1"),
     ("lowrank", True, "lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1"),
     ("runlora", "fastest", "runlora must be one of 'off', 'flops', 'time'"),
-    ("memory_budget", 0.0, "memory_budget must be a number in (0, 1.0] or None (off)"),
-    ("memory_budget", 2, "memory_budget must be a number in (0, 1.0] or None (off)"),
+    ("memory_budget", 0.0, "memory_budget must be a number in (0, 1.0], an integer number of bytes > 1 or None (off)"),
+    ("memory_budget", 1.5, "memory_budget must be a number in (0, 1.0], an integer number of bytes > 1 or None (off)"),
+    ("memory_budget", -3, "memory_budget must be a number in (0, 1.0], an integer number of bytes > 1 or None (off)"),
 ])
 def test_bad_values_name_the_valid_range(field, value, expected):
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -44,6 +45,7 @@ def test_bad_values_name_the_valid_range(field, value, expected):
 @pytest.mark.parametrize("field, value", [
     ("bits", 1), ("bits", 8), ("outlier_ratio", 0.0), ("attn_sparsity", 1.0), ("calibration_steps", 100),
     ("lowrank", 0.125), ("lowrank", 32), ("runlora", "time"), ("memory_budget", 0.5),
+    ("memory_budget", 1), ("memory_budget", 2**20),
 ])
 def test_good_values_are_accepted(field, value):
     assert getattr(Config(**{field: value}), field) == value

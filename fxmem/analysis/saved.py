@@ -22,6 +22,7 @@ from fxmem.analysis.graph import (
 from fxmem.analysis.lora import LoraLinear, find_lora_linears
 from fxmem.analysis.meta import LORA_REORDERED
 from fxmem.analysis.norm import NormUnit, norm_unit
+from fxmem.analysis.recompute import pointwise_rebuild
 from fxmem.analysis.roles import FREES_NOTHING, Role, TensorFacts, classify
 from fxmem.analysis.rope import Replay, attention_input_replay
 
@@ -54,6 +55,8 @@ class SavedTensor:
     # what the q, k or v is rebuilt from (x before RoPE, the tensor before GQA's repeat), for attention inputs
     replay: Replay | None = field(default=None, metadata=_GRAPH)
     norm: NormUnit | None = field(default=None, metadata=_GRAPH)  # the norm whose backward saves it (norm inputs)
+    # the element-wise ops that rebuild its storage from other saved storages and graph inputs, if there are any
+    recompute: tuple[Node, ...] | None = field(default=None, metadata=_GRAPH)
     rebuilt_for: str | None = None  # lora_reorder's consumer ('silu', 'q', ...) when backward rebuilds from it
     feeds_attention: str | None = None  # 'q', 'k' or 'v': attention's input, saved as it is or rebuilt from it
 
@@ -75,6 +78,7 @@ class Analysis:
     saved: list[SavedTensor]
     loras: list[LoraLinear]
     output_storages: frozenset[str] = frozenset()  # storages of the forward's user outputs (the caller holds them)
+    exact_bytes: int | None = None  # what torch.compile's own partition of the region saves, where it was measured
 
     @property
     def saved_storages(self) -> frozenset[str]:
@@ -134,6 +138,7 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             nbytes=nbytes, storage=base.name, shares_storage_with=shared_with, node=node, base=base,
             replay=attention_input_replay(base) if role is Role.ATTN_QKV else None,
             norm=norm_unit(base) if role is Role.NORM_INPUT else None, rebuilt_for=rebuilt_for,
+            recompute=pointwise_rebuild(base, saved_bases) if frees else None,
             feeds_attention=_attention_operand(role, detail, rebuilt_for)))
     outputs = fw.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]
     output_storages = frozenset(storage_base(n).name for n in outputs if isinstance(n, Node))

@@ -10,7 +10,7 @@ from torch.fx import Node
 from fxmem.analysis.norm import NormUnit
 from fxmem.analysis.rope import Replay
 
-Action = Literal["keep", "quantize", "sparsify", "lowrank", "prenorm"]
+Action = Literal["keep", "recompute", "quantize", "sparsify", "lowrank", "prenorm"]
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,11 @@ class Plan:
     rank: int = 0  # lowrank: rank of the factors of the (rows, last dimension) matrix
     exact_channels: int = 0  # prenorm: input channels (smallest |gamma|) saved exactly
     nbytes: int | None = None  # bytes after the plan (cost model), None for keep
+    seconds: float = 0.0  # what the plan adds to a step (cost model): its price against the bytes it saves
     # Graph references (left out of comparisons: plans of two compilations of one model compare equal)
     replay: Replay | None = field(default=None, compare=False)  # quantize, lowrank: compress its source instead
     norm: NormUnit | None = field(default=None, compare=False)  # prenorm: whose output's factors rebuild the input
+    chain: tuple[Node, ...] = field(default=(), compare=False)  # recompute: the forward ops backward replays
 
     @property
     def source(self) -> Node | None:
@@ -37,6 +39,6 @@ class Plan:
         return self.norm.output if self.norm is not None else None
 
     def to_dict(self) -> dict:
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("replay", "norm")}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("replay", "norm", "chain")}
         data["source"] = self.source.name if self.source is not None else None
         return {k: v for k, v in data.items() if v not in (None, 0) or k in ("action", "reason")}

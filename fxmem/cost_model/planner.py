@@ -12,11 +12,13 @@ from torch.fx import Node
 
 from fxmem.analysis import Analysis, Role, SavedTensor
 from fxmem.analysis.graph import hint, memory_order, numel_hint, storage_base, storage_bytes, tensor_val
+from fxmem.analysis.recompute import rebuild_inputs
 from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.memory import lowrank_bytes, planned_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
 from fxmem.cost_model.plan import Plan
-from fxmem.kernels.lowrank import resolve_rank
+from fxmem.cost_model.prices import lowrank_seconds, quantize_seconds, recompute_seconds
+from fxmem.kernels.lowrank import DEFAULT_NITER, resolve_rank
 from fxmem.kernels.quantize import outlier_chunk
 
 # Roles HyC-LoRA stores quantized (section 4.1): the inputs of non-linear operators and of linears.
@@ -82,6 +84,8 @@ def plan_region(analysis: Analysis, config: Config, techniques: Sequence[Techniq
     # the analysis counts a storage's bytes on its first saved tensor, its owner
     owner_plans = {storage: _plan_storage(group[0], group, analysis, config, tables_saved, techniques)
                    for storage, group in by_storage.items()}
+    if config.memory_budget is None:
+        _recompute_where_cheaper(analysis, by_storage, owner_plans)
     for technique in techniques:
         if technique.refine is not None:
             technique.refine(analysis, by_storage, owner_plans, config, tables_saved)
@@ -119,6 +123,8 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
     held = _held_as_is(owner, group, analysis, bool(techniques))
     if held is not None:
         return held
+    if config.memory_budget is not None:  # the budget's planner starts from the fastest plan and spends from there
+        return Plan("keep", "exact: memory_budget needs no bytes of it")
     # each with the RoPE tables it would save, on top of tables_saved (only the chosen plan's count)
     proposals: list[tuple[Plan, set[str]]] = []
     for technique in techniques:
@@ -168,6 +174,55 @@ def propose_sparse(owner: SavedTensor, group: list[SavedTensor], analysis: Analy
     return None
 
 
+def _recompute_plan(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
+                    chosen: set[str]) -> Plan | None:
+    """Recomputing ``owner``'s storage in backward from the saved storages and graph inputs its chain reads, if
+    those stay saved (none of them recomputed itself, ``chosen``) and it is compressible; priced by reading them
+    once more as they are planned."""
+    if owner.recompute is None or not _compressible(by_storage[owner.storage]):
+        return None
+    leaves = [n.name for n in rebuild_inputs(owner.recompute) if n.name in by_storage]
+    if any(leaf in chosen for leaf in leaves) or owner.storage in _leaves_of(chosen, by_storage):
+        return None
+    read = sum(planned_bytes(by_storage[leaf][0], owner_plans[leaf]) for leaf in leaves)
+    device = str(tensor_val(owner.base).device)
+    return Plan("recompute", f"rebuilt element-wise in backward from {', '.join(leaves) or 'graph inputs'}",
+                nbytes=0, seconds=recompute_seconds(read, device), chain=owner.recompute)
+
+
+def _leaves_of(chosen: set[str], by_storage: dict[str, list[SavedTensor]]) -> set[str]:
+    """The saved storages the recomputations of ``chosen`` read: they must stay saved."""
+    return {n.name for storage in chosen for n in rebuild_inputs(by_storage[storage][0].recompute)}
+
+
+def _compressible(group: list[SavedTensor]) -> bool:
+    return all(s.role in QUANTIZED_ROLES | LOWRANK_ROLES for s in group)
+
+
+def _recompute_where_cheaper(analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
+                             owner_plans: dict[str, Plan]) -> None:
+    """A storage planned compressed that backward can rebuild element-wise from what stays saved exactly is
+    recomputed instead when that is cheaper (cost_model/prices.py): exact where the compression was not. (From a
+    quantized input it would carry that input's error instead of its own, which is not less: a norm's output
+    quantized per channel keeps rows that its quantized input, scaled per row, rounds coarser; measured on the
+    tiny Llama, q_proj's A gradient cosine fell from 0.995 to 0.990.)"""
+    chosen: set[str] = set()
+    for storage, group in by_storage.items():
+        plan = owner_plans[storage]
+        if plan.action not in ("quantize", "lowrank"):
+            continue
+        recompute = _recompute_plan(group[0], by_storage, owner_plans, chosen)
+        if recompute is None or recompute.seconds >= plan.seconds:
+            continue
+        leaves = [owner_plans[n.name] for n in rebuild_inputs(group[0].recompute) if n.name in owner_plans]
+        if any(p.action != "keep" for p in leaves):
+            continue
+        owner_plans[storage] = dataclasses.replace(
+            recompute, reason=f"{recompute.reason}: cheaper than {plan.action} ({recompute.seconds * 1e3:.2f} vs "
+                              f"{plan.seconds * 1e3:.2f} ms)")
+        chosen.add(storage)
+
+
 def _quantizable(group: list[SavedTensor], config: Config) -> bool:
     """Every tensor of the storage has a role quantization may store; intra=False allows only what lora_reorder
     saves (x W), the paper's inter-only ablation row."""
@@ -203,8 +258,9 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(), chunk) + tables_bytes
     if nbytes >= owner.nbytes:
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
+    seconds = quantize_seconds(numel_hint(val), val.element_size(), bits, chunk, str(val.device))
     return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, chunk=chunk, replay=replay,
-                nbytes=nbytes)
+                nbytes=nbytes, seconds=seconds)
 
 
 def _refused_layout(val: torch.Tensor, inner: str, layout: str) -> Plan | None:
@@ -241,8 +297,9 @@ def _sparsify(owner: SavedTensor, ratio: float) -> Plan:
         return Plan("keep", "attention probabilities with a symbolic or strided layout are kept")
     row = val.shape[-1]
     keep = max(1, math.ceil(ratio * row))
-    return Plan("sparsify", f"largest {keep} of {row} per row kept", keep=keep,
-                nbytes=sparse_bytes(numel_hint(val), row, keep, val.element_size()))
+    nbytes = sparse_bytes(numel_hint(val), row, keep, val.element_size())
+    return Plan("sparsify", f"largest {keep} of {row} per row kept", keep=keep, nbytes=nbytes,
+                seconds=recompute_seconds(numel_hint(val) * val.element_size() + nbytes, str(val.device)))
 
 
 def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_saved: set[str]) -> Plan:  # noqa: PYI041 (int: rank, float: ratio)
@@ -267,7 +324,7 @@ def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_s
     if nbytes >= owner.nbytes:
         return Plan("keep", f"rank-{k} factors would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
     return Plan("lowrank", f"rank {k} of {width}, as {rows} x {width}{replay_reason}", rank=k, replay=replay,
-                nbytes=nbytes)
+                nbytes=nbytes, seconds=lowrank_seconds(rows, width, k, DEFAULT_NITER, str(val.device)))
 
 
 def share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
@@ -305,15 +362,27 @@ def share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], 
 
 def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
                config: Config, tables_saved: set[str]) -> None:
-    """memory_budget: take the storages that quantization may store (kept or quantized by the config's plan)
-    down BUDGET_STAGES' bit widths, the largest first within a stage, until the region's planned bytes are at
-    most the budget's share of its saved bytes. Never raises a plan's bits; stops at 2 bits (budget_note then
-    says the budget is not met)."""
-    target = config.memory_budget * sum(s.nbytes for s in analysis.saved)
+    """memory_budget: from the exact plan, spend the region down to its target cheapest first. First the storages
+    backward can rebuild element-wise from what stays saved (exact, and nearly free: cost_model/prices.py), the
+    cheapest per byte first; then quantization down BUDGET_STAGES' bit widths, the largest first within a stage.
+    Stops at 2 bits (budget_note then says the target is not met)."""
+    target = budget_bytes(analysis, config)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
-    eligible = sorted((storage for storage, group in by_storage.items()
-                       if _held_as_is(group[0], group, analysis, any_technique=True) is None
-                       and owner_plans[storage].action in ("keep", "quantize") and _quantizable(group, config)),
+    free = {storage for storage, group in by_storage.items()
+            if _held_as_is(group[0], group, analysis, any_technique=True) is None}
+    chosen: set[str] = set()
+    recomputes = [(plan.seconds / by_storage[storage][0].nbytes, storage) for storage in free
+                  if (plan := _recompute_plan(by_storage[storage][0], by_storage, owner_plans, chosen)) is not None]
+    for _, storage in sorted(recomputes):
+        if total <= target:
+            return
+        plan = _recompute_plan(by_storage[storage][0], by_storage, owner_plans, chosen)  # again: after the others
+        if plan is not None:
+            total -= planned_bytes(by_storage[storage][0], owner_plans[storage])
+            owner_plans[storage] = dataclasses.replace(plan, reason=f"{plan.reason} (memory_budget)")
+            chosen.add(storage)
+    eligible = sorted((storage for storage in free - chosen if owner_plans[storage].action in ("keep", "quantize")
+                       and _quantizable(by_storage[storage], config)),
                       key=lambda storage: -by_storage[storage][0].nbytes)
     for bits, sensitivity in BUDGET_STAGES:
         for storage in eligible:
@@ -336,6 +405,15 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
             owner_plans[storage] = dataclasses.replace(lowered, reason=f"{lowered.reason} (memory_budget)")
 
 
+def budget_bytes(analysis: Analysis, config: Config) -> float:
+    """memory_budget in bytes: as given, or its fraction of what torch.compile's own partition saves (of what the
+    region saves as partitioned where that was not measured)."""
+    if config.budget_in_bytes():
+        return config.memory_budget
+    reference = analysis.exact_bytes if analysis.exact_bytes is not None else sum(s.nbytes for s in analysis.saved)
+    return config.memory_budget * reference
+
+
 def _lowest_bits(owner: SavedTensor) -> int:
     """An X W that lora_reorder rebuilds a GELU or tanh input from stays at the width that decision assumed
     (rebuild_refusal)."""
@@ -355,10 +433,13 @@ def budget_note(analysis: Analysis, plans: list[Plan], config: Config) -> tuple[
     a budget."""
     if config.memory_budget is None:
         return None
-    saved = sum(s.nbytes for s in analysis.saved)
+    target = budget_bytes(analysis, config)
     planned = sum(planned_bytes(s, p) for s, p in zip(analysis.saved, plans, strict=True))
-    amounts = f"{planned / 2**20:.2f} of {saved / 2**20:.2f} MiB saved ({planned / saved if saved else 0:.1%})"
-    if planned <= config.memory_budget * saved:
+    reference = analysis.exact_bytes if analysis.exact_bytes is not None else sum(s.nbytes for s in analysis.saved)
+    amounts = (f"{planned / 2**20:.2f} MiB saved against a target of {target / 2**20:.2f} MiB "
+               f"({planned / reference if reference else 0:.1%} of the {reference / 2**20:.2f} MiB "
+               f"{'torch.compile saves' if analysis.exact_bytes is not None else 'saved as partitioned'})")
+    if planned <= target:
         return f"memory_budget {config.memory_budget:g}: planned {amounts}", True
     return (f"memory_budget {config.memory_budget:g} not met: planned {amounts} with every quantizable tensor at "
             "2 bits; the rest are kept exact or hold their roles' plans (loss input, x @ A, outputs)"), False

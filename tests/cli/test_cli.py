@@ -34,9 +34,10 @@ def test_inspect_with_a_memory_budget_plans_within_it_and_says_so(tmp_path, caps
                      "--json", str(out)]) == 0
     assert "memory_budget 0.5: planned" in capsys.readouterr().out
     report = json.loads(out.read_text())
-    assert report["planned_bytes"] <= 0.5 * report["activation_bytes"]
+    [region] = report["regions"]
+    assert report["planned_bytes"] <= region["budget_bytes"]
     assert cli.main(["inspect", "llama-tiny", "--memory-budget", "0"]) == 2
-    assert "memory_budget must be a number in (0, 1.0]" in capsys.readouterr().out
+    assert "memory_budget must be a number in (0, 1.0], an integer number of bytes > 1" in capsys.readouterr().out
 
 
 def test_bad_counts_are_usage_errors(capsys):

@@ -1,0 +1,45 @@
+"""Saved tensors backward can recompute for free: element by element from what it holds anyway.
+
+A norm's output is its input (saved for the norm's own backward) times the per-row statistic (saved too) times
+the weight; torch's min-cut still saves it when the next linear's backward reads it. Backward can rebuild such a
+tensor from the saved tensors and parameters it already has, with a few element-wise ops fused into whatever reads
+it: no saved byte more, no matmul. This module finds those chains; the planner prices them against compression.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Node
+
+from fxmem.analysis.graph import is_replayable_pointwise, is_view, tensor_val
+
+# Element-wise ops a free recomputation may replay: past this the chain is not the cheap kind.
+MAX_CHAIN = 16
+
+
+def pointwise_rebuild(base: Node, saved_bases: frozenset[Node]) -> tuple[Node, ...] | None:
+    """The forward nodes that rebuild the storage ``base`` element by element from other saved storages and graph
+    inputs (in graph order, ``base`` last), or None when it needs anything else (a matmul, a reduction, random
+    numbers, a forward value that is not saved) or is itself a graph input."""
+    if base.op != "call_function":
+        return None
+    chain: set[Node] = set()
+    stack = [base]
+    while stack:
+        node = stack.pop()
+        if node in chain or (node is not base and (node in saved_bases or node.op == "placeholder")):
+            continue
+        if node.op != "call_function" or not (is_replayable_pointwise(node) or is_view(node)):
+            return None
+        if len(chain) == MAX_CHAIN:
+            return None
+        chain.add(node)
+        stack.extend(a for a in node.all_input_nodes if tensor_val(a) is not None)
+    order = {n: i for i, n in enumerate(base.graph.nodes)}
+    return tuple(sorted(chain, key=order.__getitem__))
+
+
+def rebuild_inputs(chain: tuple[Node, ...]) -> list[Node]:
+    """What a chain reads from outside itself: saved storages and graph inputs."""
+    inside = set(chain)
+    return list(dict.fromkeys(a for n in chain for a in n.all_input_nodes
+                              if a not in inside and tensor_val(a) is not None))

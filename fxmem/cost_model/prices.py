@@ -1,0 +1,56 @@
+"""Seconds a plan adds to a step: what the planner weighs against the bytes the plan saves.
+
+Compressing and decompressing are memory-bound (fxmem/kernels/quantize.py's formulas, fused by inductor into
+the kernels around them): priced by the bytes they move, at the device's memory bandwidth, measured once per
+process. A free recomputation (fxmem/analysis/recompute.py) replays element-wise ops fused into whatever reads
+the tensor in backward: priced by the bytes of its inputs read once more. Low-rank factors are priced by the
+flops of their decomposition and rebuild at the device's measured matmul rate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from fxmem.timing import median, step_times
+
+_PROBE_BYTES = 2**26  # a 64 MiB copy: past the caches, a few milliseconds
+_PROBE_SIZE = 1024  # a square matmul for the flops rate
+
+
+@functools.cache
+def memory_bandwidth(device: str = "cpu") -> float:
+    """Bytes a second a large copy moves on ``device`` (read and written), measured once per process."""
+    with _disable_current_modes(), torch.no_grad():
+        source = torch.empty(_PROBE_BYTES // 4, device=device)
+        target = torch.empty_like(source)
+        seconds = median(step_times(lambda: target.copy_(source), steps=5, warmup=1, device=device))
+    return 2 * _PROBE_BYTES / max(seconds, 1e-9)
+
+
+@functools.cache
+def matmul_rate(device: str = "cpu") -> float:
+    """fp32 flops a second of a square matmul on ``device``, measured once per process."""
+    with _disable_current_modes(), torch.no_grad():
+        a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, device=device)
+        seconds = median(step_times(lambda: a @ a, steps=3, warmup=1, device=device))
+    return 2 * _PROBE_SIZE**3 / max(seconds, 1e-9)
+
+
+def quantize_seconds(numel: int, element_size: int, bits: int, chunk: int, device: str = "cpu") -> float:
+    """Forward: the statistics read the tensor, the codes read it again (the outlier values once more) and write
+    the packed bytes; backward: the consumer reads the packed bytes, which is no more than it read before."""
+    reads = 2 + (1 if chunk else 0)
+    return numel * (reads * element_size + bits / 8) / memory_bandwidth(device)
+
+
+def recompute_seconds(input_bytes: int, device: str = "cpu") -> float:
+    """A free recomputation: its inputs read once more in backward."""
+    return input_bytes / memory_bandwidth(device)
+
+
+def lowrank_seconds(rows: int, width: int, rank: int, niter: int, device: str = "cpu") -> float:
+    """The sampling decomposition's products (2 + 2 niter of rows x width x rank) and the rebuild's one."""
+    return 2 * rows * width * rank * (3 + 2 * niter) / matmul_rate(device)
