@@ -46,6 +46,7 @@ class MethodResult:
     fidelity: Fidelity | None = None  # vs eager, on the first batch
     budget: float | None = None  # activation_memory_budget, for compile-budget
     step_samples: list[float] = field(default_factory=list)
+    label: str = ""  # the method as a table shows it, where one method runs in several settings
 
     @property
     def step_seconds(self) -> float:
@@ -55,7 +56,7 @@ class MethodResult:
         return {"workload": self.workload, "method": self.method, "saved_bytes": self.saved_bytes,
                 "peak_bytes": self.peak_bytes, "static_bytes": self.static_bytes, "step_seconds": self.step_seconds,
                 "step_samples": self.step_samples, "compile_seconds": self.compile_seconds,
-                "first_loss": self.first_loss, "budget": self.budget,
+                "first_loss": self.first_loss, "budget": self.budget, "label": self.label,
                 "fidelity": self.fidelity.to_dict() if self.fidelity else None}
 
 
@@ -118,8 +119,8 @@ class _Prepared:
     step: Callable[[], None]
 
 
-def _prepare(workload: Workload, method: str, *, config: Config, device: torch.device, lora_rank: int,
-             budget: float | None, reference_grads: dict[str, torch.Tensor] | None) -> _Prepared:
+def prepare_method(workload: Workload, method: str, *, config: Config, device: torch.device, lora_rank: int,
+                   budget: float | None, reference_grads: dict[str, torch.Tensor] | None, label: str = "") -> _Prepared:
     """Build and compile one method, and measure everything but its step time."""
     setup: Setup = workload.build(device=device, lora_rank=lora_rank)
     forward = forward_for_method(method, setup.model, config, budget)
@@ -150,7 +151,7 @@ def _prepare(workload: Workload, method: str, *, config: Config, device: torch.d
     result = MethodResult(
         workload=workload.name, method=method, saved_bytes=saved, peak_bytes=peak_memory(step, device),
         static_bytes=static_bytes(setup.model, optimizer), compile_seconds=max(cold - warm, 0.0),
-        first_loss=first_losses[0], budget=budget,
+        first_loss=first_losses[0], budget=budget, label=label or method,
         fidelity=gradient_fidelity(reference_grads, grads) if reference_grads is not None else None)
     return _Prepared(result=result, grads=grads, step=step)
 
@@ -179,15 +180,21 @@ def run_workload(workload: Workload, *, preset: str = "exact", device: torch.dev
     with torch.compiler.config.patch(force_disable_caches=True):
         for method in sorted(methods, key=lambda m: m != "eager"):  # eager first: the fidelity reference
             progress(f"{workload.name}: {method}")
-            prepared[method] = _prepare(workload, method, config=config, device=device, lora_rank=lora_rank,
-                                        budget=budget if method == "compile-budget" else None,
-                                        reference_grads=reference)
+            prepared[method] = prepare_method(workload, method, config=config, device=device, lora_rank=lora_rank,
+                                              budget=budget if method == "compile-budget" else None,
+                                              reference_grads=reference)
             if method == "eager":
                 reference = prepared[method].grads
     progress(f"{workload.name}: timing {steps} interleaved steps")
-    samples = interleaved_step_times({m: p.step for m, p in prepared.items()}, steps=steps, warmup=1,
-                                     device=device)
-    for method, p in prepared.items():
-        p.result.step_samples = samples[method]
+    time_interleaved(prepared, steps=steps, device=device)
     torch._dynamo.reset()
     return [prepared[m].result for m in METHODS if m in prepared]
+
+
+def time_interleaved(prepared: dict[str, _Prepared], *, steps: int, device: torch.device) -> list[MethodResult]:
+    """Every prepared method's steps, timed interleaved (one warm-up round); their results with the samples."""
+    samples = interleaved_step_times({name: p.step for name, p in prepared.items()}, steps=steps, warmup=1,
+                                     device=device)
+    for name, p in prepared.items():
+        p.result.step_samples = samples[name]
+    return [p.result for p in prepared.values()]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 import torch
 
 from fxmem.bench.compare import METHOD_DESCRIPTIONS, METHODS, run_workload
+from fxmem.bench.frontier import DEFAULT_TARGETS, plot, run_frontier, wins
 from fxmem.cli.common import (
     add_outputs,
     add_preset,
@@ -43,6 +45,14 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
                         help="default: fxmem and all four baselines")
     parser.add_argument("--device", default=default_device())
+    parser.add_argument("--frontier", action="store_true",
+                        help="step peak against step time: fxmem (--preset, default hyclora-4bit, with memory_budget "
+                             "at each target, and hyclora-2bit) and compile-budget at the same --targets, beside "
+                             "eager, torch.compile and HF checkpointing")
+    parser.add_argument("--targets", nargs="+", type=float, default=list(DEFAULT_TARGETS), metavar="FRACTION",
+                        help="--frontier's targets, fractions of what torch.compile saves (default 0.5 0.3 0.15 0.08)")
+    parser.add_argument("--plot", type=pathlib.Path, metavar="PNG",
+                        help="--frontier: draw each workload's frontier (PNG, the workload's name appended)")
     add_outputs(parser)
     parser.set_defaults(run=run)
 
@@ -50,6 +60,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     names = args.workloads or ["llama-tiny", "llama-small"] + (["llama-7b-shape"] if device.type == "cuda" else [])
+    if args.frontier:
+        return _frontier(args, names, device)
     results = []
     with console.status("benchmarking") as status:
         for name in names:
@@ -78,3 +90,45 @@ def rows(results: list) -> list[list[str]]:
             f"{r.fidelity.median_relative_error:.1e}" if r.fidelity else "—",
             f"{r.compile_seconds:.1f}" if r.compile_seconds else "—"])
     return table
+
+
+FRONTIER_COLUMNS = ("workload", "method", "saved activations", "step peak", "step time", "vs compile",
+                    "min grad cos", "median grad rel err")
+
+
+def _frontier(args: argparse.Namespace, names: list[str], device: torch.device) -> int:
+    for target in args.targets:
+        if not 0 < target <= 1:
+            console.print(f"[red]--targets are fractions in (0, 1]; got {target}[/red]")
+            return 2
+    preset = args.preset if args.preset != "exact" else "hyclora-4bit"
+    by_workload = {}
+    with console.status("frontier") as status:
+        for name in names:
+            by_workload[name] = run_frontier(get_workload(name), targets=args.targets, preset=preset, device=device,
+                                             steps=args.steps, progress=lambda message: status.update(message))
+    rows, verdicts = [], []
+    for name, ours in by_workload.items():
+        compiled = next(r for r in ours if r.method == "compile")
+        rows += [[name, r.label, format_bytes(r.saved_bytes), format_bytes(r.peak_bytes), f"{r.step_seconds:.3f} s",
+                  f"{r.step_seconds / compiled.step_seconds:.2f}",
+                  f"{r.fidelity.min_cosine:.6f}" if r.fidelity else "(reference)",
+                  f"{r.fidelity.median_relative_error:.1e}" if r.fidelity else "—"] for r in ours]
+        for theirs, winner in wins(ours):
+            verdicts.append(f"{name}, {theirs.label} ({format_bytes(theirs.peak_bytes)}, "
+                            f"{theirs.step_seconds / compiled.step_seconds:.2f}x): " + (
+                                f"{winner.label} is below and faster ({format_bytes(winner.peak_bytes)}, "
+                                f"{winner.step_seconds / compiled.step_seconds:.2f}x)" if winner
+                                else "no fxmem point is both as low and faster"))
+        if args.plot:
+            path = args.plot.with_name(f"{args.plot.stem}-{name}{args.plot.suffix or '.png'}")
+            plot(ours, path)
+            console.print(f"wrote {path}")
+    legend = (f"targets {', '.join(f'{t:g}' for t in args.targets)} of what torch.compile saves; fxmem: {preset} "
+              f"with memory_budget at each, then hyclora-2bit; compile-budget: activation_memory_budget at each. "
+              f"{args.steps} timed steps, every method interleaved in one process.\n- step peak: {LEGEND['step peak']}"
+              "\n" + "\n".join(verdicts))
+    print_table("fxmem bench compare --frontier", FRONTIER_COLUMNS, rows, legend, args, device)
+    write_json([r for ours in by_workload.values() for r in ours], args, device, preset=preset,
+               targets=args.targets)
+    return 0
