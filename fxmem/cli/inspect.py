@@ -22,12 +22,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq", type=int_at_least(1), help="sequence length (default: the workload's, else 512)")
     parser.add_argument("--lora-rank", type=int_at_least(0), default=16, help="LoRA rank; 0 for full fine-tuning")
     add_preset(parser)
-    parser.add_argument("--memory-budget", type=float, metavar="FRACTION",
-                        help="cap saved activations at this fraction of what the model saves (see README)")
+    parser.add_argument("--memory-budget", type=_budget, metavar="TARGET",
+                        help="the planner's target for each region's saved activations: a fraction of what "
+                             "torch.compile saves, or a number of bytes (see README)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--all", action="store_true", help="also list parameters and inputs (they free nothing)")
     parser.set_defaults(run=run)
+
+
+def _budget(text: str) -> float | int:
+    """An integer is bytes, anything else a fraction (Config.memory_budget validates either)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def run(args: argparse.Namespace) -> int:

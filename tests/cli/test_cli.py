@@ -36,6 +36,9 @@ def test_inspect_with_a_memory_budget_plans_within_it_and_says_so(tmp_path, caps
     report = json.loads(out.read_text())
     [region] = report["regions"]
     assert report["planned_bytes"] <= region["budget_bytes"]
+    assert cli.main(["inspect", "llama-tiny", "--batch", "1", "--seq", "32", "--memory-budget", "100000",
+                     "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["regions"][0]["budget_bytes"] == 100_000
     assert cli.main(["inspect", "llama-tiny", "--memory-budget", "0"]) == 2
     assert "memory_budget must be a number in (0, 1.0], an integer number of bytes > 1" in capsys.readouterr().out
 
