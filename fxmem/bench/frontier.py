@@ -53,16 +53,19 @@ def run_frontier(workload: Workload, *, targets: Sequence[float] = DEFAULT_TARGE
     torch._dynamo.reset()
     warm_up_compiler()
     prepared, reference = {}, None
-    with torch.compiler.config.patch(force_disable_caches=True):
-        for point in frontier_points(targets, preset, lowest):
+    points = frontier_points(targets, preset, lowest)
+    # every compiled point is another compile of the same model class: past dynamo's limit it would run eager
+    limit = max(torch._dynamo.config.recompile_limit, len(points))
+    with torch.compiler.config.patch(force_disable_caches=True), torch._dynamo.config.patch(recompile_limit=limit):
+        for point in points:
             progress(f"{workload.name}: {point.label}")
             prepared[point.label] = prepare_method(workload, point.method, config=point.config, device=device,
                                                    lora_rank=lora_rank, budget=point.budget,
                                                    reference_grads=reference, label=point.label)
             if point.method == "eager":
                 reference = prepared[point.label].grads
-    progress(f"{workload.name}: timing {steps} interleaved steps")
-    results = time_interleaved(prepared, steps=steps, device=device)
+        progress(f"{workload.name}: timing {steps} interleaved steps")
+        results = time_interleaved(prepared, steps=steps, device=device)
     torch._dynamo.reset()
     return results
 
