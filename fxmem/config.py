@@ -20,10 +20,10 @@ class Config:
     qkv_bits: bits for attention's q, k and v when ``bits`` is set (default 8: the softmax amplifies their
         error; see docs/quantization.md); None quantizes them to ``bits`` like the rest (the paper).
     outlier_ratio: fraction of norm-input channels kept in full precision when quantizing.
-    outlier_values: about this fraction of the values of each tensor quantized below 8 bits is kept exact beside
-        the codes (dense-and-sparse): of each row, the value of every chunk of channels farthest from its channel's
-        mean in standard deviations, the chunk the power of two nearest 1 / outlier_values (0.02: 64 channels,
-        1.6%); the channel's grid then spans its mean +- 2.5 standard deviations. 0 is off.
+    outlier_values: about this fraction of the values of each tensor quantized at 2 bits or fewer is kept exact
+        beside the codes (dense-and-sparse): of each row, the value of every chunk of channels farthest from its
+        channel's mean in standard deviations, the chunk the power of two nearest 1 / outlier_values (0.02: 64
+        channels, 1.6%); the channel's grid then spans its mean +- 3 standard deviations. 0 is off.
     attn_sparsity: fraction of attention probabilities kept (eager attention); None is off.
     calibration_steps: training forwards that gather quantization statistics before freezing them.
     calibration: "dynamic" recomputes scales and outlier channels from every batch; "static" freezes
