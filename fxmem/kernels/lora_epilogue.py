@@ -57,9 +57,6 @@ def _check_quantized(prefix: str, packed: torch.Tensor, scale: torch.Tensor, zer
     """The packed Y_W, per-channel parameters and LoRA factors fit an output of ``shape``."""
     channels = shape[-1]
     rows = shape.numel() // channels
-    if channels % (8 // bits):
-        raise ValueError(f"{prefix}the kernels read packed codes in flat order: channels ({channels}) must be a "
-                         f"multiple of {8 // bits} at {bits} bits")
     expected = rows * packed_width(channels, bits)
     if packed.numel() != expected or not packed.is_contiguous():
         raise ValueError(f"{prefix}packed must hold {expected} contiguous bytes ({rows} x {channels} codes of {bits} "
@@ -141,11 +138,13 @@ def lora_gelu_forward_reference(base: torch.Tensor, xa: torch.Tensor, b: torch.T
 if triton is not None:
     @triton.jit
     def _dequantized_tile(packed_ptr, scale_ptr, zero_ptr, rows, cols, mask, channels, BITS: tl.constexpr):
-        """deq(Y_W) on a tile, as quantize.unpack: code i of the flat row-major order is in byte i // (8 // BITS)."""
-        per_byte: tl.constexpr = 8 // BITS
-        index = rows[:, None].to(tl.int64) * channels + cols[None, :]
-        packed = tl.load(packed_ptr + index // per_byte, mask=mask, other=0).to(tl.int32)
-        code = ((packed >> ((index % per_byte).to(tl.int32) * BITS)) & (2**BITS - 1)).to(tl.float32)
+        """deq(Y_W) on a tile, as quantize.unpack: channel c of a row is in its byte c % W, plane c // W (W the
+        row's bytes). The plane and byte are per column, so a row's loads are contiguous runs."""
+        width = (channels * BITS + 7) // 8
+        plane = cols // width
+        byte = rows[:, None].to(tl.int64) * width + (cols - plane * width)[None, :]
+        packed = tl.load(packed_ptr + byte, mask=mask, other=0).to(tl.int32)
+        code = ((packed >> (plane * BITS)[None, :]) & (2**BITS - 1)).to(tl.float32)
         scale = tl.load(scale_ptr + cols, mask=cols < channels, other=0.0).to(tl.float32)
         zero = tl.load(zero_ptr + cols, mask=cols < channels, other=0.0).to(tl.float32)
         return (code - zero[None, :]) * scale[None, :]

@@ -146,8 +146,8 @@ def kernel_operands(node: Node, dequantized: dict[Node, tuple]) -> KernelOperand
             continue
         if frozen in dequantized:
             packed, scale, zero, spec = dequantized[frozen]
-            if spec.outliers or spec.chunk or spec.channels % (8 // spec.bits):
-                continue  # outliers are not the kernels' input; they read the codes in flat order
+            if spec.outliers or spec.chunk:
+                continue  # outliers are not the kernels' input
             return KernelOperands(node, joined.base, xa, b, joined.scaling, (packed, scale, zero, spec.bits))
         if frozen.target in (aten.mm.default, aten.addmm.default):
             return KernelOperands(node, joined.base, xa, b, joined.scaling, None)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch._inductor.cpu_vec_isa import pick_vec_isa
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -20,19 +21,20 @@ def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) 
 
 
 @pytest.mark.parametrize("bits", q.BITS_CHOICES)
-@pytest.mark.parametrize("channels", [8, 7, 1])
-def test_codes_are_packed_along_each_row_first_in_the_lowest_bits(bits, channels):
+@pytest.mark.parametrize("channels", [8, 7, 9, 1])
+def test_codes_are_packed_in_planes_byte_j_holding_channels_j_j_plus_w_and_on_first_in_the_lowest_bits(bits, channels):
     x = torch.randn(3, channels, generator=torch.Generator().manual_seed(bits)) * 3 + 1
     scale, zero = _params(x, bits)
     packed = q.pack(x, scale, zero, bits)
-    assert packed.dtype == torch.uint8 and packed.shape == (3, q.packed_width(channels, bits))
-    per_byte, codes = 8 // bits, _codes(x, scale, zero, bits)
+    width = q.packed_width(channels, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, width)
+    codes = _codes(x, scale, zero, bits)
     for row in range(3):
         for channel in range(channels):
-            byte = int(packed[row, channel // per_byte])
-            assert (byte >> (channel % per_byte * bits)) & (2**bits - 1) == codes[row, channel]
-    padding = q.packed_width(channels, bits) * per_byte - channels  # the row's last byte: zero codes after it
-    assert int(packed[0, -1]) >> ((per_byte - padding) * bits) == 0 if padding else True
+            byte = int(packed[row, channel % width])
+            assert (byte >> (channel // width * bits)) & (2**bits - 1) == codes[row, channel]
+        for slot in range(channels, width * 8 // bits):  # padding: zero codes
+            assert (int(packed[row, slot % width]) >> (slot // width * bits)) & (2**bits - 1) == 0
 
 
 @pytest.mark.parametrize("bits", q.BITS_CHOICES)
@@ -85,7 +87,7 @@ def test_each_chunk_keeps_its_farthest_value_exactly(channels):
     kept.scatter_(1, (index.long() + torch.arange(0, channels, 16)).clamp_max(channels - 1), True)
     assert torch.equal(restored[kept].nan_to_num(-1.0), x[kept].nan_to_num(-1.0))  # the NaN, exactly
     assert restored[3, 7] == 80.0 and restored[9, 20].isnan()
-    # the rest: on a grid of mean +- 2.5 std, clamped there
+    # the rest: on a grid of mean +- SPREAD std, clamped there
     scale = (torch.minimum(high, mean + q.SPREAD * std) - torch.maximum(low, mean - q.SPREAD * std)) / 3
     inside = ~kept & ((x - mean).abs() <= q.SPREAD * std)
     assert ((restored - x).abs()[inside] <= (scale / 2 * (1 + 1e-5)).expand_as(x)[inside]).all()
@@ -111,6 +113,10 @@ def _kernels(code: str) -> list[str]:
     return [line.split("=")[0].strip() for line in code.splitlines() if "= async_compile.cpp_pybinding(" in line]
 
 
+def _source(code: str, kernel: str) -> str:
+    return code.split(f"{kernel} = ")[1].split("''')")[0]
+
+
 def test_inductor_fuses_the_statistics_into_the_producers_kernel_and_unpacks_in_the_consumers_bit_for_bit():
     spec = q.QuantSpec(256, 4)
     a, b, grad = (torch.randn(128, 256, generator=torch.Generator().manual_seed(i)) for i in range(3))
@@ -129,10 +135,17 @@ def test_inductor_fuses_the_statistics_into_the_producers_kernel_and_unpacks_in_
     # One kernel: y, its per-channel statistics, and (in one more loop over y: the codes need the statistics of
     # every row) the packed codes; nothing else runs.
     [producer] = _kernels(code)
-    assert all(op in producer for op in ("silu", "amax", "amin", "bitwise_or", "lshift")), producer
+    assert all(op in producer for op in ("silu", "amax", "amin", "floor", "clamp")), producer
     call = code.split("def call(")[1].split("\ndef ")[0]
     assert "extern_kernels." not in call and "aten." not in call
+    vectorized = bool(pick_vec_isa())  # the planes' layout is there for inductor's vectorized C++
+    assert not vectorized or "at::vec::convert<uint8_t>" in _source(code, producer)
     restored, (code,) = run_and_get_code(torch.compile(backward), grad, *eager[1:])
     torch.testing.assert_close(restored, backward(grad, *eager[1:]), rtol=1e-6, atol=1e-6)
-    [consumer] = _kernels(code)  # unpacking, scaling and the consumer: one kernel, no dequantized tensor
-    assert "bitwise_and" in consumer and "rshift" in consumer and "sigmoid" in consumer, consumer
+    # Unpacking, scaling and the consumer: one kernel, whose first loop writes the planes' codes side by side
+    # (inductor's C++ concatenates into a buffer) and whose second computes the consumer from them.
+    [consumer] = _kernels(code)
+    assert "floor" in consumer and "sigmoid" in consumer, consumer
+    source = _source(code, consumer)
+    assert source.count("#pragma omp for") == 2, source
+    assert not vectorized or "at::vec::Vectorized<uint8_t>::loadu" in source
