@@ -13,7 +13,7 @@ import functools
 import pathlib
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -27,7 +27,7 @@ from fxmem.analysis import Analysis, SavedTensor, analyze
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.planner import budget_bytes, budget_note, plan_region
-from fxmem.passes import PassManager, PipelineState
+from fxmem.passes import PassManager, PassRecord, PipelineState
 from fxmem.passes.manager import copy_graph_module, tag_must_recompute
 from fxmem.region import Region
 from fxmem.report import Report
@@ -35,6 +35,28 @@ from fxmem.techniques import default_passes, enabled_techniques
 
 Lowering = Literal["inductor", "eager"]
 LOWERINGS = ("inductor", "eager")
+
+
+# Attention is recomputed in backward only so that its saved output agrees with compressed q, k and v
+# (passes/recompute_attention.py). A memory_budget plan is made first without it, and kept when q, k and v stay
+# exact: that saves an attention forward per layer in backward where the budget is loose.
+_DEFERRED_UNDER_BUDGET = {"recompute_attention": "not run: q, k and v stay exact under memory_budget"}
+
+
+@dataclasses.dataclass
+class _Partition:
+    """One way of partitioning and planning a region: the graphs, what the planner chose, and the records."""
+
+    state: PipelineState
+    fw: GraphModule
+    bw: GraphModule
+    records: list[PassRecord]
+    recomputed: list[tuple[SavedTensor, Plan]] = dataclasses.field(default_factory=list)
+    failure: str | None = None  # the analysis or planning failed: the graphs are plain inductor's
+
+    def compresses_attention_inputs(self) -> bool:
+        return any(saved.feeds_attention is not None and plan.action not in ("keep", "recompute")
+                   for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True))
 
 
 class _Partitioner(CustomPartitionerFn):
@@ -46,20 +68,57 @@ class _Partitioner(CustomPartitionerFn):
                  ) -> tuple[GraphModule, GraphModule]:
         region, config = self.region, self.region.config
         region.kind = "training"
+        exact_bytes = None
+        if config.memory_budget is not None and not config.budget_in_bytes():  # the budget's fraction is of this
+            try:
+                exact_fw, exact_bw = min_cut_rematerialization_partition(copy_graph_module(joint), joint_inputs,
+                                                                         **kwargs)
+                exact_bytes = sum(s.nbytes for s in self._analyze(exact_fw, exact_bw, kwargs).saved)
+            except Exception:  # noqa: BLE001 (the fraction then falls back to the region's own saved bytes)
+                exact_bytes = None
+        if config.memory_budget is None:
+            chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes)
+        else:
+            chosen = self._partition(copy_graph_module(joint), joint_inputs, kwargs, exact_bytes,
+                                     deferred=_DEFERRED_UNDER_BUDGET)
+            if chosen.failure is not None or chosen.compresses_attention_inputs():
+                chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes)
+        region.passes += chosen.records
+        if chosen.failure is not None:  # an unforeseen graph: compile it exactly as inductor would
+            note = (f"saved-tensor analysis or planning failed ({chosen.failure}); "
+                    "this region compiles as plain inductor")
+            region.notes.append(note)
+            warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
+            return chosen.fw, chosen.bw
+        state = chosen.state
+        budget = budget_note(state.analysis, state.plans, config)
+        if config.memory_budget is not None:
+            region.budget_bytes = (region.budget_bytes or 0) + budget_bytes(state.analysis, config)
+        if budget is not None:
+            note, met = budget
+            region.notes.append(note)
+            if not met:
+                warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
+        region.passes += self.passes.run("partitioned", state)
+        # Appended: inductor may partition nested subgraphs of the region through this same hook.
+        region.saved += state.analysis.saved + [saved for saved, _ in chosen.recomputed]
+        region.plans += state.plans + [plan for _, plan in chosen.recomputed]
+        region.slots += state.slots
+        return state.fw, state.bw
+
+    def _partition(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
+                   exact_bytes: int | None, deferred: Mapping[str, str] | None = None) -> _Partition:
+        """The joint passes but ``deferred``, torch's min-cut, the analysis and the plan (with a second min-cut
+        for the planner's recomputations)."""
+        config = self.region.config
         state = PipelineState(config=config, joint=joint, joint_inputs=joint_inputs,
                               num_fwd_outputs=kwargs["num_fwd_outputs"])
-        untouched = copy_graph_module(joint) if config.memory_budget is not None else None
-        region.passes += self.passes.run("joint", state)
+        records = self.passes.run("joint", state, skip=deferred)
         compresses = config.bits is not None or config.lowrank is not None or config.memory_budget is not None
         # min-cut marks the graph it partitions: a copy to partition again with the planner's recomputations
         joint_for_recompute = copy_graph_module(state.joint) if compresses else None
         fw, bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
-        recomputed: list[tuple[SavedTensor, Plan]] = []
         try:
-            exact_bytes = None
-            if untouched is not None and not config.budget_in_bytes():  # the budget's fraction is of this
-                exact_fw, exact_bw = min_cut_rematerialization_partition(untouched, joint_inputs, **kwargs)
-                exact_bytes = sum(s.nbytes for s in self._analyze(exact_fw, exact_bw, kwargs).saved)
             state.analysis = self._analyze(fw, bw, kwargs, exact_bytes)
             state.plans = plan_region(state.analysis, config, enabled_techniques(config))
             recomputed = [(s, p) for s, p in zip(state.analysis.saved, state.plans, strict=True)
@@ -70,27 +129,10 @@ class _Partitioner(CustomPartitionerFn):
                 fw, bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)
                 state.analysis = self._analyze(fw, bw, kwargs, exact_bytes, recompute=False)
                 state.plans = plan_region(state.analysis, config, enabled_techniques(config))
-            budget = budget_note(state.analysis, state.plans, config)
-            if config.memory_budget is not None:
-                region.budget_bytes = (region.budget_bytes or 0) + budget_bytes(state.analysis, config)
-        except Exception as error:  # an unforeseen graph: compile it exactly as inductor would
-            note = (f"saved-tensor analysis or planning failed ({type(error).__name__}: {error}); "
-                    "this region compiles as plain inductor")
-            region.notes.append(note)
-            warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
-            return fw, bw
-        if budget is not None:
-            note, met = budget
-            region.notes.append(note)
-            if not met:
-                warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
+        except Exception as error:  # noqa: BLE001 (reported, and the region compiles as plain inductor)
+            return _Partition(state, fw, bw, records, failure=f"{type(error).__name__}: {error}")
         state.fw, state.bw = fw, bw
-        region.passes += self.passes.run("partitioned", state)
-        # Appended: inductor may partition nested subgraphs of the region through this same hook.
-        region.saved += state.analysis.saved + [saved for saved, _ in recomputed]
-        region.plans += state.plans + [plan for _, plan in recomputed]
-        region.slots += state.slots
-        return state.fw, state.bw
+        return _Partition(state, fw, bw, records, recomputed)
 
     @staticmethod
     def _analyze(fw: GraphModule, bw: GraphModule, kwargs: dict[str, Any], exact_bytes: int | None = None, *,

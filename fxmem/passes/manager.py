@@ -13,7 +13,7 @@ import copy
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -109,10 +109,14 @@ class PassManager:
                 raise ValueError(f"pass {p.name!r} has stage {p.stage!r}; valid stages: {', '.join(STAGES)}")
         self.passes = list(passes)
 
-    def run(self, stage: Stage, state: PipelineState) -> list[PassRecord]:
-        active = [p for p in self.passes if p.stage == stage and p.enabled(state.config)]
+    def run(self, stage: Stage, state: PipelineState, skip: Mapping[str, str] | None = None) -> list[PassRecord]:
+        """Run the stage's enabled passes in order; ``skip``: passes left out, each recorded with its reason."""
+        skip = skip or {}
+        enabled = [p for p in self.passes if p.stage == stage and p.enabled(state.config)]
+        skipped = [PassRecord(p.name, stage, skip[p.name], 0.0) for p in enabled if p.name in skip]
+        active = [p for p in enabled if p.name not in skip]
         if not active:
-            return []
+            return skipped
         snapshot = {key: copy_graph_module(gm) for key, gm in state.graphs(stage).items()}
         plans, slots, dequantized = list(state.plans), list(state.slots), dict(state.dequantized)
         records: list[PassRecord] = []
@@ -133,6 +137,6 @@ class PassManager:
                                           error=f"{type(error).__name__}: {error}"))
                 records.extend(PassRecord(p.name, stage, "not run: an earlier pass of this stage failed", 0.0)
                                for p in active[position + 1:])
-                return records
+                return records + skipped
             records.append(PassRecord(graph_pass.name, stage, summary, time.perf_counter() - start))
-        return records
+        return records + skipped

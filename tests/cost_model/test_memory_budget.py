@@ -50,6 +50,10 @@ def test_a_fraction_is_of_what_torch_compile_saves_and_is_spent_on_free_recomput
     assert all(p.bits == 8 and p.reason.endswith("(memory_budget)") for _, p in quantized)
     # linear, activation and product inputs suffice here: norm inputs and q, k, v stay exact
     assert {s.role for s, _ in quantized} <= {Role.LINEAR_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT}
+    # q, k and v stay exact, so attention's output is saved as torch saves it: no attention forward in backward
+    passes = {p.name: p.summary for p in region.passes}
+    assert passes["recompute_attention"] == "not run: q, k and v stay exact under memory_budget"
+    assert any(s.role is Role.ATTN_OUT for s in region.saved)
     assert gradient_fidelity(exact_grads, grads).min_cosine > 0.999
 
 
@@ -77,6 +81,9 @@ def test_the_ladder_finishes_each_stage_before_the_next_and_lowers_q_k_v_last():
     bits = {s.name: (p.bits, sensitivity.get(s.role, 0)) for s, p in _quantized(region)}
     reached = max(BUDGET_STAGES.index((b, group)) for b, group in bits.values())
     assert reached >= BUDGET_STAGES.index((4, 2))
+    # q, k and v compressed: attention reruns in backward on the values backward uses, its output not saved
+    assert {p.name: p.summary for p in region.passes}["recompute_attention"] == "2 attention op(s) recomputed in backward"
+    assert not any(s.role is Role.ATTN_OUT for s in region.saved)
     for stage_bits, group in BUDGET_STAGES[:reached]:
         assert all(b <= stage_bits for b, g in bits.values() if g == group), (stage_bits, group, bits)
 
