@@ -74,7 +74,7 @@ class _Partitioner(CustomPartitionerFn):
                 exact_fw, exact_bw = min_cut_rematerialization_partition(copy_graph_module(joint), joint_inputs,
                                                                          **kwargs)
                 exact_bytes = sum(s.nbytes for s in self._analyze(exact_fw, exact_bw, kwargs).saved)
-            except Exception:  # noqa: BLE001 (the fraction then falls back to the region's own saved bytes)
+            except Exception:  # the fraction then falls back to the region's own saved bytes
                 exact_bytes = None
         if config.memory_budget is None:
             chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes)
@@ -129,7 +129,7 @@ class _Partitioner(CustomPartitionerFn):
                 fw, bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)
                 state.analysis = self._analyze(fw, bw, kwargs, exact_bytes, recompute=False)
                 state.plans = plan_region(state.analysis, config, enabled_techniques(config))
-        except Exception as error:  # noqa: BLE001 (reported, and the region compiles as plain inductor)
+        except Exception as error:  # reported, and the region compiles as plain inductor
             return _Partition(state, fw, bw, records, failure=f"{type(error).__name__}: {error}")
         state.fw, state.bw = fw, bw
         return _Partition(state, fw, bw, records, recomputed)

@@ -47,8 +47,8 @@ class Config:
         starts from the exact plan and spends down to the target cheapest first: tensors backward can rebuild
         element-wise from what stays saved, then quantization 8, 4, 2 bits, least sensitive roles and largest
         tensors first (cost_model.planner.fit_budget); the preset's structural passes (lora_reorder, the
-        recomputed logits and attention) stay. The report says whether the target was met. None is no target:
-        the preset's plan.
+        recomputed logits) stay, and attention is recomputed only where the plan compresses q, k or v. The
+        report says whether the target was met. None is no target: the preset's plan.
     """
 
     bits: int | None = None

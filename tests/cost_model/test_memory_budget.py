@@ -82,7 +82,8 @@ def test_the_ladder_finishes_each_stage_before_the_next_and_lowers_q_k_v_last():
     reached = max(BUDGET_STAGES.index((b, group)) for b, group in bits.values())
     assert reached >= BUDGET_STAGES.index((4, 2))
     # q, k and v compressed: attention reruns in backward on the values backward uses, its output not saved
-    assert {p.name: p.summary for p in region.passes}["recompute_attention"] == "2 attention op(s) recomputed in backward"
+    passes = {p.name: p.summary for p in region.passes}
+    assert passes["recompute_attention"] == "2 attention op(s) recomputed in backward"
     assert not any(s.role is Role.ATTN_OUT for s in region.saved)
     for stage_bits, group in BUDGET_STAGES[:reached]:
         assert all(b <= stage_bits for b, g in bits.values() if g == group), (stage_bits, group, bits)
