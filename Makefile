@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/fxmem bench finetune --workload llama-tiny --steps 40
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q --durations=30  # the slowest tests, to keep the suite under 25 minutes
+	$(VENV)/bin/python -m pytest -q -n 2 --durations=30  # two workers; the slowest tests listed, to keep the suite under 25 minutes
 
 clean:
 	rm -rf $(VENV) .pytest_cache
