@@ -47,12 +47,10 @@ _DEFERRED_UNDER_BUDGET = {"recompute_attention": "not run: q, k and v stay exact
 class _Partition:
     """One way of partitioning and planning a region: the graphs, what the planner chose, and the records."""
 
-    state: PipelineState
-    fw: GraphModule
-    bw: GraphModule
+    state: PipelineState  # its fw and bw: the partitioned graphs
     records: list[PassRecord]
     recomputed: list[tuple[SavedTensor, Plan]] = dataclasses.field(default_factory=list)
-    failure: str | None = None  # the analysis or planning failed: the graphs are plain inductor's
+    failure: str | None = None  # the analysis or planning failed: the graphs are min-cut's, unplanned
 
     def compresses_attention_inputs(self) -> bool:
         return any(saved.feeds_attention is not None and plan.action not in ("keep", "recompute")
@@ -74,8 +72,9 @@ class _Partitioner(CustomPartitionerFn):
                 exact_fw, exact_bw = min_cut_rematerialization_partition(copy_graph_module(joint), joint_inputs,
                                                                          **kwargs)
                 exact_bytes = sum(s.nbytes for s in self._analyze(exact_fw, exact_bw, kwargs).saved)
-            except Exception:  # the fraction then falls back to the region's own saved bytes
-                exact_bytes = None
+            except Exception as error:
+                return self._unplanned(f"{type(error).__name__}: {error}",
+                                       *min_cut_rematerialization_partition(joint, joint_inputs, **kwargs))
         if config.memory_budget is None:
             chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes)
         else:
@@ -84,13 +83,9 @@ class _Partitioner(CustomPartitionerFn):
             if chosen.failure is not None or chosen.compresses_attention_inputs():
                 chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes)
         region.passes += chosen.records
-        if chosen.failure is not None:  # an unforeseen graph: compile it exactly as inductor would
-            note = (f"saved-tensor analysis or planning failed ({chosen.failure}); "
-                    "this region compiles as plain inductor")
-            region.notes.append(note)
-            warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
-            return chosen.fw, chosen.bw
         state = chosen.state
+        if chosen.failure is not None:
+            return self._unplanned(chosen.failure, state.fw, state.bw)
         budget = budget_note(state.analysis, state.plans, config)
         if config.memory_budget is not None:
             region.budget_bytes = (region.budget_bytes or 0) + budget_bytes(state.analysis, config)
@@ -106,6 +101,14 @@ class _Partitioner(CustomPartitionerFn):
         region.slots += state.slots
         return state.fw, state.bw
 
+    def _unplanned(self, failure: str, fw: GraphModule, bw: GraphModule) -> tuple[GraphModule, GraphModule]:
+        """An unforeseen graph in the analysis or the plan: the region compiles min-cut's partition as inductor
+        would, and the report and a warning say why."""
+        note = f"saved-tensor analysis or planning failed ({failure}); this region compiles as plain inductor"
+        self.region.notes.append(note)
+        warnings.warn(f"fxmem region {self.region.index}: {note}", stacklevel=3)
+        return fw, bw
+
     def _partition(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
                    exact_bytes: int | None, deferred: Mapping[str, str] | None = None) -> _Partition:
         """The joint passes but ``deferred``, torch's min-cut, the analysis and the plan (with a second min-cut
@@ -117,22 +120,21 @@ class _Partitioner(CustomPartitionerFn):
         compresses = config.bits is not None or config.lowrank is not None or config.memory_budget is not None
         # min-cut marks the graph it partitions: a copy to partition again with the planner's recomputations
         joint_for_recompute = copy_graph_module(state.joint) if compresses else None
-        fw, bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
+        state.fw, state.bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
         try:
-            state.analysis = self._analyze(fw, bw, kwargs, exact_bytes)
+            state.analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes)
             state.plans = plan_region(state.analysis, config, enabled_techniques(config))
             recomputed = [(s, p) for s, p in zip(state.analysis.saved, state.plans, strict=True)
                           if p.action == "recompute"]
             if recomputed:  # partition again, those tensors' chains tagged, and plan what is saved then
                 names = {node.name for _, plan in recomputed for node in plan.chain}
                 tag_must_recompute(n for n in joint_for_recompute.graph.nodes if n.name in names)
-                fw, bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)
-                state.analysis = self._analyze(fw, bw, kwargs, exact_bytes, recompute=False)
+                state.fw, state.bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)
+                state.analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=False)
                 state.plans = plan_region(state.analysis, config, enabled_techniques(config))
         except Exception as error:  # reported, and the region compiles as plain inductor
-            return _Partition(state, fw, bw, records, failure=f"{type(error).__name__}: {error}")
-        state.fw, state.bw = fw, bw
-        return _Partition(state, fw, bw, records, recomputed)
+            return _Partition(state, records, failure=f"{type(error).__name__}: {error}")
+        return _Partition(state, records, recomputed)
 
     @staticmethod
     def _analyze(fw: GraphModule, bw: GraphModule, kwargs: dict[str, Any], exact_bytes: int | None = None, *,

@@ -157,7 +157,8 @@ def test_an_unrecognised_graph_compiles_as_inductor_does():
     assert got_bytes == expected_bytes == backend.report().activation_bytes
 
 
-def test_an_analysis_failure_falls_back_to_inductor_and_says_so(monkeypatch):
+@pytest.mark.parametrize("overrides", [{}, {"memory_budget": 0.5}])  # a budget analyzes torch's own partition first
+def test_an_analysis_failure_falls_back_to_inductor_and_says_so(monkeypatch, overrides):
     def broken(*args, **kwargs):
         raise RuntimeError("synthetic analysis bug")
 
@@ -165,7 +166,7 @@ def test_an_analysis_failure_falls_back_to_inductor_and_says_so(monkeypatch):
     model, batch = tiny_model("llama", lora=True, layers=1)
     reference = loss_and_grads(torch.compile(model), model, batch)
     torch._dynamo.reset()
-    backend = fxmem.backend()
+    backend = fxmem.backend(**overrides)
     with pytest.warns(UserWarning, match="synthetic analysis bug"):
         result = loss_and_grads(torch.compile(model, backend=backend), model, batch)
     assert_same(reference, result)
