@@ -1,9 +1,11 @@
 """The torch.compile backend: inductor's own pipeline with fxmem at the partition step.
 
 Inductor runs as usual (pre-grad passes, AOTAutograd with its decompositions,
-joint-graph passes, lowering); fxmem replaces only the partitioner, through
-inductor's ``custom_partitioner_fn`` hook, with: joint rewrites -> torch's
-min-cut partition -> saved-tensor analysis -> plan -> forward/backward rewrites.
+joint-graph passes, lowering) on the graph dynamo captured, once fxmem's
+"dynamo" passes have rewritten it (the chunked loss); fxmem replaces only the
+partitioner, through inductor's ``custom_partitioner_fn`` hook, with: joint
+rewrites -> torch's min-cut partition -> saved-tensor analysis -> plan ->
+forward/backward rewrites.
 """
 
 from __future__ import annotations
@@ -208,6 +210,9 @@ class Backend:
         config = _config_with_options(self.config, options)
         region = Region(index=len(self.regions), config=config)
         self.regions.append(region)
+        state = PipelineState(config=config, dynamo=gm)
+        region.passes += self.passes.run("dynamo", state)
+        gm = state.dynamo
         patches: dict[str, Any] = {"custom_partitioner_fn": _Partitioner(region, self.passes)}
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))

@@ -49,6 +49,11 @@ class Config:
         tensors first (cost_model.planner.fit_budget); the preset's structural passes (lora_reorder, the
         recomputed logits) stay, and attention is recomputed only where the plan compresses q, k or v. The
         report says whether the target was met. None is no target: the preset's plan.
+    chunk_loss: compute an LM head and its cross-entropy a chunk of tokens at a time, so that the (tokens x
+        vocabulary) logits never exist whole (passes/chunk_loss.py). Exact; on in every preset.
+    return_logits: False returns an empty tensor where the model returns its logits (as Liger-Kernel and
+        Unsloth do in training), so that chunk_loss applies to a model that returns them, such as every HF
+        ``...ForCausalLM``; True keeps them, and such a loss is left whole.
     """
 
     bits: int | None = None
@@ -64,6 +69,8 @@ class Config:
     prenorm_sharing: bool = True
     runlora: str = "off"
     memory_budget: float | int | None = None
+    chunk_loss: bool = True
+    return_logits: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("bits", self.bits, BITS_CHOICES + (None,))
@@ -78,7 +85,7 @@ class Config:
                 or self.calibration_steps < 1:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
-        for name in ("lora_reorder", "intra", "prenorm_sharing"):
+        for name in ("lora_reorder", "intra", "prenorm_sharing", "chunk_loss", "return_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
         if self.lora_reorder and self.bits is None:

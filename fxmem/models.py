@@ -27,6 +27,8 @@ NAMED_SHAPES: dict[str, dict[str, Any]] = {
     "mistral-7b": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
                    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                    "vocab_size": 32000, "sliding_window": None},
+    "llama-3-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
     "roberta-base": {"model_type": "roberta", "hidden_size": 768, "intermediate_size": 3072,
                      "num_hidden_layers": 12, "num_attention_heads": 12, "vocab_size": 50265,
                      "max_position_embeddings": 514, "type_vocab_size": 1, "hidden_dropout_prob": 0.0,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fxmem.config import Config
 from fxmem.cost_model import planner
 from fxmem.passes import (
+    ChunkLoss,
     FuseEpilogue,
     GraphPass,
     LoraReorder,
@@ -52,17 +53,18 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("lora_reorder", ("lora_reorder",), lambda config: config.lora_reorder,
               ("lora_reorder", "fuse_epilogue")),
     Technique("runlora", ("runlora",), lambda config: config.runlora != "off", ("runlora", "onednn_matmul")),
+    Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
     Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
               (*_COMPRESSION_RECOMPUTES, "quantize"), refine=planner.fit_budget),
 )
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved,
+    ChunkLoss, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved,
     FuseEpilogue, OnednnMatmul)}
-# Joint passes first (lora_reorder tags what runlora must leave alone), then the partitioned ones: sparsify,
+# The dynamo pass first (it changes what AOTAutograd traces), then the joint passes (lora_reorder tags what runlora must leave alone), then the partitioned ones: sparsify,
 # quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses, and onednn_matmul swaps the
 # products of the finished graphs.
-PASS_ORDER = ("lora_reorder", "runlora", "recompute_logits", "recompute_attention", "sparsify_attention", "quantize",
+PASS_ORDER = ("chunk_loss", "lora_reorder", "runlora", "recompute_logits", "recompute_attention", "sparsify_attention", "quantize",
               "lowrank", "fuse_epilogue", "onednn_matmul")
 
 

@@ -24,7 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.config import Config
 from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
-from fxmem.models import build_lora_model, example_batch, hf_config
+from fxmem.cost_model.loss import chunked_loss_bytes, loss_chunk_rows, unfused_loss_bytes
+from fxmem.models import build_lora_model, example_batch, hf_config, is_causal_lm
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}  # state tensors per trainable parameter
 # Traced on fake tensors of this device, not on meta tensors: on meta, SDPA takes its math path and saves the
@@ -61,6 +62,18 @@ class WhatIf:
     adapter_dtype: torch.dtype  # PEFT keeps a bf16/fp16 model's adapters in fp32 (autocast_adapter_dtype)
     costs: list[PresetCost] = field(default_factory=list)
     lora_orders: list[tuple[LoraShape, int, OrderChoice]] = field(default_factory=list)  # (shape, layers, choice)
+    loss: LossCost | None = None  # a causal LM's loss; None for an encoder
+
+
+@dataclass(frozen=True)
+class LossCost:
+    """The LM loss at its peak (cost_model/loss.py): unfused with the logits returned, and chunked."""
+
+    tokens: int
+    vocab: int
+    unfused: int
+    chunked: int
+    chunk_rows: int
 
 
 def fake_lora_model(config: Any, rank: int, dtype: torch.dtype, fake_mode: FakeTensorMode) -> torch.nn.Module:
@@ -134,12 +147,21 @@ def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     state = OPTIMIZER_STATES[optimizer] * sum(p.numel() * 4 for p in trainable)  # optimizer state in fp32
     name = name or (model if isinstance(model, str) else config.model_type)
     result = WhatIf(name, batch, seq, rank, torch_dtype, optimizer, trainable[0].dtype,
-                    lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype))
+                    lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype),
+                    loss=loss_cost(config, batch * seq, torch_dtype) if is_causal_lm(config) else None)
     for preset in presets:
         saved, how = layer_scaled_saved_bytes(config, rank=rank, dtype=torch_dtype, batch=batch, seq=seq,
                                               preset=preset)
         result.costs.append(PresetCost(preset, weights, gradients, state, saved, how))
     return result
+
+
+def loss_cost(config: Any, tokens: int, dtype: torch.dtype) -> LossCost:
+    """The causal LM loss of ``config`` over ``tokens`` tokens, unfused and chunked."""
+    size = torch.empty((), dtype=dtype).element_size()
+    vocab, hidden = config.vocab_size, config.hidden_size
+    return LossCost(tokens, vocab, unfused_loss_bytes(tokens, vocab, size),
+                    chunked_loss_bytes(tokens, vocab, hidden, size), loss_chunk_rows(tokens, vocab, hidden, size))
 
 
 def traced_saved_bytes(config: Any, *, layers: int, rank: int, dtype: torch.dtype, batch: int, seq: int,

@@ -18,11 +18,12 @@ def test_every_pass_is_declared_once_in_the_order_and_served_by_a_technique():
 
 
 @pytest.mark.parametrize("preset, names, passes", [
-    ("exact", [], []),
-    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder"],
-     ["lora_reorder", "recompute_logits", "recompute_attention", "sparsify_attention", "quantize", "fuse_epilogue"]),
-    ("loract", ["lowrank"], ["recompute_logits", "recompute_attention", "lowrank"]),
-    ("runlora", ["runlora"], ["runlora", "onednn_matmul"]),
+    ("exact", ["chunk_loss"], ["chunk_loss"]),
+    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", "chunk_loss"],
+     ["chunk_loss", "lora_reorder", "recompute_logits", "recompute_attention", "sparsify_attention", "quantize",
+      "fuse_epilogue"]),
+    ("loract", ["lowrank", "chunk_loss"], ["chunk_loss", "recompute_logits", "recompute_attention", "lowrank"]),
+    ("runlora", ["runlora", "chunk_loss"], ["chunk_loss", "runlora", "onednn_matmul"]),
 ])
 def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order(preset, names, passes):
     config = PRESETS[preset]
@@ -32,5 +33,5 @@ def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order
 
 def test_a_memory_budget_alone_runs_the_quantize_pass_and_its_refinement():
     config = Config(memory_budget=0.5)
-    assert [t.name for t in techniques.enabled_techniques(config)] == ["memory_budget"]
+    assert [t.name for t in techniques.enabled_techniques(config)] == ["chunk_loss", "memory_budget"]
     assert "quantize" in [p.name for p in techniques.default_passes() if p.enabled(config)]

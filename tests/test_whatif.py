@@ -41,10 +41,14 @@ def test_whatif_counts_weights_gradients_state_and_lora_orders(tiny_config):
     # runlora saves no x A^T: 14 LoRA linears x 32 tokens x rank 8 floats fewer.
     assert exact.saved_activations - runlora.saved_activations == 14 * 32 * 8 * 4
     assert {count for _, count, _ in result.lora_orders} == {8, 4, 2}  # 64->64, 64->172, 172->64
+    # 32 tokens x 256 vocabulary: logits, zero gradient, log-probabilities and gradient, all float32; chunked: all
+    # 32 rows in one chunk and the head input's gradient
+    assert (result.loss.unfused, result.loss.chunked, result.loss.chunk_rows) == (
+        32 * 256 * 16, 32 * 256 * 4 + 32 * 64 * 4, 32)
 
 
 def test_whatif_refuses_unknown_models_naming_the_valid_ones():
-    with pytest.raises(ValueError, match="valid names: llama-7b, llama-13b, mistral-7b, roberta-base"):
+    with pytest.raises(ValueError, match="valid names: llama-7b, llama-13b, mistral-7b, llama-3-8b, roberta-base"):
         hf_config("llama-70b")
 
 
@@ -63,6 +67,7 @@ def test_whatif_command_prints_presets_and_plots(tiny_config, tmp_path, capsys):
                      "--presets", "exact", "hyclora-4bit", "--plot", str(plot)]) == 0
     printed = capsys.readouterr().out
     assert "hyclora-4bit" in printed and "LoRA orders" in printed and "64 -> 172, r=8" in printed
+    assert "LM loss at its peak (chunk_loss)" in printed and "32 tokens x 256 vocabulary" in printed
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

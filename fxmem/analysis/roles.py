@@ -48,6 +48,7 @@ class Role(str, Enum):
     ATTN_MASK = "attn_mask"
     ROPE_TABLE = "rope_table"
     LOSS_INPUT = "loss_input"
+    LOSS_GRADIENT = "loss_gradient"
     DROPOUT_MASK = "dropout_mask"
     SMALL = "small"
     INDEX = "index"
@@ -71,7 +72,8 @@ ROLE_DESCRIPTIONS = {
     Role.ATTN_OUT: "fused attention's output or log-sum-exp",
     Role.ATTN_MASK: "mask or bias added to attention scores",
     Role.ROPE_TABLE: "rotary-embedding cos/sin table",
-    Role.LOSS_INPUT: "logits kept for the log-softmax / cross-entropy backward",
+    Role.LOSS_INPUT: "logits kept for the cross-entropy backward, or what the loss's input follows from",
+    Role.LOSS_GRADIENT: "a gradient of the chunked loss (LM head input, weight or LoRA), computed in forward",
     Role.DROPOUT_MASK: "dropout keep-mask",
     Role.SMALL: "per-row statistic or scalar (norm rstd, softmax max/sum, loss scale)",
     Role.INDEX: "integer or boolean tensor (labels, masks, indices)",
@@ -96,6 +98,7 @@ NORM_BACKWARDS = frozenset({
 })
 SOFTMAXES = frozenset({"_softmax", "softmax", "_safe_softmax"})
 LOG_SOFTMAXES = frozenset({"_log_softmax", "log_softmax"})
+LOSS_OPS = LOG_SOFTMAXES | {"linear_cross_entropy"}  # the chunked loss: fxmem.kernels.linear_cross_entropy
 # Pointwise ops that make a hand-written activation (GPT-2's tanh GELU, x * sigmoid(x)).
 NONLINEAR_POINTWISE = frozenset({"tanh", "exp", "sigmoid", "erf", "log1p", "expm1", "sin", "cos"})
 BATCHED_MATMULS = frozenset({aten.bmm.default, aten.baddbmm.default})
@@ -145,6 +148,14 @@ def _dropout_mask(f: TensorFacts) -> Match | None:
     if f.val.dtype == torch.bool and (original_op(f.base) == "native_dropout"
                                      or "native_dropout_backward" in f.bw_ops()):
         return Role.DROPOUT_MASK, ""
+    return None
+
+
+def _loss_gradient(f: TensorFacts) -> Match | None:
+    base = f.base
+    if base.target is operator.getitem and isinstance(base.args[0], Node) \
+            and original_op(base.args[0]) == "linear_cross_entropy":
+        return Role.LOSS_GRADIENT, ("", "head input", "head weight", "head LoRA A", "head LoRA B")[base.args[1]]
     return None
 
 
@@ -264,23 +275,25 @@ def _loss_input(f: TensorFacts) -> Match | None:
         return None
     if _feeds(f.base, LOG_SOFTMAXES, depth=2):
         return Role.LOSS_INPUT, "logits"
-    if _logits_recomputed_from(f.base, f.saved_bases):
-        return Role.LOSS_INPUT, "the logits are recomputed from it"
+    if _reaches_loss(f.base, f.saved_bases):
+        return Role.LOSS_INPUT, "the loss's input follows from it"
     return None
 
 
-def _logits_recomputed_from(base: Node, saved_bases: frozenset[Node], depth: int = 16) -> bool:
-    """Does a log-softmax's input follow from ``base`` by ops that no other saved tensor cuts?
+def _reaches_loss(base: Node, saved_bases: frozenset[Node], depth: int = 16) -> bool:
+    """Does a log-softmax's input, or the chunked loss's (passes/chunk_loss.py), follow from ``base`` by ops
+    that no other saved tensor cuts?
 
-    Then the backward rebuilds the logits from ``base`` (recompute_logits makes that the case for the
-    LM head) and its error reaches every gradient through the loss.
+    Then the backward rebuilds the logits from ``base`` (recompute_logits makes that the case for the LM head),
+    or rebuilds from it what the loss's gradient flows back through (the final norm), and its error reaches
+    every gradient.
     """
     frontier, seen = [base], {base}
     for _ in range(depth):
         next_frontier = []
         for node in frontier:
             for user in node.users:
-                if original_op(user) in LOG_SOFTMAXES:
+                if original_op(user) in LOSS_OPS:
                     return True
                 if user not in seen and user.op == "call_function" and user not in saved_bases:
                     seen.add(user)
@@ -346,7 +359,7 @@ def _small_or_index(f: TensorFacts) -> Match | None:
 
 
 RULES: tuple[Callable[[TensorFacts], Match | None], ...] = (
-    _parameter, _lora_base_output, _dropout_mask, _fused_attention, _lora_intermediate, _eager_attention, _norm,
+    _parameter, _loss_gradient, _lora_base_output, _dropout_mask, _fused_attention, _lora_intermediate, _eager_attention, _norm,
     _activation, _loss_input, _rope_table, _product, _linear_input, _small_or_index, _recompute_source,
 )
 

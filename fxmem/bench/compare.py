@@ -157,16 +157,17 @@ def prepare_method(workload: Workload, method: str, *, config: Config, device: t
 
 
 def run_workload(workload: Workload, *, preset: str = "exact", device: torch.device | str = "cpu", steps: int = 5,
-                 lora_rank: int = 16, methods: Sequence[str] = METHODS,
+                 lora_rank: int = 16, methods: Sequence[str] = METHODS, return_logits: bool = True,
                  progress: Callable[[str], None] = lambda message: None) -> list[MethodResult]:
     """Every method on one workload, all kept alive so that their steps are timed interleaved.
 
-    Fidelity is measured against eager's gradients on the same batch and weights.
+    Fidelity is measured against eager's gradients on the same batch and weights. ``return_logits=False``: fxmem
+    returns no logits (Config.return_logits), so it chunks the loss; the step reads only the loss.
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; valid methods: {', '.join(METHODS)}")
-    config = Config.from_preset(preset)
+    config = Config.from_preset(preset, return_logits=return_logits)
     device = torch.device(device)
     budget = None
     if "compile-budget" in methods:

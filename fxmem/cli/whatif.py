@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
                          "folded into W, so the choice is among forward1 and the backward orders with a split dX")
     sections = [(title, columns, rows, legend),
                 ("LoRA orders (runlora preset, FLOPs chooser)", order_columns, order_rows, order_legend)]
+    if result.loss is not None:
+        sections.append(_loss_section(result))
     for section in sections:
         show_table(*section)
     console.print(provenance_line(run_metadata(args)))
@@ -88,3 +90,22 @@ def run(args: argparse.Namespace) -> int:
         plot(result, args.plot)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _loss_section(result) -> tuple:
+    """The LM loss at its peak beside each preset's total: unfused (the model returns its logits) and chunked."""
+    loss = result.loss
+    columns = ["preset", "total", "unfused loss", "share of peak", "chunked loss", "share of peak", "peak saved"]
+    rows = []
+    for cost in result.costs:
+        unfused, chunked = cost.total + loss.unfused, cost.total + loss.chunked
+        rows.append([cost.preset, format_bytes(cost.total), format_bytes(loss.unfused),
+                     f"{loss.unfused / unfused:.0%}", format_bytes(loss.chunked), f"{loss.chunked / chunked:.0%}",
+                     f"{1 - chunked / unfused:.0%}"])
+    legend = (f"{loss.tokens} tokens x {loss.vocab} vocabulary. Peak: the preset's total plus the loss at its "
+              "peak (cost_model/loss.py). Unfused: what the loss holds when the model returns its logits (every "
+              "HF ...ForCausalLM), as torch.compile runs it and as fxmem leaves it by default: the logits, their "
+              "float32 log-probabilities and gradient, and the logits' zero gradient. Chunked: fxmem's chunk_loss "
+              f"with return_logits=False, {loss.chunk_rows} tokens of float32 logits at a time and the head "
+              "input's gradient")
+    return "LM loss at its peak (chunk_loss)", columns, rows, legend

@@ -1,6 +1,7 @@
 """Graph rewrites, one file per pass family, run in order by the pass manager (fxmem.techniques declares the
 order and which technique enables each)."""
 
+from fxmem.passes.chunk_loss import ChunkLoss
 from fxmem.passes.fuse_epilogue import FuseEpilogue
 from fxmem.passes.lora_reorder import LoraReorder
 from fxmem.passes.lowrank import LowRankSaved
@@ -12,5 +13,5 @@ from fxmem.passes.recompute_logits import RecomputeLogits
 from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
-__all__ = ["FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord",
+__all__ = ["ChunkLoss", "FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord",
            "PipelineState", "QuantizeSaved", "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention"]

@@ -1,8 +1,9 @@
 """Runs named graph passes in order, stage by stage, and records what each did.
 
-Two stages: "joint" passes rewrite the joint forward+backward graph before
-torch's min-cut partition; "partitioned" passes rewrite the forward and backward
-graphs after it, with the saved-tensor analysis and plan in hand. A pass that
+Three stages: "dynamo" passes rewrite the torch-level graph dynamo captured,
+before AOTAutograd traces it; "joint" passes rewrite the joint forward+backward
+graph before torch's min-cut partition; "partitioned" passes rewrite the forward
+and backward graphs after it, with the saved-tensor analysis and plan in hand. A pass that
 raises is recorded and its whole stage is rolled back, so the region compiles
 as inductor would have compiled it: a bug in a pass never breaks a training run.
 """
@@ -26,8 +27,8 @@ from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.kernels.calibration import QuantSlot
 
-Stage = Literal["joint", "partitioned"]
-STAGES: tuple[Stage, ...] = ("joint", "partitioned")
+Stage = Literal["dynamo", "joint", "partitioned"]
+STAGES: tuple[Stage, ...] = ("dynamo", "joint", "partitioned")
 
 
 @dataclass
@@ -35,8 +36,9 @@ class PipelineState:
     """What passes read and rewrite for one compiled region."""
 
     config: Config
-    joint: GraphModule
-    joint_inputs: Sequence[Any]
+    joint: GraphModule | None = None
+    joint_inputs: Sequence[Any] = ()
+    dynamo: GraphModule | None = None  # the "dynamo" stage's graph
     num_fwd_outputs: int = 0  # the forward's user outputs; saved tensors follow them
     fw: GraphModule | None = None
     bw: GraphModule | None = None
@@ -47,6 +49,8 @@ class PipelineState:
     dequantized: dict[Node, tuple] = field(default_factory=dict)
 
     def graphs(self, stage: Stage) -> dict[str, GraphModule]:
+        if stage == "dynamo":
+            return {"dynamo": self.dynamo}
         return {"joint": self.joint} if stage == "joint" else {"fw": self.fw, "bw": self.bw}
 
 

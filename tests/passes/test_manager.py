@@ -39,6 +39,15 @@ class Breaks(GraphPass):
         raise RuntimeError("synthetic pass bug")
 
 
+class BreaksDynamo(GraphPass):
+    name, stage = "breaks-dynamo", "dynamo"
+
+    def run(self, state: PipelineState) -> str:
+        graph = state.dynamo.graph
+        graph.erase_node(next(n for n in graph.nodes if n.op == "output"))
+        raise RuntimeError("synthetic dynamo-stage bug")
+
+
 class NeverEnabled(GraphPass):
     name, stage = "never", "joint"
 
@@ -86,6 +95,15 @@ def test_a_failing_pass_rolls_its_stage_back_and_is_reported():
     assert "synthetic pass bug" in backend.report().table()
 
 
+def test_a_failing_dynamo_pass_leaves_dynamos_graph_to_compile_as_captured():
+    model, x, expected = _model_and_reference()
+    backend = Backend(passes=PassManager([BreaksDynamo(), CountSavedTensors()]))
+    _run(backend, model, x, expected)
+    records = {r.name: r for r in backend.regions[0].passes}
+    assert records["breaks-dynamo"].error == "RuntimeError: synthetic dynamo-stage bug"
+    assert records["count-saved"].error is None
+
+
 def test_a_pass_with_an_unknown_stage_is_refused():
     class Wrong(GraphPass):
         name, stage = "wrong", "lowering"
@@ -93,7 +111,7 @@ def test_a_pass_with_an_unknown_stage_is_refused():
         def run(self, state):
             return ""
 
-    with pytest.raises(ValueError, match="pass 'wrong' has stage 'lowering'; valid stages: joint, partitioned"):
+    with pytest.raises(ValueError, match="pass 'wrong' has stage 'lowering'; valid stages: dynamo, joint, partitioned"):
         PassManager([Wrong()])
 
 

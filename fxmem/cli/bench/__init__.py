@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from fxmem.cli.bench import ablate, compare, finetune, hift, loqt, lora, lowrank_error, lowrank_saved, profile
+from fxmem.cli.bench import ablate, compare, finetune, hift, loqt, lora, loss, lowrank_error, lowrank_saved, profile
 
-EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, hift, loqt,
+EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
                                                   lowrank_error, lowrank_saved)}
 
 

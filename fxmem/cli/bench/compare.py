@@ -45,6 +45,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
                         help="default: fxmem and all four baselines")
     parser.add_argument("--device", default=default_device())
+    parser.add_argument("--drop-logits", action="store_true",
+                        help="fxmem returns an empty tensor in place of the model's logits (return_logits=False), "
+                             "so that it chunks the loss; the step reads only the loss")
     parser.add_argument("--frontier", action="store_true",
                         help="step peak against step time: fxmem (--preset, default hyclora-4bit, with memory_budget "
                              "at each target, and hyclora-2bit) and compile-budget at the same --targets, beside "
@@ -66,11 +69,13 @@ def run(args: argparse.Namespace) -> int:
     with console.status("benchmarking") as status:
         for name in names:
             results += run_workload(get_workload(name), preset=args.preset, device=device, steps=args.steps,
-                                    methods=args.methods, progress=lambda message: status.update(message))
-    legend = f"preset {args.preset}; {args.steps} timed steps\n" + "\n".join(
+                                    methods=args.methods, return_logits=not args.drop_logits,
+                                    progress=lambda message: status.update(message))
+    logits = "; fxmem returns no logits (--drop-logits)" if args.drop_logits else ""
+    legend = f"preset {args.preset}{logits}; {args.steps} timed steps\n" + "\n".join(
         f"- {name}: {meaning}" for name, meaning in {**METHOD_DESCRIPTIONS, **LEGEND}.items())
     print_table("fxmem bench compare", COLUMNS, rows(results), legend, args, device)
-    write_json(results, args, device, preset=args.preset)
+    write_json(results, args, device, preset=args.preset, return_logits=not args.drop_logits)
     return 0
 
 

@@ -1,0 +1,104 @@
+import pytest
+import torch
+
+from fxmem.kernels.linear_cross_entropy import HeadLora, linear_cross_entropy, linear_cross_entropy_reference
+from fxmem.measure import peak_memory
+
+TOKENS, HIDDEN, VOCAB, RANK = 37, 16, 50, 4
+
+
+def _inputs(dtype, *, lora: bool, train_weight: bool = True, ignored_every: int = 5, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(TOKENS, HIDDEN, generator=generator).to(dtype).requires_grad_()
+    weight = (torch.randn(VOCAB, HIDDEN, generator=generator) * 0.3).to(dtype).requires_grad_(train_weight)
+    target = torch.randint(0, VOCAB, (TOKENS,), generator=generator)
+    target[::ignored_every] = -100
+    head_lora = None
+    if lora:
+        head_lora = HeadLora(torch.randn(RANK, HIDDEN, generator=generator).to(dtype).requires_grad_(),
+                             torch.randn(VOCAB, RANK, generator=generator).to(dtype).requires_grad_(), 0.5)
+    return x, weight, target, head_lora
+
+
+def _loss_and_grads(loss_fn, x, weight, target, lora, **kwargs):
+    trained = [t for t in (x, weight, *(lora[:2] if lora else ())) if t.requires_grad]
+    loss = loss_fn(x, weight, target, lora=lora, **kwargs)
+    return loss.detach(), torch.autograd.grad(loss * 1.7, trained)  # a loss scaled downstream, as by an optimizer
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("chunk_rows", [1, 8, TOKENS, 1000])  # chunk edges: one row, uneven, whole, beyond
+def test_chunked_loss_and_gradients_match_the_unfused_reference(dtype, tolerance, reduction, lora, chunk_rows):
+    x, weight, target, head_lora = _inputs(dtype, lora=lora)
+    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_reference, x, weight, target, head_lora,
+                                          reduction=reduction)
+    loss, grads = _loss_and_grads(linear_cross_entropy, x, weight, target, head_lora, reduction=reduction,
+                                  chunk_rows=chunk_rows)
+    assert loss.dtype == torch.float32
+    assert abs(float(loss - ref_loss)) <= 1e-5 * abs(float(ref_loss)) * (1 if dtype == torch.float32 else 10)
+    assert len(grads) == len(ref_grads)
+    for grad, ref in zip(grads, ref_grads):
+        assert grad.dtype == ref.dtype
+        assert _relative_error(grad, ref) < tolerance
+
+
+def test_a_frozen_weight_gets_no_gradient_and_ignored_tokens_none_at_all():
+    x, weight, target, _ = _inputs(torch.float32, lora=False, train_weight=False, ignored_every=2)
+    loss = linear_cross_entropy(x, weight, target, chunk_rows=8)
+    loss.backward()
+    assert weight.grad is None
+    assert torch.all(x.grad[::2] == 0) and torch.all(x.grad[1::2].abs().sum(1) > 0)
+
+
+def test_every_token_ignored_gives_torchs_nan_mean_and_zero_gradients():
+    x, weight, target, _ = _inputs(torch.float32, lora=False, ignored_every=1)
+    ref = linear_cross_entropy_reference(x, weight, target)
+    loss = linear_cross_entropy(x, weight, target, chunk_rows=8)
+    assert torch.isnan(ref) and torch.isnan(loss)
+    loss.backward()
+    assert torch.all(x.grad == 0) and torch.all(weight.grad == 0)
+
+
+def test_a_sum_over_a_custom_ignore_index_matches_torch():
+    x, weight, target, _ = _inputs(torch.float32, lora=False)
+    target[target == -100] = 7
+    ref = linear_cross_entropy_reference(x, weight, target, ignore_index=7, reduction="sum")
+    assert torch.allclose(linear_cross_entropy(x, weight, target, ignore_index=7, reduction="sum", chunk_rows=5),
+                          ref, rtol=1e-6)
+
+
+def test_the_step_never_holds_the_whole_logits():
+    tokens, vocab = 512, 4096
+    x = torch.randn(tokens, 64, requires_grad=True)
+    weight = torch.randn(vocab, 64) * 0.1
+    target = torch.randint(0, vocab, (tokens,))
+    logits = tokens * vocab * 4
+
+    def step(loss_fn, **kwargs):
+        return lambda: loss_fn(x, weight, target, **kwargs).backward()
+
+    assert peak_memory(step(linear_cross_entropy_reference), "cpu") >= 2 * logits  # logits + log-probabilities
+    chunked = peak_memory(step(linear_cross_entropy, chunk_rows=64), "cpu")
+    assert chunked < logits / 4  # a chunk of logits (1/8) and the input's gradient
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"reduction": "none"}, "reduction must be one of mean, sum; got 'none'"),
+    ({"chunk_rows": 0}, "chunk_rows must be >= 1; got 0"),
+])
+def test_bad_arguments_are_refused_naming_the_valid_ones(kwargs, message):
+    x, weight, target, _ = _inputs(torch.float32, lora=False)
+    with pytest.raises(ValueError, match=message):
+        linear_cross_entropy(x, weight, target, **kwargs)
+
+
+def test_mismatched_shapes_are_refused():
+    x, weight, target, _ = _inputs(torch.float32, lora=False)
+    with pytest.raises(ValueError, match=r"expected x \(tokens, hidden\).*got \(37, 16\), \(50, 16\) and \(36,\)"):
+        linear_cross_entropy(x, weight, target[1:])
