@@ -41,10 +41,10 @@ def test_whatif_counts_weights_gradients_state_and_lora_orders(tiny_config):
     # runlora saves no x A^T: 14 LoRA linears x 32 tokens x rank 8 floats fewer.
     assert exact.saved_activations - runlora.saved_activations == 14 * 32 * 8 * 4
     assert {count for _, count, _ in result.lora_orders} == {8, 4, 2}  # 64->64, 64->172, 172->64
-    # 32 tokens x 256 vocabulary: logits, zero gradient, log-probabilities and gradient, all float32; chunked: all
-    # 32 rows in one chunk and the head input's gradient
+    # 32 tokens x 256 vocabulary: logits, log-probabilities and gradient, all float32; chunked: all 32 rows in one
+    # chunk and the head input's gradient
     assert (result.loss.unfused, result.loss.chunked, result.loss.chunk_rows) == (
-        32 * 256 * 16, 32 * 256 * 4 + 32 * 64 * 4, 32)
+        32 * 256 * 12, 32 * 256 * 4 + 32 * 64 * 4, 32)
 
 
 def test_whatif_refuses_unknown_models_naming_the_valid_ones():

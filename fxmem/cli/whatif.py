@@ -105,7 +105,7 @@ def _loss_section(result) -> tuple:
     legend = (f"{loss.tokens} tokens x {loss.vocab} vocabulary. Peak: the preset's total plus the loss at its "
               "peak (cost_model/loss.py). Unfused: what the loss holds when the model returns its logits (every "
               "HF ...ForCausalLM), as torch.compile runs it and as fxmem leaves it by default: the logits, their "
-              "float32 log-probabilities and gradient, and the logits' zero gradient. Chunked: fxmem's chunk_loss "
+              "float32 log-probabilities and gradient. Chunked: fxmem's chunk_loss "
               f"with return_logits=False, {loss.chunk_rows} tokens of float32 logits at a time and the head "
               "input's gradient")
     return "LM loss at its peak (chunk_loss)", columns, rows, legend

@@ -5,7 +5,7 @@ from fxmem.bench.loss import LOSS_METHODS, LossShape, run_loss
 
 
 def test_every_loss_method_matches_the_unfused_loss_and_fxmem_holds_less_than_the_whole_logits():
-    results = run_loss(LossShape(tokens=512, hidden=32, vocab=2048), steps=1)
+    results = run_loss(LossShape(tokens=1024, hidden=32, vocab=2048), steps=1)
     assert [r.method for r in results] == list(LOSS_METHODS)
     by_method = {r.method: r for r in results}
     for r in results:
@@ -14,7 +14,7 @@ def test_every_loss_method_matches_the_unfused_loss_and_fxmem_holds_less_than_th
     fxmem = by_method["fxmem"]
     for whole in ("unfused", "unfused-compile", "linear-cross-entropy"):
         assert fxmem.peak_bytes < by_method[whole].peak_bytes / 2, whole
-    assert fxmem.peak_bytes < 512 * 2048 * 4  # less than the whole logits
+    assert fxmem.peak_bytes < 1024 * 2048 * 4 / 2  # four chunks of 256 rows: a quarter of the logits, and the gradient
 
 
 def test_unknown_loss_methods_are_refused_naming_the_valid_ones():

@@ -14,8 +14,8 @@ def test_a_chunk_is_as_large_as_the_head_input_within_the_floor_and_the_tokens(t
     assert loss_chunk_rows(tokens, vocab, hidden, element_size) == rows
 
 
-def test_the_chunked_loss_holds_a_chunk_and_the_input_gradient_where_the_unfused_holds_four_logits():
+def test_the_chunked_loss_holds_a_chunk_and_the_input_gradient_where_the_unfused_holds_three_logits():
     tokens, vocab, hidden = 4096, 128256, 4096
-    assert unfused_loss_bytes(tokens, vocab, 2) == tokens * vocab * (2 + 2 + 4 + 4)
+    assert unfused_loss_bytes(tokens, vocab, 2) == tokens * vocab * (2 + 4 + 4)
     assert chunked_loss_bytes(tokens, vocab, hidden, 2) == 256 * vocab * (4 + 2) + tokens * hidden * 2
     assert chunked_loss_bytes(tokens, vocab, hidden, 2) < logits_bytes(tokens, vocab) / 8
