@@ -17,11 +17,13 @@ ever materialized for backward.
 Each op has a torch reference (the CPU path, and the oracle the tests hold the
 Triton kernels to) and a Triton kernel used on CUDA: a 2-D tile of rows x
 channels that dequantizes (or loads) Y_W, computes its tile of (XA) B^T with
-tl.dot over r padded to a power of two >= 16, and applies the activation, all
+tl.dot over r in steps of 16, and applies the activation, all
 in fp32. Outputs take the dtype of the op's first tensor argument.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -34,7 +36,7 @@ except ImportError:  # a CPU-only install: the torch reference is the only path,
     triton = None
 
 GELU_APPROXIMATIONS = ("none", "tanh")
-# The Triton kernels hold all of r in one tile (padded to a power of two): LoRA ranks, not full matmuls.
+# LoRA ranks only: past this the (XA) B^T product is a full matmul, for cuBLAS rather than an epilogue.
 MAX_RANK = 256
 
 
@@ -155,16 +157,19 @@ if triton is not None:
         return tl.load(base_ptr + index, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _lora_tile(xa_ptr, b_ptr, scaling, rows, cols, n_rows, channels, rank,
-                   BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """s (XA) B^T on a tile; r is padded to BLOCK_R with zeros, which add nothing to the product."""
-        k = tl.arange(0, BLOCK_R)
-        xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * rank + k[None, :],
-                     mask=(rows[:, None] < n_rows) & (k[None, :] < rank), other=0.0)
-        b_t = tl.load(b_ptr + cols[None, :].to(tl.int64) * rank + k[:, None],
-                      mask=(k[:, None] < rank) & (cols[None, :] < channels), other=0.0)
-        # fp32 operands (the interpreter multiplies bf16 operands as their raw bits).
-        product = tl.dot(xa.to(tl.float32), b_t.to(tl.float32), input_precision=DOT_PRECISION)
+    def _lora_tile(xa_ptr, b_ptr, scaling, rows, cols, n_rows, channels, rank, BLOCK_N: tl.constexpr,
+                   BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """s (XA) B^T on a tile, over r in steps of BLOCK_K: registers hold one step's operands at any rank (all
+        of r at once spilled at rank 256). Past r the operands load as zeros, which add nothing."""
+        product = tl.zeros((BLOCK_N, BLOCK_O), dtype=tl.float32)
+        for start in range(0, rank, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * rank + k[None, :],
+                         mask=(rows[:, None] < n_rows) & (k[None, :] < rank), other=0.0)
+            b_t = tl.load(b_ptr + cols[None, :].to(tl.int64) * rank + k[:, None],
+                          mask=(k[:, None] < rank) & (cols[None, :] < channels), other=0.0)
+            # fp32 operands (the interpreter multiplies bf16 operands as their raw bits).
+            product += tl.dot(xa.to(tl.float32), b_t.to(tl.float32), input_precision=DOT_PRECISION)
         return scaling * product
 
     @triton.jit
@@ -187,17 +192,17 @@ if triton is not None:
             grad_h_ptr, gate_packed_ptr, gate_scale_ptr, gate_zero_ptr, gate_xa_ptr, gate_b_ptr, gate_scaling,
             up_packed_ptr, up_scale_ptr, up_zero_ptr, up_xa_ptr, up_b_ptr, up_scaling,
             grad_gate_ptr, grad_up_ptr, h_ptr, n_rows, channels, gate_rank, up_rank,
-            BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, GATE_BLOCK_R: tl.constexpr,
-            UP_BLOCK_R: tl.constexpr, GATE_DOT_PRECISION: tl.constexpr, UP_DOT_PRECISION: tl.constexpr):
+            BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+            GATE_DOT_PRECISION: tl.constexpr, UP_DOT_PRECISION: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < channels)
         gate = _dequantized_tile(gate_packed_ptr, gate_scale_ptr, gate_zero_ptr, rows, cols, mask, channels, BITS)
         gate += _lora_tile(gate_xa_ptr, gate_b_ptr, gate_scaling, rows, cols, n_rows, channels, gate_rank,
-                           GATE_BLOCK_R, GATE_DOT_PRECISION)
+                           BLOCK_N, BLOCK_O, BLOCK_K, GATE_DOT_PRECISION)
         up = _dequantized_tile(up_packed_ptr, up_scale_ptr, up_zero_ptr, rows, cols, mask, channels, BITS)
         up += _lora_tile(up_xa_ptr, up_b_ptr, up_scaling, rows, cols, n_rows, channels, up_rank,
-                         UP_BLOCK_R, UP_DOT_PRECISION)
+                         BLOCK_N, BLOCK_O, BLOCK_K, UP_DOT_PRECISION)
         grad_h = _base_tile(grad_h_ptr, rows, cols, mask, channels)
         sig = tl.sigmoid(gate)
         silu = gate * sig
@@ -211,17 +216,17 @@ if triton is not None:
     def _lora_swiglu_forward_kernel(
             gate_base_ptr, gate_xa_ptr, gate_b_ptr, gate_scaling, up_base_ptr, up_xa_ptr, up_b_ptr, up_scaling,
             h_ptr, n_rows, channels, gate_rank, up_rank,
-            BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
             GATE_DOT_PRECISION: tl.constexpr, UP_DOT_PRECISION: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < channels)
         gate = _base_tile(gate_base_ptr, rows, cols, mask, channels)
         gate += _lora_tile(gate_xa_ptr, gate_b_ptr, gate_scaling, rows, cols, n_rows, channels, gate_rank,
-                           GATE_BLOCK_R, GATE_DOT_PRECISION)
+                           BLOCK_N, BLOCK_O, BLOCK_K, GATE_DOT_PRECISION)
         up = _base_tile(up_base_ptr, rows, cols, mask, channels)
         up += _lora_tile(up_xa_ptr, up_b_ptr, up_scaling, rows, cols, n_rows, channels, up_rank,
-                         UP_BLOCK_R, UP_DOT_PRECISION)
+                         BLOCK_N, BLOCK_O, BLOCK_K, UP_DOT_PRECISION)
         index = rows[:, None].to(tl.int64) * channels + cols[None, :]
         tl.store(h_ptr + index, (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -229,12 +234,13 @@ if triton is not None:
     def _lora_gelu_backward_kernel(
             grad_a_ptr, packed_ptr, scale_ptr, zero_ptr, xa_ptr, b_ptr, scaling, grad_y_ptr, a_ptr,
             n_rows, channels, rank, BITS: tl.constexpr, APPROXIMATE_TANH: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < channels)
         y = _dequantized_tile(packed_ptr, scale_ptr, zero_ptr, rows, cols, mask, channels, BITS)
-        y += _lora_tile(xa_ptr, b_ptr, scaling, rows, cols, n_rows, channels, rank, BLOCK_R, DOT_PRECISION)
+        y += _lora_tile(xa_ptr, b_ptr, scaling, rows, cols, n_rows, channels, rank, BLOCK_N, BLOCK_O, BLOCK_K,
+                        DOT_PRECISION)
         a, derivative = _gelu_and_derivative(y, APPROXIMATE_TANH)
         grad_a = _base_tile(grad_a_ptr, rows, cols, mask, channels)
         index = rows[:, None].to(tl.int64) * channels + cols[None, :]
@@ -244,30 +250,33 @@ if triton is not None:
     @triton.jit
     def _lora_gelu_forward_kernel(
             base_ptr, xa_ptr, b_ptr, scaling, a_ptr, n_rows, channels, rank, APPROXIMATE_TANH: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < channels)
         y = _base_tile(base_ptr, rows, cols, mask, channels)
-        y += _lora_tile(xa_ptr, b_ptr, scaling, rows, cols, n_rows, channels, rank, BLOCK_R, DOT_PRECISION)
+        y += _lora_tile(xa_ptr, b_ptr, scaling, rows, cols, n_rows, channels, rank, BLOCK_N, BLOCK_O, BLOCK_K,
+                        DOT_PRECISION)
         a, _ = _gelu_and_derivative(y, APPROXIMATE_TANH)
         index = rows[:, None].to(tl.int64) * channels + cols[None, :]
         tl.store(a_ptr + index, a.to(a_ptr.dtype.element_ty), mask=mask)
 
-    _BLOCK_N = 32
-    _BLOCK_O = 64
+    # A tile of 32 rows x 64 channels over 8 warps, r taken 16 at a time (tl.dot needs every dimension >= 16):
+    # with 32 at a time or 4 warps, ptxas spilled the SwiGLU kernels' registers on fp32 factors (fxmem bench ptxas).
+    TILE = {"BLOCK_N": 32, "BLOCK_O": 64, "BLOCK_K": 16, "num_warps": 8}
     _HALF = (torch.bfloat16, torch.float16)
 
-    def _block_r(rank: int) -> int:
-        return max(16, triton.next_power_of_2(rank))  # tl.dot needs every dimension >= 16
+    def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+        # Triton launches on the current device, which on a multi-GPU node need not be the tensors'.
+        return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
-    def _dot_precision(xa: torch.Tensor, b: torch.Tensor) -> str:
+    def _dot_precision(xa: torch.dtype, b: torch.dtype) -> str:
         # tf32 holds bf16/fp16 values exactly, so half factors get exact products on tensor cores; fp32 factors get
         # full fp32 products, as torch's matmul computes them by default.
-        return "tf32" if xa.dtype in _HALF and b.dtype in _HALF else "ieee"
+        return "tf32" if xa in _HALF and b in _HALF else "ieee"
 
     def _grid(rows: int, channels: int) -> tuple[int, int]:
-        return triton.cdiv(rows, _BLOCK_N), triton.cdiv(channels, _BLOCK_O)
+        return triton.cdiv(rows, TILE["BLOCK_N"]), triton.cdiv(channels, TILE["BLOCK_O"])
 
     def lora_swiglu_backward_triton(
             grad_h: torch.Tensor, gate_packed: torch.Tensor, gate_scale: torch.Tensor, gate_zero: torch.Tensor,
@@ -279,13 +288,13 @@ if triton is not None:
         channels = grad_h.shape[-1]
         rows = grad_h.numel() // channels
         grad_gate, grad_up, h = (torch.empty_like(grad_h) for _ in range(3))
-        _lora_swiglu_backward_kernel[_grid(rows, channels)](
-            grad_h, gate_packed, gate_scale.contiguous(), gate_zero.contiguous(), gate_xa.contiguous(),
-            gate_b.contiguous(), gate_scaling, up_packed, up_scale.contiguous(), up_zero.contiguous(),
-            up_xa.contiguous(), up_b.contiguous(), up_scaling, grad_gate, grad_up, h, rows, channels,
-            gate_xa.shape[1], up_xa.shape[1], BITS=bits, BLOCK_N=_BLOCK_N, BLOCK_O=_BLOCK_O,
-            GATE_BLOCK_R=_block_r(gate_xa.shape[1]), UP_BLOCK_R=_block_r(up_xa.shape[1]),
-            GATE_DOT_PRECISION=_dot_precision(gate_xa, gate_b), UP_DOT_PRECISION=_dot_precision(up_xa, up_b))
+        with _on_device(grad_h):
+            _lora_swiglu_backward_kernel[_grid(rows, channels)](
+                grad_h, gate_packed, gate_scale.contiguous(), gate_zero.contiguous(), gate_xa.contiguous(),
+                gate_b.contiguous(), gate_scaling, up_packed, up_scale.contiguous(), up_zero.contiguous(),
+                up_xa.contiguous(), up_b.contiguous(), up_scaling, grad_gate, grad_up, h, rows, channels,
+                gate_xa.shape[1], up_xa.shape[1], BITS=bits,
+                GATE_DOT_PRECISION=_dot_precision(gate_xa.dtype, gate_b.dtype), UP_DOT_PRECISION=_dot_precision(up_xa.dtype, up_b.dtype), **TILE)
         return grad_gate, grad_up, h
 
     def lora_swiglu_forward_triton(gate_base: torch.Tensor, gate_xa: torch.Tensor, gate_b: torch.Tensor,
@@ -295,12 +304,12 @@ if triton is not None:
         channels = gate_base.shape[-1]
         rows = gate_base.numel() // channels
         h = torch.empty_like(gate_base)
-        _lora_swiglu_forward_kernel[_grid(rows, channels)](
-            gate_base, gate_xa.contiguous(), gate_b.contiguous(), gate_scaling, up_base.contiguous(),
-            up_xa.contiguous(), up_b.contiguous(), up_scaling, h, rows, channels, gate_xa.shape[1], up_xa.shape[1],
-            BLOCK_N=_BLOCK_N, BLOCK_O=_BLOCK_O, GATE_BLOCK_R=_block_r(gate_xa.shape[1]),
-            UP_BLOCK_R=_block_r(up_xa.shape[1]), GATE_DOT_PRECISION=_dot_precision(gate_xa, gate_b),
-            UP_DOT_PRECISION=_dot_precision(up_xa, up_b))
+        with _on_device(gate_base):
+            _lora_swiglu_forward_kernel[_grid(rows, channels)](
+                gate_base, gate_xa.contiguous(), gate_b.contiguous(), gate_scaling, up_base.contiguous(),
+                up_xa.contiguous(), up_b.contiguous(), up_scaling, h, rows, channels, gate_xa.shape[1],
+                up_xa.shape[1], GATE_DOT_PRECISION=_dot_precision(gate_xa.dtype, gate_b.dtype),
+                UP_DOT_PRECISION=_dot_precision(up_xa.dtype, up_b.dtype), **TILE)
         return h
 
     def lora_gelu_backward_triton(grad_a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
@@ -310,10 +319,11 @@ if triton is not None:
         channels = grad_a.shape[-1]
         rows = grad_a.numel() // channels
         grad_y, a = torch.empty_like(grad_a), torch.empty_like(grad_a)
-        _lora_gelu_backward_kernel[_grid(rows, channels)](
-            grad_a, packed, scale.contiguous(), zero.contiguous(), xa.contiguous(), b.contiguous(), scaling,
-            grad_y, a, rows, channels, xa.shape[1], BITS=bits, APPROXIMATE_TANH=approximate == "tanh",
-            BLOCK_N=_BLOCK_N, BLOCK_O=_BLOCK_O, BLOCK_R=_block_r(xa.shape[1]), DOT_PRECISION=_dot_precision(xa, b))
+        with _on_device(grad_a):
+            _lora_gelu_backward_kernel[_grid(rows, channels)](
+                grad_a, packed, scale.contiguous(), zero.contiguous(), xa.contiguous(), b.contiguous(), scaling,
+                grad_y, a, rows, channels, xa.shape[1], BITS=bits, APPROXIMATE_TANH=approximate == "tanh",
+                DOT_PRECISION=_dot_precision(xa.dtype, b.dtype), **TILE)
         return grad_y, a
 
     def lora_gelu_forward_triton(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: float,
@@ -322,10 +332,10 @@ if triton is not None:
         channels = base.shape[-1]
         rows = base.numel() // channels
         a = torch.empty_like(base)
-        _lora_gelu_forward_kernel[_grid(rows, channels)](
-            base, xa.contiguous(), b.contiguous(), scaling, a, rows, channels, xa.shape[1],
-            APPROXIMATE_TANH=approximate == "tanh", BLOCK_N=_BLOCK_N, BLOCK_O=_BLOCK_O,
-            BLOCK_R=_block_r(xa.shape[1]), DOT_PRECISION=_dot_precision(xa, b))
+        with _on_device(base):
+            _lora_gelu_forward_kernel[_grid(rows, channels)](
+                base, xa.contiguous(), b.contiguous(), scaling, a, rows, channels, xa.shape[1],
+                APPROXIMATE_TANH=approximate == "tanh", DOT_PRECISION=_dot_precision(xa.dtype, b.dtype), **TILE)
         return a
 
 

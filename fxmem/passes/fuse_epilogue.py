@@ -182,7 +182,7 @@ def _lora_factors(joined: LoraSum) -> tuple[Node, Node] | None:
     if b.op != "placeholder" or tensor_val(b).dim() != 2 or not tensor_val(xa).is_contiguous():
         return None
     if tensor_val(xa).shape[1] > epilogue.MAX_RANK:
-        return None  # not a LoRA bottleneck; the kernels hold all of r in one tile
+        return None  # not a LoRA bottleneck
     return xa, b
 
 

@@ -9,10 +9,17 @@ from fxmem.kernels import lora_epilogue as epilogue
 from fxmem.kernels.quantize import pack, quant_params, unpack
 
 needs_triton = pytest.mark.skipif(epilogue.triton is None, reason="triton is not installed")
+# The kernels run compiled on a GPU, and interpreted on CPU tensors without one (tests/conftest.py).
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# (grad shape, r): rows and channels off the 32 x 64 tile, r below, off and at the padded 16; 23 channels fill no
-# whole number of bytes at 1, 2 or 4 bits (the last plane ends in padding).
-CASES = [((5, 24), 8), ((37, 40), 12), ((2, 5, 40), 16), ((9, 23), 8)]
+
+def _on_kernel_device(args: tuple) -> tuple:
+    return tuple(a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
+
+# (grad shape, r): rows and channels off the 32 x 64 tile; r below, at and past the kernels' step of 16 (40: three
+# steps, the last partial); 23 channels fill no whole number of bytes at 1, 2 or 4 bits (the last plane ends in
+# padding).
+CASES = [((5, 24), 8), ((37, 40), 12), ((2, 5, 40), 16), ((9, 23), 8), ((33, 70), 40)]
 
 
 def _linear(shape: tuple[int, ...], rank: int, bits: int, seed: int, dtype: torch.dtype = torch.float32,
@@ -92,6 +99,7 @@ def test_forward_references_are_the_composition(shape, rank):
 # The interpreter (numpy) truncates float32 -> bfloat16 where torch rounds: one bf16 step apart at most, plus fp32
 # summation-order noise that may land a value on the other side of a rounding boundary.
 def _assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
+    got = got.cpu()
     assert got.dtype == expected.dtype and got.shape == expected.shape
     if got.dtype == torch.bfloat16:
         torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-5)
@@ -110,7 +118,7 @@ def test_swiglu_backward_kernel_matches_the_reference(dtype, bits, shape, rank):
     gate, up = _linear(shape, rank, bits, 0, dtype), _linear(shape, rank, bits, 1, dtype)
     grad_h = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
     args = _swiglu_args(grad_h, gate, up, bits)
-    for got, expected in zip(epilogue.lora_swiglu_backward_triton(*args),
+    for got, expected in zip(epilogue.lora_swiglu_backward_triton(*_on_kernel_device(args)),
                              epilogue.lora_swiglu_backward_reference(*args), strict=True):
         _assert_matches(got, expected)
 
@@ -124,8 +132,8 @@ def test_gelu_backward_kernel_matches_the_reference(dtype, approximate, bits, sh
     linear = _linear(shape, rank, bits, 0, dtype)
     grad_a = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
     args = _gelu_args(grad_a, linear, bits, approximate)
-    for got, expected in zip(epilogue.lora_gelu_backward_triton(*args), epilogue.lora_gelu_backward_reference(*args),
-                             strict=True):
+    for got, expected in zip(epilogue.lora_gelu_backward_triton(*_on_kernel_device(args)),
+                             epilogue.lora_gelu_backward_reference(*args), strict=True):
         _assert_matches(got, expected)
 
 
@@ -137,10 +145,12 @@ def test_forward_kernels_match_the_references(dtype, shape, rank):
     gate_base, up_base = (torch.randn(shape, generator=generator).to(dtype) * 2 for _ in range(2))
     gate, up = _linear(shape, rank, 8, 1, dtype), _linear(shape, rank, 8, 2, dtype)
     swiglu = (gate_base, gate["xa"], gate["b"], 2.0, up_base, up["xa"], up["b"], 0.5)
-    _assert_matches(epilogue.lora_swiglu_forward_triton(*swiglu), epilogue.lora_swiglu_forward_reference(*swiglu))
+    _assert_matches(epilogue.lora_swiglu_forward_triton(*_on_kernel_device(swiglu)),
+                    epilogue.lora_swiglu_forward_reference(*swiglu))
     for approximate in epilogue.GELU_APPROXIMATIONS:
         gelu = (gate_base, gate["xa"], gate["b"], 2.0, approximate)
-        _assert_matches(epilogue.lora_gelu_forward_triton(*gelu), epilogue.lora_gelu_forward_reference(*gelu))
+        _assert_matches(epilogue.lora_gelu_forward_triton(*_on_kernel_device(gelu)),
+                        epilogue.lora_gelu_forward_reference(*gelu))
 
 
 @needs_triton
@@ -150,9 +160,33 @@ def test_kernels_take_bf16_activations_with_an_fp32_lora_b():
     up = _linear(shape, rank, bits, 1, torch.bfloat16, torch.float32)
     grad_h = torch.randn(shape, generator=torch.Generator().manual_seed(2)).bfloat16()
     args = _swiglu_args(grad_h, gate, up, bits)
-    for got, expected in zip(epilogue.lora_swiglu_backward_triton(*args),
+    for got, expected in zip(epilogue.lora_swiglu_backward_triton(*_on_kernel_device(args)),
                              epilogue.lora_swiglu_backward_reference(*args), strict=True):
         _assert_matches(got, expected)
+
+
+@needs_triton
+def test_every_launch_is_guarded_to_its_tensors_device(monkeypatch):
+    # Triton launches on the current device; on a multi-GPU node that need not be the tensors'.
+    import contextlib
+    guarded = []
+
+    def guard(t):
+        guarded.append(t.device)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(epilogue, "_on_device", guard)
+    shape, rank, bits = (5, 24), 8, 4
+    gate, up = _linear(shape, rank, bits, 0), _linear(shape, rank, bits, 1)
+    grad = torch.randn(shape)
+    calls = [(epilogue.lora_swiglu_backward_triton, _swiglu_args(grad, gate, up, bits)),
+             (epilogue.lora_gelu_backward_triton, _gelu_args(grad, gate, bits, "none")),
+             (epilogue.lora_swiglu_forward_triton, (grad, gate["xa"], gate["b"], 2.0, grad, up["xa"], up["b"], 0.5)),
+             (epilogue.lora_gelu_forward_triton, (grad, gate["xa"], gate["b"], 2.0, "none"))]
+    for function, args in calls:
+        guarded.clear()
+        function(*_on_kernel_device(args))
+        assert guarded == [torch.device(KERNEL_DEVICE, 0) if KERNEL_DEVICE == "cuda" else torch.device("cpu")]
 
 
 def test_bad_inputs_are_refused_with_the_valid_choices():

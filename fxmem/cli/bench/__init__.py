@@ -8,10 +8,22 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from fxmem.cli.bench import ablate, compare, finetune, hift, loqt, lora, loss, lowrank_error, lowrank_saved, profile
+from fxmem.cli.bench import (
+    ablate,
+    compare,
+    finetune,
+    hift,
+    loqt,
+    lora,
+    loss,
+    lowrank_error,
+    lowrank_saved,
+    profile,
+    ptxas,
+)
 
 EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
-                                                  lowrank_error, lowrank_saved)}
+                                                  lowrank_error, lowrank_saved, ptxas)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
