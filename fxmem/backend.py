@@ -207,7 +207,8 @@ class Backend:
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], *,
                  options: dict[str, Any] | None = None, mode: str | None = None) -> Callable:
-        config = _config_with_options(self.config, options)
+        fxmem_options, inductor_options = _split_options(options)
+        config = _config_with_options(self.config, fxmem_options)
         region = Region(index=len(self.regions), config=config)
         self.regions.append(region)
         state = PipelineState(config=config, dynamo=gm)
@@ -216,6 +217,7 @@ class Backend:
         patches: dict[str, Any] = {"custom_partitioner_fn": _Partitioner(region, self.passes)}
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
+        patches.update(inductor_options)
         inner = _lower_or_run_as_is(region) if self.lowering == "inductor" else _run_eagerly
         start = time.perf_counter()
         # AOTAutograd's cache would skip the partitioner on a hit, and with it fxmem's analysis and rewrites.
@@ -230,7 +232,23 @@ class Backend:
         return Report(self.regions)
 
 
-def _config_with_options(config: Config, options: dict[str, Any] | None) -> Config:
+def _split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``torch.compile``'s ``options``, split into fxmem's (Config fields and 'preset') and inductor's own
+    (``torch._inductor.config`` names, e.g. "triton.cudagraphs"); a name that is neither is refused."""
+    fxmem_names = {f.name for f in dataclasses.fields(Config)} | {"preset"}
+    fxmem_options, inductor_options = {}, {}
+    for name, value in (options or {}).items():
+        if name in fxmem_names:
+            fxmem_options[name] = value
+        elif hasattr(torch._inductor.config, name):
+            inductor_options[name] = value
+        else:
+            raise ValueError(f"unknown option {name!r}: neither an fxmem option ({', '.join(sorted(fxmem_names))}) "
+                             "nor an inductor config name (torch._inductor.config, e.g. 'triton.cudagraphs')")
+    return fxmem_options, inductor_options
+
+
+def _config_with_options(config: Config, options: dict[str, Any]) -> Config:
     if not options:
         return config
     options = dict(options)

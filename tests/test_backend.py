@@ -5,6 +5,7 @@ import textwrap
 
 import pytest
 import torch
+from torch._inductor.compile_fx import compile_fx
 
 import fxmem
 from fxmem.analysis import Role
@@ -61,6 +62,22 @@ def test_options_choose_the_config_per_compile():
     compiled(x).sum().backward()
     region = backend_module._DEFAULT.regions[-1]
     assert region.config == fxmem.Config(calibration_steps=3)
+
+
+def test_inductor_options_go_to_inductor(monkeypatch):
+    patches = []
+
+    def recording_compile_fx(gm, example_inputs, **kwargs):
+        patches.append(kwargs["config_patches"])
+        return compile_fx(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(backend_module, "compile_fx", recording_compile_fx)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    compiled = torch.compile(model, backend="fxmem",
+                             options={"preset": "exact", "triton.cudagraphs": False, "max_autotune": False})
+    compiled(torch.randn(4, 8)).sum().backward()
+    assert patches[-1]["triton.cudagraphs"] is False and patches[-1]["max_autotune"] is False
+    assert backend_module._DEFAULT.regions[-1].config == fxmem.Config()
 
 
 class TwoRegions(torch.nn.Module):

@@ -62,7 +62,8 @@ def test_backend_options_are_validated_before_compiling():
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         fxmem_backend(gm, [torch.randn(1, 2)], options={"preset": "nope"})
-    with pytest.raises(ValueError, match="unknown fxmem option"):
+    with pytest.raises(ValueError, match=r"unknown option 'bitz': neither an fxmem option \(attn_sparsity, .*\) nor an "
+                                         r"inductor config name \(torch._inductor.config, e.g. 'triton.cudagraphs'\)"):
         fxmem_backend(gm, [torch.randn(1, 2)], options={"bitz": 2})
     with pytest.raises(ValueError, match=r"memory_budget must be a number in \(0, 1.0\]"):
         fxmem_backend(gm, [torch.randn(1, 2)], options={"memory_budget": 0})
