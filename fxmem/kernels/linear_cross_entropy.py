@@ -91,8 +91,8 @@ def _chunked_op(x: Tensor, weight: Tensor, target: Tensor, lora_a: Tensor | None
         loss += _chunk(x[start:end], target[start:end], valid[start:end], row_weight, weight, lora_a, lora_b,
                        lora_scale, logits_dtype, None if grad_x is None else grad_x[start:end], grad_weight,
                        grad_a, grad_b)
-    return (loss * row_weight, torch.empty(0) if grad_x is None else grad_x, _in_dtype(grad_weight, weight),
-            _in_dtype(grad_a, lora_a), _in_dtype(grad_b, lora_b))
+    return (loss * row_weight, _in_dtype(grad_x, x, x), _in_dtype(grad_weight, weight, x),
+            _in_dtype(grad_a, lora_a, x), _in_dtype(grad_b, lora_b, x))
 
 
 def _chunk(x: Tensor, target: Tensor, valid: Tensor, row_weight: Tensor, weight: Tensor, lora_a: Tensor | None,
@@ -124,18 +124,19 @@ def _chunk(x: Tensor, target: Tensor, valid: Tensor, row_weight: Tensor, weight:
     return torch.where(valid, lse - picked, 0).sum()
 
 
-def _in_dtype(grad: Tensor | None, param: Tensor | None) -> Tensor:
-    """A gradient in its parameter's dtype; one not computed is empty (each its own: outputs may not alias)."""
-    return torch.empty(0) if grad is None else grad.to(param.dtype)
+def _in_dtype(grad: Tensor | None, param: Tensor | None, x: Tensor) -> Tensor:
+    """A gradient in its parameter's dtype; one not computed is empty (each its own: outputs may not alias), on
+    ``x``'s device: a CPU tensor in a CUDA graph would turn inductor's CUDA graphs off."""
+    return x.new_empty(0) if grad is None else grad.to(param.dtype)
 
 
 @_chunked_op.register_fake
 def _(x, weight, target, lora_a, lora_b, lora_scale, ignore_index, mean, chunk_rows, logits_dtype, input_grad,
       weight_grad, lora_grad):
-    return (x.new_empty((), dtype=torch.float32), torch.empty_like(x) if input_grad else torch.empty(0),
-            weight.new_empty(weight.shape) if weight_grad else torch.empty(0),
-            lora_a.new_empty(lora_a.shape) if lora_grad else torch.empty(0),
-            lora_b.new_empty(lora_b.shape) if lora_grad else torch.empty(0))
+    return (x.new_empty((), dtype=torch.float32), torch.empty_like(x) if input_grad else x.new_empty(0),
+            weight.new_empty(weight.shape) if weight_grad else x.new_empty(0),
+            lora_a.new_empty(lora_a.shape) if lora_grad else x.new_empty(0),
+            lora_b.new_empty(lora_b.shape) if lora_grad else x.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -102,3 +102,13 @@ def test_mismatched_shapes_are_refused():
     x, weight, target, _ = _inputs(torch.float32, lora=False)
     with pytest.raises(ValueError, match=r"expected x \(tokens, hidden\).*got \(37, 16\), \(50, 16\) and \(36,\)"):
         linear_cross_entropy(x, weight, target[1:])
+
+
+def test_every_output_is_on_the_inputs_device():
+    # An empty gradient made on the CPU would put a CPU tensor in a CUDA graph, which turns inductor's CUDA graphs
+    # off. On meta tensors the op runs its fake: the shapes and devices compiled code is built against.
+    x, weight = torch.empty(6, 8, device="meta"), torch.empty(10, 8, device="meta")
+    target = torch.zeros(6, dtype=torch.long, device="meta")
+    outputs = torch.ops.fxmem.linear_cross_entropy(x, weight, target, None, None, 1.0, -100, True, 4, torch.float32,
+                                                   False, False, False)
+    assert [o.device.type for o in outputs] == ["meta"] * 5
