@@ -24,6 +24,7 @@ in fp32. Outputs take the dtype of the op's first tensor argument.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -58,7 +59,7 @@ def _check_quantized(prefix: str, packed: torch.Tensor, scale: torch.Tensor, zer
                      b: torch.Tensor, shape: torch.Size, bits: int) -> None:
     """The packed Y_W, per-channel parameters and LoRA factors fit an output of ``shape``."""
     channels = shape[-1]
-    rows = shape.numel() // channels
+    rows = math.prod(shape) // channels  # torch.Size.numel() would make a symbolic size a number
     expected = rows * packed_width(channels, bits)
     if packed.numel() != expected or not packed.is_contiguous():
         raise ValueError(f"{prefix}packed must hold {expected} contiguous bytes ({rows} x {channels} codes of {bits} "
@@ -72,7 +73,7 @@ def _check_quantized(prefix: str, packed: torch.Tensor, scale: torch.Tensor, zer
 def _check_unquantized(prefix: str, base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> None:
     if base.shape != shape:
         raise ValueError(f"{prefix}base must have shape {tuple(shape)}; got {tuple(base.shape)}")
-    _check_lora_factors(prefix, xa, b, shape.numel() // shape[-1], shape[-1])
+    _check_lora_factors(prefix, xa, b, math.prod(shape) // shape[-1], shape[-1])
 
 
 # --- torch references -------------------------------------------------------------------------------------------

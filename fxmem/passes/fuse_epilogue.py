@@ -21,12 +21,14 @@ to inductor.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 from torch.utils._pytree import tree_map_only
 
 import fxmem.kernels.lora_epilogue as epilogue
@@ -119,22 +121,38 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
-def _static(node: Node) -> torch.Tensor | None:
-    """``node``'s value if it is one tensor of concrete shape: symbolic sizes would need guards to compare."""
+def _tensor(node: Node) -> torch.Tensor | None:
+    """``node``'s value if it is one tensor whose channels (last dimension) are a number: the kernels' tiles and
+    the packed layout need them. Its rows may be symbolic (a dynamic sequence length)."""
     val = tensor_val(node)
-    return val if val is not None and all(isinstance(d, int) for d in val.shape) else None
+    return val if val is not None and val.dim() and isinstance(val.shape[-1], int) else None
+
+
+def _row_major(val: torch.Tensor) -> bool:
+    """Contiguous, provably (a dimension of size 1 may have any stride), without a guard."""
+    expected = 1
+    for size, stride in reversed(list(zip(val.shape, val.stride(), strict=True))):
+        if not (statically_known_true(sym_eq(size, 1)) or statically_known_true(sym_eq(stride, expected))):
+            return False
+        expected = expected * size
+    return True
+
+
+def _same_shape(a: Sequence, b: Sequence) -> bool:
+    """Sizes provably equal, symbolic ones included; never a guard (dynamo is done when fxmem runs)."""
+    return len(a) == len(b) and all(statically_known_true(sym_eq(x, y)) for x, y in zip(a, b, strict=True))
 
 
 def kernel_operands(node: Node, dequantized: dict[Node, tuple]) -> KernelOperands | None:
     """The fused kernels' operands if ``node`` is a LoRA sum (analysis.lora.lora_sums) of their form;
     ``dequantized``: the quantize pass's restored tensors and the saved parts they read."""
-    out = _static(node)
+    out = _tensor(node)
     if out is None:
         return None
     for joined in lora_sums(node):
-        sides = [_static(joined.base), _static(joined.lora)]
+        sides = [_tensor(joined.base), _tensor(joined.lora)]
         # No broadcasting and no promotion: the kernels return the sum's shape in the base's dtype.
-        if any(v is None or v.shape != out.shape or v.dtype != out.dtype for v in sides):
+        if any(v is None or not _same_shape(v.shape, out.shape) or v.dtype != out.dtype for v in sides):
             continue
         factors = _lora_factors(joined)
         frozen = _reshaped_from(joined.base)
@@ -142,7 +160,7 @@ def kernel_operands(node: Node, dequantized: dict[Node, tuple]) -> KernelOperand
             continue
         xa, b = factors
         channels = tensor_val(b).shape[0]
-        if tensor_val(frozen).shape != (tensor_val(xa).shape[0], channels):
+        if not _same_shape(tensor_val(frozen).shape, (tensor_val(xa).shape[0], channels)):
             continue
         if frozen in dequantized:
             packed, scale, zero, spec = dequantized[frozen]
@@ -156,18 +174,18 @@ def kernel_operands(node: Node, dequantized: dict[Node, tuple]) -> KernelOperand
 
 def _reshaped_from(node: Node) -> Node | None:
     """The 2-D tensor ``node`` is a row-major reshape of (through view ops that keep the last dim), else None."""
-    val = _static(node)
-    if val is None or val.dim() == 0:
+    val = _tensor(node)
+    if val is None:
         return None
     last = val.shape[-1]
     while is_view(node):
         if node.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
             return None
         node = node.args[0]
-        if tensor_val(node).shape[-1] != last:
+        if _tensor(node) is None or tensor_val(node).shape[-1] != last:
             return None
     val = tensor_val(node)
-    return node if val.dim() == 2 and val.is_contiguous() else None
+    return node if val.dim() == 2 and _row_major(val) else None
 
 
 def _lora_factors(joined: LoraSum) -> tuple[Node, Node] | None:
@@ -179,7 +197,7 @@ def _lora_factors(joined: LoraSum) -> tuple[Node, Node] | None:
     if not (b_t.target is aten.permute.default and list(b_t.args[1]) == [1, 0]):
         return None
     b = b_t.args[0]
-    if b.op != "placeholder" or tensor_val(b).dim() != 2 or not tensor_val(xa).is_contiguous():
+    if b.op != "placeholder" or tensor_val(b).dim() != 2 or not _row_major(tensor_val(xa)):
         return None
     if tensor_val(xa).shape[1] > epilogue.MAX_RANK:
         return None  # not a LoRA bottleneck
@@ -227,7 +245,8 @@ class Region:
     @classmethod
     def grow(cls, graph: Graph, seeds: list[Node], allow_incoming: bool) -> Region | None:
         shape = tensor_val(seeds[0]).shape
-        if any(tensor_val(s).shape != shape or tensor_val(s).dtype != tensor_val(seeds[0]).dtype for s in seeds):
+        if any(not _same_shape(tensor_val(s).shape, shape) or tensor_val(s).dtype != tensor_val(seeds[0]).dtype
+               for s in seeds):
             return None
         inside, nodes, incoming = set(seeds), [], None
         for node in graph.nodes:
@@ -238,7 +257,7 @@ class Region:
                 others.discard(incoming)
             if len(others) > 1 or (others and (not allow_incoming or incoming is not None)):
                 continue
-            if any(_static(n) is None or _static(n).shape != shape for n in (node, *others)):
+            if any(_tensor(n) is None or not _same_shape(_tensor(n).shape, shape) for n in (node, *others)):
                 continue
             if others:
                 (incoming,) = others
