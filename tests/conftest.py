@@ -32,8 +32,9 @@ def fresh_dynamo():
 
 
 def tiny_model(family: str, *, lora: bool, attn: str = "sdpa", seed: int = 0, lora_dropout: float = 0.0,
-               layers: int = 2, kv_heads: int = 4):
-    """A small transformers model (random weights) and a batch for it; ``kv_heads`` < 4: Llama with GQA."""
+               layers: int = 2, kv_heads: int = 4, dtype: torch.dtype = torch.float32):
+    """A small transformers model (random weights) and a batch for it; ``kv_heads`` < 4: Llama with GQA. In
+    ``dtype``; PEFT then keeps the adapters in fp32 (its default, ``autocast_adapter_dtype``)."""
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
@@ -63,6 +64,7 @@ def tiny_model(family: str, *, lora: bool, attn: str = "sdpa", seed: int = 0, lo
         batch, targets = {"input_ids": ids, "labels": ids}, ["c_attn", "c_proj", "c_fc"]
     else:
         raise ValueError(family)
+    model.to(dtype)
     if lora:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, target_modules=targets,

@@ -156,9 +156,10 @@ def _match(joined: LoraSum, params: frozenset[Node]) -> LoraLinear | None:
 
 
 def _lora_input_relation(x_base: Node, x_lora: Node) -> bool | None:
-    """False if both branches read the same x, True if the LoRA branch reads dropout(x), else None."""
+    """False if both branches read the same x (the LoRA branch perhaps a cast of it: PEFT's fp32 adapters on a
+    half-precision model), True if the LoRA branch reads dropout(x), else None."""
     base_storage = storage_base(x_base)
-    if storage_base(x_lora) is base_storage:
+    if any(storage_base(producer) is base_storage for producer in walk_back(x_lora)):
         return False
     for producer in walk_back(x_lora, through=("native_dropout",)):
         if storage_base(producer) is base_storage:

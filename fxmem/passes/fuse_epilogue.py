@@ -150,9 +150,11 @@ def kernel_operands(node: Node, dequantized: dict[Node, tuple]) -> KernelOperand
     if out is None:
         return None
     for joined in lora_sums(node):
-        sides = [_tensor(joined.base), _tensor(joined.lora)]
-        # No broadcasting and no promotion: the kernels return the sum's shape in the base's dtype.
-        if any(v is None or not _same_shape(v.shape, out.shape) or v.dtype != out.dtype for v in sides):
+        base, lora = _tensor(joined.base), _tensor(joined.lora)
+        # No broadcasting: the kernels write the sum's shape. The sides may differ in dtype as PEFT's fp32 adapters
+        # on a half-precision model do; the sum is then in fp32 (their promotion), as the kernels compute it.
+        if any(v is None or not _same_shape(v.shape, out.shape) for v in (base, lora)) or (
+                out.dtype != torch.promote_types(base.dtype, lora.dtype)):
             continue
         factors = _lora_factors(joined)
         frozen = _reshaped_from(joined.base)
@@ -301,12 +303,9 @@ def _matches(value: torch.Tensor, target: torch.Tensor) -> bool:
     return bool((value - target).abs().max() <= 1e-7 * target.abs().max().clamp_min(1.0))
 
 
-def _match(region: Region, values: dict[Node, torch.Tensor], targets: dict[str, torch.Tensor]) -> dict[str, Node]:
-    """For each target, the first region node with its value and the kernel's output dtype.
-
-    The kernels return the dtype of their first tensor: the incoming gradient in backward, the base in forward
-    (a bf16 model's backward may upcast the gradient to fp32 for the activation's derivative)."""
-    dtype = tensor_val(region.incoming if region.incoming is not None else region.seeds[0]).dtype
+def _match(region: Region, values: dict[Node, torch.Tensor], targets: dict[str, torch.Tensor],
+           dtype: torch.dtype) -> dict[str, Node]:
+    """For each target, the first region node with its value and the kernel's output dtype ``dtype``."""
     found: dict[str, Node] = {}
     for node in region.nodes:
         if tensor_val(node).dtype == dtype:
@@ -328,8 +327,9 @@ def _gelu_targets(y: torch.Tensor, grad: torch.Tensor | None, approximate: str) 
     return targets
 
 
-def _identify(region: Region, backward: bool) -> tuple[str, tuple, dict[str, Node]] | None:
-    """(kernel kind, kernel-specific layout, matched nodes) for the region, or None if no kernel computes it."""
+def _identify(region: Region, backward: bool, dtype: torch.dtype) -> tuple[str, tuple, dict[str, Node]] | None:
+    """(kernel kind, kernel-specific layout, matched nodes) for the region, or None if no kernel computes it;
+    ``dtype``: the kernel's outputs'."""
     generator = torch.Generator().manual_seed(0)
     with unset_fake_temporarily():  # the partitioner runs under fake mode; the samples are real values
         seeds = {seed: _samples(generator, 3.0) for seed in region.seeds}
@@ -340,12 +340,13 @@ def _identify(region: Region, backward: bool) -> tuple[str, tuple, dict[str, Nod
             return None
         if len(region.seeds) == 2:
             required = {"grad_gate", "grad_up"} if backward else {"h"}
-            candidates = [("swiglu", (gate, up), _match(region, values, _swiglu_targets(seeds[gate], seeds[up], grad)))
+            candidates = [("swiglu", (gate, up), _match(region, values, _swiglu_targets(seeds[gate], seeds[up], grad),
+                                                   dtype))
                           for gate, up in (region.seeds, region.seeds[::-1])]
         else:
             required = {"grad_y"} if backward else {"a"}
             y = seeds[region.seeds[0]]
-            candidates = [("gelu", (approximate,), _match(region, values, _gelu_targets(y, grad, approximate)))
+            candidates = [("gelu", (approximate,), _match(region, values, _gelu_targets(y, grad, approximate), dtype))
                           for approximate in epilogue.GELU_APPROXIMATIONS]
     return next(((kind, layout, found) for kind, layout, found in candidates if required <= found.keys()), None)
 
@@ -393,7 +394,13 @@ class KernelCall:
 
 def _rewrite(region: Region, sums: list[KernelOperands], backward: bool) -> KernelCall | None:
     """The kernel call that computes what the rest of the graph reads from ``region``, if there is one."""
-    identified = _identify(region, backward)
+    # The kernels return the dtype of their first tensor: the incoming gradient in backward (a bf16 model's
+    # backward may upcast it to fp32 for the activation's derivative), the frozen product in forward (the sum is
+    # in fp32 when PEFT's adapters are, and cast back to the base's dtype before the activation).
+    if len({tensor_val(s.base).dtype for s in sums}) != 1:
+        return None
+    dtype = tensor_val(region.incoming if region.incoming is not None else sums[0].base).dtype
+    identified = _identify(region, backward, dtype)
     if identified is None:
         return None
     kind, layout, found = identified

@@ -7,7 +7,7 @@ import torch
 
 import fxmem
 from fxmem.analysis import Role, find_lora_linears
-from fxmem.analysis.graph import clean_module_path, layer_of
+from fxmem.analysis.graph import clean_module_path, layer_of, tensor_val
 from fxmem.measure import model_tensors, saved_activation_bytes
 from tests.conftest import tiny_model
 
@@ -114,6 +114,15 @@ def test_lora_matcher_finds_peft_linears_with_their_scaling(monkeypatch):
     assert {(lora.rank, lora.scaling, lora.dropout) for lora in loras} == {(8, 4.0, False)}
     assert {lora.module.rsplit(".", 1)[-1] for lora in loras} == {"q_proj", "k_proj", "v_proj", "o_proj",
                                                                    "gate_proj", "up_proj", "down_proj"}
+
+
+def test_lora_matcher_reads_a_cast_of_x_as_x_itself(monkeypatch):
+    # PEFT on a bf16 model keeps its adapters in fp32 and casts x up for them: not a dropout branch.
+    model, batch = tiny_model("llama", lora=True, dtype=torch.bfloat16)
+    loras = find_lora_linears(*_fw_graph_and_params(monkeypatch, model, batch))
+    assert len(loras) == 7 * LAYERS and not any(lora.dropout for lora in loras)
+    assert {(tensor_val(lora.base).dtype, tensor_val(lora.xa).dtype) for lora in loras} == {
+        (torch.bfloat16, torch.float32)}
 
 
 def test_lora_matcher_sees_the_dropout_branch(monkeypatch):

@@ -196,3 +196,27 @@ def test_a_dynamic_sequence_length_is_fused_without_specializing_it():
     for seq in (24, 32):
         for name, grad in grads[False, seq].items():
             torch.testing.assert_close(grads[True, seq][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_bf16_model_with_fp32_adapters_is_rebuilt_and_fused():
+    # PEFT's default on a half-precision model: fp32 adapters (autocast_adapter_dtype), x cast up for them, the sum
+    # in fp32 and cast back to bf16 before the activation.
+    model, batch = tiny_model("llama", lora=True, dtype=torch.bfloat16)
+    randomize_lora_b(model)
+    _, eager = loss_and_grads(model, model, batch)
+    config = fxmem.Config.from_preset("hyclora-2bit")
+    cosines, summaries = {}, {}
+    for on_reference in (False, True):
+        backend = _backend(config, on_reference)
+        _, grads = loss_and_grads(torch.compile(model, backend=backend), model, batch)
+        summaries[on_reference] = {p.name: p.summary for p in backend.regions[0].passes}
+        cosines[on_reference] = sorted(torch.nn.functional.cosine_similarity(
+            grads[name].flatten(), grad.flatten(), dim=0).item() for name, grad in eager.items())
+        torch._dynamo.reset()
+    assert summaries[True]["lora_reorder"].startswith("10 LoRA output(s) rebuilt in backward from x W and x A")
+    assert summaries[True]["fuse_epilogue"].startswith(
+        "fused with the LoRA rebuild: 2x swiglu (backward), 2x swiglu (forward)")
+    # The kernels add the LoRA term in fp32 and skip the sum's rounding to bf16: at 2 bits the gradients are as
+    # far from eager's as the unfused graph's (measured: minimum cosine 0.907 both, median 0.987).
+    for position in (0, len(eager) // 2):
+        assert cosines[True][position] > cosines[False][position] - 0.003
