@@ -236,11 +236,12 @@ def _split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict
     """``torch.compile``'s ``options``, split into fxmem's (Config fields and 'preset') and inductor's own
     (``torch._inductor.config`` names, e.g. "triton.cudagraphs"); a name that is neither is refused."""
     fxmem_names = {f.name for f in dataclasses.fields(Config)} | {"preset"}
+    inductor_names = set(torch._inductor.config.get_config_copy()) - {"custom_partitioner_fn"}  # that one is fxmem
     fxmem_options, inductor_options = {}, {}
     for name, value in (options or {}).items():
         if name in fxmem_names:
             fxmem_options[name] = value
-        elif hasattr(torch._inductor.config, name):
+        elif name in inductor_names:
             inductor_options[name] = value
         else:
             raise ValueError(f"unknown option {name!r}: neither an fxmem option ({', '.join(sorted(fxmem_names))}) "

@@ -65,6 +65,9 @@ def test_backend_options_are_validated_before_compiling():
     with pytest.raises(ValueError, match=r"unknown option 'bitz': neither an fxmem option \(attn_sparsity, .*\) nor an "
                                          r"inductor config name \(torch._inductor.config, e.g. 'triton.cudagraphs'\)"):
         fxmem_backend(gm, [torch.randn(1, 2)], options={"bitz": 2})
+    for name in ("triton", "custom_partitioner_fn"):  # a config submodule, and the hook fxmem itself fills
+        with pytest.raises(ValueError, match=f"unknown option '{name}'"):
+            fxmem_backend(gm, [torch.randn(1, 2)], options={name: None})
     with pytest.raises(ValueError, match=r"memory_budget must be a number in \(0, 1.0\]"):
         fxmem_backend(gm, [torch.randn(1, 2)], options={"memory_budget": 0})
 

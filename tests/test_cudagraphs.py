@@ -35,15 +35,14 @@ def graphs_for_inductor(monkeypatch, preset: str, **overrides) -> list[torch.fx.
         return lower(gm, example_inputs, **kwargs)
 
     monkeypatch.setattr(backend_module, "compile_fx_inner", recording)
-    model, batch = tiny_model("llama", lora=True)
+    model, batch = tiny_model("llama", lora=True, layers=1)
     torch.compile(model, backend=fxmem.backend(preset, **overrides))(**batch).loss.backward()
     assert len(seen) == 2
     return seen
 
 
-@pytest.mark.parametrize("preset", ["exact", "hyclora-4bit", "hyclora-2bit"])
-def test_dynamic_compression_and_the_chunked_loss_can_be_captured_whole(monkeypatch, preset):
-    graphs = graphs_for_inductor(monkeypatch, preset, return_logits=False)  # the loss chunked
+def test_dynamic_compression_and_the_chunked_loss_can_be_captured_whole(monkeypatch):
+    graphs = graphs_for_inductor(monkeypatch, "hyclora-4bit", return_logits=False)  # the loss chunked
     assert any(n.target is torch.ops.fxmem.linear_cross_entropy.default for n in graphs[0].graph.nodes)
     assert [uncapturable(gm) for gm in graphs] == [[], []]
 

@@ -124,10 +124,10 @@ def _chunk(x: Tensor, target: Tensor, valid: Tensor, row_weight: Tensor, weight:
     return torch.where(valid, lse - picked, 0).sum()
 
 
-def _in_dtype(grad: Tensor | None, param: Tensor | None, x: Tensor) -> Tensor:
-    """A gradient in its parameter's dtype; one not computed is empty (each its own: outputs may not alias), on
-    ``x``'s device: a CPU tensor in a CUDA graph would turn inductor's CUDA graphs off."""
-    return x.new_empty(0) if grad is None else grad.to(param.dtype)
+def _in_dtype(grad: Tensor | None, param: Tensor | None, like: Tensor) -> Tensor:
+    """A gradient in its parameter's dtype; one not computed is empty (each its own: outputs may not alias), made
+    like ``like`` (the input): a CPU tensor in a CUDA graph would turn inductor's CUDA graphs off."""
+    return like.new_empty(0) if grad is None else grad.to(param.dtype)
 
 
 @_chunked_op.register_fake

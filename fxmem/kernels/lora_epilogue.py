@@ -295,7 +295,8 @@ if triton is not None:
                 gate_b.contiguous(), gate_scaling, up_packed, up_scale.contiguous(), up_zero.contiguous(),
                 up_xa.contiguous(), up_b.contiguous(), up_scaling, grad_gate, grad_up, h, rows, channels,
                 gate_xa.shape[1], up_xa.shape[1], BITS=bits,
-                GATE_DOT_PRECISION=_dot_precision(gate_xa.dtype, gate_b.dtype), UP_DOT_PRECISION=_dot_precision(up_xa.dtype, up_b.dtype), **TILE)
+                GATE_DOT_PRECISION=_dot_precision(gate_xa.dtype, gate_b.dtype),
+                UP_DOT_PRECISION=_dot_precision(up_xa.dtype, up_b.dtype), **TILE)
         return grad_gate, grad_up, h
 
     def lora_swiglu_forward_triton(gate_base: torch.Tensor, gate_xa: torch.Tensor, gate_b: torch.Tensor,

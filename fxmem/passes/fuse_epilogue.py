@@ -121,7 +121,7 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
-def _tensor(node: Node) -> torch.Tensor | None:
+def _with_static_channels(node: Node) -> torch.Tensor | None:
     """``node``'s value if it is one tensor whose channels (last dimension) are a number: the kernels' tiles and
     the packed layout need them. Its rows may be symbolic (a dynamic sequence length)."""
     val = tensor_val(node)
@@ -146,11 +146,11 @@ def _same_shape(a: Sequence, b: Sequence) -> bool:
 def kernel_operands(node: Node, dequantized: dict[Node, tuple]) -> KernelOperands | None:
     """The fused kernels' operands if ``node`` is a LoRA sum (analysis.lora.lora_sums) of their form;
     ``dequantized``: the quantize pass's restored tensors and the saved parts they read."""
-    out = _tensor(node)
+    out = _with_static_channels(node)
     if out is None:
         return None
     for joined in lora_sums(node):
-        base, lora = _tensor(joined.base), _tensor(joined.lora)
+        base, lora = _with_static_channels(joined.base), _with_static_channels(joined.lora)
         # No broadcasting: the kernels write the sum's shape. The sides may differ in dtype as PEFT's fp32 adapters
         # on a half-precision model do; the sum is then in fp32 (their promotion), as the kernels compute it.
         if any(v is None or not _same_shape(v.shape, out.shape) for v in (base, lora)) or (
@@ -176,7 +176,7 @@ def kernel_operands(node: Node, dequantized: dict[Node, tuple]) -> KernelOperand
 
 def _reshaped_from(node: Node) -> Node | None:
     """The 2-D tensor ``node`` is a row-major reshape of (through view ops that keep the last dim), else None."""
-    val = _tensor(node)
+    val = _with_static_channels(node)
     if val is None:
         return None
     last = val.shape[-1]
@@ -184,7 +184,7 @@ def _reshaped_from(node: Node) -> Node | None:
         if node.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
             return None
         node = node.args[0]
-        if _tensor(node) is None or tensor_val(node).shape[-1] != last:
+        if _with_static_channels(node) is None or tensor_val(node).shape[-1] != last:
             return None
     val = tensor_val(node)
     return node if val.dim() == 2 and _row_major(val) else None
@@ -259,7 +259,8 @@ class Region:
                 others.discard(incoming)
             if len(others) > 1 or (others and (not allow_incoming or incoming is not None)):
                 continue
-            if any(_tensor(n) is None or not _same_shape(_tensor(n).shape, shape) for n in (node, *others)):
+            values = [_with_static_channels(n) for n in (node, *others)]
+            if any(v is None or not _same_shape(v.shape, shape) for v in values):
                 continue
             if others:
                 (incoming,) = others

@@ -123,6 +123,10 @@ def test_lora_matcher_reads_a_cast_of_x_as_x_itself(monkeypatch):
     assert len(loras) == 7 * LAYERS and not any(lora.dropout for lora in loras)
     assert {(tensor_val(lora.base).dtype, tensor_val(lora.xa).dtype) for lora in loras} == {
         (torch.bfloat16, torch.float32)}
+    torch._dynamo.reset()
+    model, batch = tiny_model("llama", lora=True, dtype=torch.bfloat16, lora_dropout=0.1)  # a cast, then dropout
+    loras = find_lora_linears(*_fw_graph_and_params(monkeypatch, model, batch))
+    assert len(loras) == 7 * LAYERS and all(lora.dropout for lora in loras)
 
 
 def test_lora_matcher_sees_the_dropout_branch(monkeypatch):

@@ -112,3 +112,9 @@ def test_every_output_is_on_the_inputs_device():
     outputs = torch.ops.fxmem.linear_cross_entropy(x, weight, target, None, None, 1.0, -100, True, 4, torch.float32,
                                                    False, False, False)
     assert [o.device.type for o in outputs] == ["meta"] * 5
+    # and the real op makes its empty gradients like the input (the old torch.empty(0) was CPU float32)
+    x, weight = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(10, 8, dtype=torch.bfloat16)
+    target = torch.zeros(6, dtype=torch.long)
+    outputs = torch.ops.fxmem.linear_cross_entropy(x, weight, target, None, None, 1.0, -100, True, 4, torch.float32,
+                                                   False, False, False)
+    assert [(o.numel(), o.dtype) for o in outputs[1:]] == [(0, torch.bfloat16)] * 4

@@ -107,16 +107,18 @@ def _assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-DTYPES = [torch.float32, torch.bfloat16]
+# (activations, LoRA factors): one dtype, or PEFT's fp32 adapters on a bf16 model
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtypes", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("shape, rank", CASES)
-def test_swiglu_backward_kernel_matches_the_reference(dtype, bits, shape, rank):
-    gate, up = _linear(shape, rank, bits, 0, dtype), _linear(shape, rank, bits, 1, dtype)
-    grad_h = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+def test_swiglu_backward_kernel_matches_the_reference(dtypes, bits, shape, rank):
+    activations, factors = dtypes
+    gate, up = _linear(shape, rank, bits, 0, factors), _linear(shape, rank, bits, 1, factors)
+    grad_h = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(activations)
     args = _swiglu_args(grad_h, gate, up, bits)
     for got, expected in zip(epilogue.lora_swiglu_backward_triton(*_on_kernel_device(args)),
                              epilogue.lora_swiglu_backward_reference(*args), strict=True):
@@ -124,13 +126,14 @@ def test_swiglu_backward_kernel_matches_the_reference(dtype, bits, shape, rank):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize("approximate", epilogue.GELU_APPROXIMATIONS)
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("shape, rank", CASES)
-def test_gelu_backward_kernel_matches_the_reference(dtype, approximate, bits, shape, rank):
-    linear = _linear(shape, rank, bits, 0, dtype)
-    grad_a = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+def test_gelu_backward_kernel_matches_the_reference(dtypes, approximate, bits, shape, rank):
+    activations, factors = dtypes
+    linear = _linear(shape, rank, bits, 0, factors)
+    grad_a = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(activations)
     args = _gelu_args(grad_a, linear, bits, approximate)
     for got, expected in zip(epilogue.lora_gelu_backward_triton(*_on_kernel_device(args)),
                              epilogue.lora_gelu_backward_reference(*args), strict=True):
@@ -138,12 +141,13 @@ def test_gelu_backward_kernel_matches_the_reference(dtype, approximate, bits, sh
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize("shape, rank", CASES)
-def test_forward_kernels_match_the_references(dtype, shape, rank):
+def test_forward_kernels_match_the_references(dtypes, shape, rank):
+    activations, factors = dtypes
     generator = torch.Generator().manual_seed(0)
-    gate_base, up_base = (torch.randn(shape, generator=generator).to(dtype) * 2 for _ in range(2))
-    gate, up = _linear(shape, rank, 8, 1, dtype), _linear(shape, rank, 8, 2, dtype)
+    gate_base, up_base = (torch.randn(shape, generator=generator).to(activations) * 2 for _ in range(2))
+    gate, up = _linear(shape, rank, 8, 1, factors), _linear(shape, rank, 8, 2, factors)
     swiglu = (gate_base, gate["xa"], gate["b"], 2.0, up_base, up["xa"], up["b"], 0.5)
     _assert_matches(epilogue.lora_swiglu_forward_triton(*_on_kernel_device(swiglu)),
                     epilogue.lora_swiglu_forward_reference(*swiglu))
