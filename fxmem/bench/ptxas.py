@@ -68,7 +68,8 @@ class _Variant:
 
 def variants() -> list[_Variant]:
     """Each kernel of fxmem/kernels/lora_epilogue.py in each pair of dtypes a launch can ask for, at 4 bits, and
-    at every other bit width in fp32 (the most registers); each GELU kernel in both forms."""
+    at every other bit width in fp32 (the most registers); each GELU kernel in both forms (at the other widths,
+    the tanh form, which takes more registers)."""
     from fxmem.kernels.lora_epilogue import GELU_APPROXIMATIONS
     dtypes = [(a, lora) for a in ACTIVATION_DTYPES for lora in dict.fromkeys((a, torch.float32))]
     found = []
@@ -81,7 +82,8 @@ def variants() -> list[_Variant]:
         for ((activation, lora), bits), approximate in itertools.product(
                 widths if quantized else [(dtype, None) for dtype in dtypes],
                 GELU_APPROXIMATIONS if gelu else (None,)):
-            found.append(_Variant(kernel, activation, lora, bits, approximate))
+            if bits in (None, 4) or approximate in (None, "tanh"):  # other widths: the costlier GELU form
+                found.append(_Variant(kernel, activation, lora, bits, approximate))
     return found
 
 
