@@ -143,13 +143,6 @@ def _build(variant: _Variant, arch: int) -> KernelBuild:
                        stack_bytes=int(stack.group(1)) if stack else 0, shared_bytes=compiled.metadata.shared)
 
 
-def _build_all(arch: int) -> list[KernelBuild]:
-    import triton
-    triton.knobs.nvidia.dump_ptxas_log = True
-    triton.knobs.compilation.always_compile = True  # a cached build skips ptxas, and with it the figures
-    return [_build(v, arch) for v in variants()]
-
-
 def compile_kernels(arch: int = 90) -> list[KernelBuild]:
     """Build every variant of every kernel for sm_``arch`` in a subprocess (see the module docstring)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -162,4 +155,8 @@ def compile_kernels(arch: int = 90) -> list[KernelBuild]:
 
 
 def _dump(arch: int) -> None:
-    print(json.dumps([b.to_dict() for b in _build_all(arch)]))
+    """The subprocess's side: every build, as JSON on the last line of stdout."""
+    import triton
+    triton.knobs.nvidia.dump_ptxas_log = True
+    triton.knobs.compilation.always_compile = True  # a cached build skips ptxas, and with it the figures
+    print(json.dumps([_build(v, arch).to_dict() for v in variants()]))

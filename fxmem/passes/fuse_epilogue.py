@@ -140,7 +140,7 @@ def _row_major(val: torch.Tensor) -> bool:
 
 def _same_shape(a: Sequence, b: Sequence) -> bool:
     """Sizes provably equal, symbolic ones included; never a guard (dynamo is done when fxmem runs)."""
-    return len(a) == len(b) and all(statically_known_true(sym_eq(x, y)) for x, y in zip(a, b, strict=True))
+    return statically_known_true(sym_eq(tuple(a), tuple(b)))
 
 
 def kernel_operands(node: Node, dequantized: dict[Node, tuple]) -> KernelOperands | None:
@@ -184,9 +184,9 @@ def _reshaped_from(node: Node) -> Node | None:
         if node.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
             return None
         node = node.args[0]
-        if _with_static_channels(node) is None or tensor_val(node).shape[-1] != last:
+        val = _with_static_channels(node)
+        if val is None or val.shape[-1] != last:
             return None
-    val = tensor_val(node)
     return node if val.dim() == 2 and _row_major(val) else None
 
 
