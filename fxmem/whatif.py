@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.config import Config
 from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
-from fxmem.cost_model.loss import chunked_loss_bytes, loss_chunk_rows, unfused_loss_bytes
+from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes, loss_chunks, unfused_loss_bytes
 from fxmem.models import build_lora_model, example_batch, hf_config, is_causal_lm
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}  # state tensors per trainable parameter
@@ -73,7 +73,7 @@ class LossCost:
     vocab: int
     unfused: int
     chunked: int
-    chunk_rows: int
+    chunks: LossChunks
 
 
 def fake_lora_model(config: Any, rank: int, dtype: torch.dtype, fake_mode: FakeTensorMode) -> torch.nn.Module:
@@ -148,7 +148,8 @@ def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     name = name or (model if isinstance(model, str) else config.model_type)
     result = WhatIf(name, batch, seq, rank, torch_dtype, optimizer, trainable[0].dtype,
                     lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype),
-                    loss=loss_cost(config, batch * seq, torch_dtype) if is_causal_lm(config) else None)
+                    loss=loss_cost(config, batch * seq, torch_dtype, head_trains=not rank)
+                    if is_causal_lm(config) else None)
     for preset in presets:
         saved, how = layer_scaled_saved_bytes(config, rank=rank, dtype=torch_dtype, batch=batch, seq=seq,
                                               preset=preset)
@@ -156,12 +157,13 @@ def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     return result
 
 
-def loss_cost(config: Any, tokens: int, dtype: torch.dtype) -> LossCost:
-    """The causal LM loss of ``config`` over ``tokens`` tokens, unfused and chunked."""
+def loss_cost(config: Any, tokens: int, dtype: torch.dtype, *, head_trains: bool) -> LossCost:
+    """The causal LM loss of ``config`` over ``tokens`` tokens on a GPU, unfused and chunked."""
     size = torch.empty((), dtype=dtype).element_size()
     vocab, hidden = config.vocab_size, config.hidden_size
+    chunks = loss_chunks(tokens, vocab, hidden, size, head_trains=head_trains, device_type="cuda")
     return LossCost(tokens, vocab, unfused_loss_bytes(tokens, vocab, size),
-                    chunked_loss_bytes(tokens, vocab, hidden, size), loss_chunk_rows(tokens, vocab, hidden, size))
+                    chunked_loss_bytes(tokens, vocab, hidden, size, chunks), chunks)
 
 
 def traced_saved_bytes(config: Any, *, layers: int, rank: int, dtype: torch.dtype, batch: int, seq: int,

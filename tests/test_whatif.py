@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fxmem import cli
+from fxmem.cost_model.loss import LossChunks
 from fxmem.whatif import (
     SCALING_DEPTHS,
     build_lora_model,
@@ -41,10 +42,11 @@ def test_whatif_counts_weights_gradients_state_and_lora_orders(tiny_config):
     # runlora saves no x A^T: 14 LoRA linears x 32 tokens x rank 8 floats fewer.
     assert exact.saved_activations - runlora.saved_activations == 14 * 32 * 8 * 4
     assert {count for _, count, _ in result.lora_orders} == {8, 4, 2}  # 64->64, 64->172, 172->64
-    # 32 tokens x 256 vocabulary: logits, log-probabilities and gradient, all float32; chunked: all 32 rows in one
-    # chunk and the head input's gradient
-    assert (result.loss.unfused, result.loss.chunked, result.loss.chunk_rows) == (
-        32 * 256 * 12, 32 * 256 * 4 + 32 * 64 * 4, 32)
+    # 32 tokens x 256 vocabulary: logits, log-probabilities and gradient, all float32. Chunked (a frozen head in
+    # float32: online sums): a block of all 32 rows by the whole vocabulary, the block's input, target rows and
+    # float32 weighted sum, and the head input's gradient
+    assert (result.loss.unfused, result.loss.chunked, result.loss.chunks) == (
+        32 * 256 * 12, 32 * 256 * 4 + 32 * 64 * 12 + 32 * 64 * 4, LossChunks(32, 256))
 
 
 def test_whatif_refuses_unknown_models_naming_the_valid_ones():

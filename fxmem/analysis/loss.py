@@ -43,6 +43,8 @@ class HeadLoss:
     vocab: int
     hidden: int
     element_size: int  # of the head's input
+    head_trains: bool  # the head's weight takes a gradient, or the head has a LoRA
+    device_type: str
     logits_outputs: tuple[Node, ...]  # logits nodes that are also forward outputs (kept unless dropped)
 
 
@@ -110,7 +112,8 @@ def _match(loss: Node) -> HeadLoss | UnchunkedLoss:
     return HeadLoss(loss=loss, x=x, weight=weight, target=options["target"], lora=lora,
                     ignore_index=options["ignore_index"], reduction=options["reduction"], logits_dtype=logits.dtype,
                     tokens=hint(logits.shape[0]), vocab=int(vocab), hidden=int(hidden),
-                    element_size=x_value.element_size(), logits_outputs=tuple(outputs))
+                    element_size=x_value.element_size(), head_trains=weight_value.requires_grad or lora is not None,
+                    device_type=x_value.device.type, logits_outputs=tuple(outputs))
 
 
 def _is_reshape_or_cast(node: Node) -> bool:

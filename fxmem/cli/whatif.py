@@ -106,6 +106,6 @@ def _loss_section(result) -> tuple:
               "peak (cost_model/loss.py). Unfused: what the loss holds when the model returns its logits (every "
               "HF ...ForCausalLM), as torch.compile runs it and as fxmem leaves it by default: the logits, their "
               "float32 log-probabilities and gradient. Chunked: fxmem's chunk_loss "
-              f"with return_logits=False, {loss.chunk_rows} tokens of float32 logits at a time and the head "
+              f"with return_logits=False, in {loss.chunks.describe(loss.tokens, loss.vocab)}, and the head "
               "input's gradient")
     return "LM loss at its peak (chunk_loss)", columns, rows, legend

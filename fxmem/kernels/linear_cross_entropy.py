@@ -1,15 +1,23 @@
-"""The LM head and its cross-entropy in chunks of tokens: the (tokens x vocabulary) logits never exist whole.
+"""The LM head and its cross-entropy in chunks: the (tokens x vocabulary) logits never exist whole.
 
-``linear_cross_entropy`` is exact: for each chunk of rows it computes the logits (``x W^T``, plus a LoRA term
-``scale (x A^T) B^T`` when the head has one), their log-sum-exp, the loss, and the gradient of the loss with
-respect to the logits, which it turns at once into the chunk's gradients for the head's input, weight and LoRA
-factors. The loss is a scalar, so its gradient is a scalar: the backward multiplies what the forward already
-computed. That takes one head matmul fewer than recomputing the logits in backward (the forward would compute
-them, the backward again), and no more than the unfused loss: one product for the logits, one per gradient.
+``linear_cross_entropy`` is exact, and computes the loss's gradients in the forward: the loss is a scalar, so its
+gradient is a scalar, and the backward multiplies what the forward already computed. That takes one head matmul
+fewer than recomputing the logits in backward, and no more than the unfused loss: one product for the logits,
+one per gradient. What lives from forward to backward is the head input's gradient (the size of the head input)
+and, when they train, the head's weight and LoRA gradients. Two ways to chunk:
 
-What lives from forward to backward is the head input's gradient (the size of the head input) and, when they
-train, the head's weight and LoRA gradients; at most one chunk of logits, in the loss's dtype, exists at a time.
-``linear_cross_entropy_reference`` is the unfused torch computation it is tested against.
+- Rows and the whole vocabulary (``vocab_chunk=None``; the only one when the head trains or has a LoRA): for
+  each chunk of rows, the logits (``x W^T``, plus ``scale (x A^T) B^T`` for a LoRA), their log-sum-exp, the loss,
+  and the logits' gradient, turned at once into the chunk's gradients for the head's input, weight and factors.
+  A chunk holds rows x vocabulary float32 logits.
+- Rows and vocabulary both (a head that does not train): for each block of counted tokens, the vocabulary a
+  chunk at a time, the log-sum-exp and the softmax-weighted sum of the head's rows accumulated online, as flash
+  attention accumulates its softmax: ``d loss / d x = sum_v softmax_v W_v - W_target``. A chunk holds rows x
+  ``vocab_chunk`` logits; the head's products stay as thick as whole-vocabulary ones, and the vocabulary is read
+  once per block. Ignored tokens are skipped, not computed and masked (outside a CUDA graph capture, which
+  cannot take the count's host sync).
+
+``linear_cross_entropy_reference`` is the unfused torch computation both are tested against.
 """
 
 from __future__ import annotations
@@ -44,11 +52,13 @@ def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, *,
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, *, lora: HeadLora | None = None,
                          ignore_index: int = -100, reduction: str = "mean",
-                         logits_dtype: torch.dtype = torch.float32, chunk_rows: int = 1024) -> Tensor:
+                         logits_dtype: torch.dtype = torch.float32, chunk_rows: int = 1024,
+                         vocab_chunk: int | None = None) -> Tensor:
     """The loss of ``linear_cross_entropy_reference``, ``chunk_rows`` tokens of logits at a time.
 
     x: (tokens, hidden); weight: (vocabulary, hidden); target: (tokens,) class indices, ``ignore_index`` for a
-    token that does not count. reduction: "mean" over the counted tokens, or "sum".
+    token that does not count. reduction: "mean" over the counted tokens, or "sum". vocab_chunk: the classes per
+    chunk, for a head that does not train and has no LoRA; None: the whole vocabulary.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}; got {reduction!r}")
@@ -58,10 +68,16 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, *, lora: Hea
                          f"{tuple(x.shape)}, {tuple(weight.shape)} and {tuple(target.shape)}")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1; got {chunk_rows}")
+    if vocab_chunk is not None:
+        if vocab_chunk < 1:
+            raise ValueError(f"vocab_chunk must be >= 1 or None; got {vocab_chunk}")
+        if lora is not None or weight.requires_grad:
+            raise ValueError("vocab_chunk needs a head that does not train and has no LoRA (its gradient needs each "
+                             "row's whole log-sum-exp); pass vocab_chunk=None")
     a, b, scale = lora if lora is not None else (None, None, 0.0)
     lora_grad = lora is not None and (a.requires_grad or b.requires_grad)
     return _chunked_op(x, weight, target, a, b, scale, ignore_index, reduction == "mean", chunk_rows,
-                       logits_dtype, x.requires_grad, weight.requires_grad, lora_grad)[0]
+                       vocab_chunk or 0, logits_dtype, x.requires_grad, weight.requires_grad, lora_grad)[0]
 
 
 def _chunk_logits(x: Tensor, weight: Tensor, a: Tensor | None, b: Tensor | None, scale: float,
@@ -74,23 +90,28 @@ def _chunk_logits(x: Tensor, weight: Tensor, a: Tensor | None, b: Tensor | None,
 
 @torch.library.custom_op("fxmem::linear_cross_entropy", mutates_args=())
 def _chunked_op(x: Tensor, weight: Tensor, target: Tensor, lora_a: Tensor | None, lora_b: Tensor | None,
-                lora_scale: float, ignore_index: int, mean: bool, chunk_rows: int, logits_dtype: torch.dtype,
-                input_grad: bool, weight_grad: bool, lora_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(loss, d loss / d x, d loss / d weight, d loss / d A, d loss / d B); a gradient not asked for is empty."""
+                lora_scale: float, ignore_index: int, mean: bool, chunk_rows: int, vocab_chunk: int,
+                logits_dtype: torch.dtype, input_grad: bool, weight_grad: bool, lora_grad: bool
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, d loss / d x, d loss / d weight, d loss / d A, d loss / d B); a gradient not asked for is empty.
+    vocab_chunk 0: the whole vocabulary per chunk of rows."""
     rows = x.shape[0]
     valid = target != ignore_index
     # mean: every counted token weighs 1 / count; a batch with none counts gives nan, as torch's does
     row_weight = 1.0 / valid.sum().to(torch.float32) if mean else torch.ones((), device=x.device)
-    loss = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x) if input_grad else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if weight_grad else None
     grad_a = torch.zeros(lora_a.shape, dtype=torch.float32, device=x.device) if lora_grad else None
     grad_b = torch.zeros(lora_b.shape, dtype=torch.float32, device=x.device) if lora_grad else None
-    for start in range(0, rows, chunk_rows):
-        end = min(start + chunk_rows, rows)
-        loss += _chunk(x[start:end], target[start:end], valid[start:end], row_weight, weight, lora_a, lora_b,
-                       lora_scale, logits_dtype, None if grad_x is None else grad_x[start:end], grad_weight,
-                       grad_a, grad_b)
+    if vocab_chunk:
+        loss = _online_loss(x, weight, target, valid, row_weight, logits_dtype, chunk_rows, vocab_chunk, grad_x)
+    else:
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        for start in range(0, rows, chunk_rows):
+            end = min(start + chunk_rows, rows)
+            loss += _chunk(x[start:end], target[start:end], valid[start:end], row_weight, weight, lora_a, lora_b,
+                           lora_scale, logits_dtype, None if grad_x is None else grad_x[start:end], grad_weight,
+                           grad_a, grad_b)
     return (loss * row_weight, _in_dtype(grad_x, x, x), _in_dtype(grad_weight, weight, x),
             _in_dtype(grad_a, lora_a, x), _in_dtype(grad_b, lora_b, x))
 
@@ -124,6 +145,53 @@ def _chunk(x: Tensor, target: Tensor, valid: Tensor, row_weight: Tensor, weight:
     return torch.where(valid, lse - picked, 0).sum()
 
 
+def _counted_rows(valid: Tensor) -> Tensor:
+    """The rows of the tokens that count; every row while a CUDA graph is captured (the count is a host sync)."""
+    if valid.is_cuda and torch.cuda.is_current_stream_capturing():
+        return torch.arange(valid.numel(), device=valid.device)
+    return valid.nonzero().squeeze(1)
+
+
+def _online_loss(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, row_weight: Tensor,
+                 logits_dtype: torch.dtype, block_rows: int, vocab_chunk: int, grad_x: Tensor | None) -> Tensor:
+    """The summed loss of the counted tokens, ``block_rows`` of them by ``vocab_chunk`` classes at a time; writes
+    ``grad_x`` (zero for an ignored token). Per row: the running maximum m and sum s of exp(logit - m) and,
+    rescaled with them, the sum of exp(logit - m) W_v, all in float32 (products of the model's dtype upcast:
+    summed over the vocabulary, their roundings would add up where softmax and target nearly cancel)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    if grad_x is not None:
+        grad_x.zero_()
+    counted = _counted_rows(valid)
+    for start in range(0, counted.numel(), block_rows):
+        rows = counted[start:start + block_rows]
+        x_block, block_valid = x.index_select(0, rows), valid.index_select(0, rows)
+        block_target = torch.where(block_valid, target.index_select(0, rows), 0)
+        running_max = torch.full((rows.numel(), 1), float("-inf"), dtype=compute, device=x.device)
+        running_sum = torch.zeros((rows.numel(), 1), dtype=compute, device=x.device)
+        weighted_rows = None if grad_x is None else x_block.new_zeros(x_block.shape, dtype=compute)
+        for first in range(0, weight.shape[0], vocab_chunk):
+            chunk = weight[first:first + vocab_chunk]
+            # torch's logits: the model-dtype product in the loss's dtype; then float32 for the running sums
+            logits = (x_block @ chunk.t()).to(logits_dtype).to(compute)
+            new_max = torch.maximum(running_max, logits.amax(1, keepdim=True))
+            rescale = (running_max - new_max).exp_()  # the first chunk: exp(-inf) = 0
+            probabilities = logits.sub_(new_max).exp_()  # unnormalized, in place
+            running_sum.mul_(rescale).add_(probabilities.sum(1, keepdim=True))
+            if weighted_rows is not None:
+                weighted_rows.mul_(rescale).addmm_(probabilities, chunk.to(compute))
+            running_max = new_max
+        target_rows = weight.index_select(0, block_target)
+        # the target's logit as torch has it: accumulated in float32, rounded to the model's dtype
+        picked = torch.linalg.vecdot(x_block.to(compute), target_rows.to(compute)).to(x.dtype).to(logits_dtype)
+        lse = (running_max + running_sum.log()).squeeze(1)
+        loss += torch.where(block_valid, lse - picked.to(compute), 0).sum().float()
+        if weighted_rows is not None:  # softmax-weighted rows minus the target's, by each token's weight
+            scale = torch.where(block_valid, row_weight, 0).unsqueeze(1).to(compute)
+            grad_x.index_copy_(0, rows, weighted_rows.div_(running_sum).sub_(target_rows).mul_(scale).to(x.dtype))
+    return loss
+
+
 def _in_dtype(grad: Tensor | None, param: Tensor | None, like: Tensor) -> Tensor:
     """A gradient in its parameter's dtype; one not computed is empty (each its own: outputs may not alias), made
     like ``like`` (the input): a CPU tensor in a CUDA graph would turn inductor's CUDA graphs off."""
@@ -131,8 +199,8 @@ def _in_dtype(grad: Tensor | None, param: Tensor | None, like: Tensor) -> Tensor
 
 
 @_chunked_op.register_fake
-def _(x, weight, target, lora_a, lora_b, lora_scale, ignore_index, mean, chunk_rows, logits_dtype, input_grad,
-      weight_grad, lora_grad):
+def _(x, weight, target, lora_a, lora_b, lora_scale, ignore_index, mean, chunk_rows, vocab_chunk, logits_dtype,
+      input_grad, weight_grad, lora_grad):
     return (x.new_empty((), dtype=torch.float32), torch.empty_like(x) if input_grad else x.new_empty(0),
             weight.new_empty(weight.shape) if weight_grad else x.new_empty(0),
             lora_a.new_empty(lora_a.shape) if lora_grad else x.new_empty(0),
@@ -152,7 +220,7 @@ def _backward(ctx, grad_loss, *_):
         return grad * grad_loss.to(grad.dtype) if needs[index] and grad.numel() else None
 
     return (scaled(grad_x, 0), scaled(grad_weight, 1), None, scaled(grad_a, 3), scaled(grad_b, 4),
-            None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None)
 
 
 _chunked_op.register_autograd(_backward, setup_context=_setup_context)

@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule
 
 from fxmem.analysis.loss import HeadLoss, UnchunkedLoss, find_head_losses
-from fxmem.cost_model.loss import logits_bytes, loss_chunk_rows
+from fxmem.cost_model.loss import LossChunks, logits_bytes, loss_chunks
 from fxmem.kernels.linear_cross_entropy import linear_cross_entropy
 from fxmem.passes.manager import GraphPass, PipelineState
 
@@ -35,19 +35,19 @@ class ChunkLoss(GraphPass):
             if isinstance(found, UnchunkedLoss):
                 lines.append(f"{found.loss.name} left as torch runs it: {found.reason}")
                 continue
-            rows = loss_chunk_rows(found.tokens, found.vocab, found.hidden, found.element_size)
-            _rewrite(state.dynamo, found, rows)
+            chunks = loss_chunks(found.tokens, found.vocab, found.hidden, found.element_size,
+                                 head_trains=found.head_trains, device_type=found.device_type)
+            _rewrite(state.dynamo, found, chunks)
             chunked += 1
-            chunks = -(-found.tokens // rows)
-            lines.append(f"{found.loss.name}: {found.tokens} tokens x {found.vocab} vocabulary in {chunks} chunk(s) "
-                         f"of {rows} rows; {logits_bytes(found.tokens, found.vocab) / 2**20:.1f} MiB of float32 "
-                         "logits never whole")
+            lines.append(f"{found.loss.name}: {found.tokens} tokens x {found.vocab} vocabulary in "
+                         f"{chunks.describe(found.tokens, found.vocab)}; "
+                         f"{logits_bytes(found.tokens, found.vocab) / 2**20:.1f} MiB of float32 logits never whole")
         if chunked:  # the head's matmul and the logits' reshapes, now unused
             state.dynamo.graph.eliminate_dead_code()
         return "; ".join(lines)
 
 
-def _rewrite(gm: GraphModule, found: HeadLoss, rows: int) -> None:
+def _rewrite(gm: GraphModule, found: HeadLoss, chunks: LossChunks) -> None:
     graph = gm.graph
     with graph.inserting_before(found.loss):
         x = graph.call_method("reshape", (found.x, (-1, found.hidden)))
@@ -58,6 +58,6 @@ def _rewrite(gm: GraphModule, found: HeadLoss, rows: int) -> None:
             output.replace_input_with(logits, empty)
         chunked = graph.call_function(linear_cross_entropy, (x, found.weight, found.target), {
             "lora": found.lora, "ignore_index": found.ignore_index, "reduction": found.reduction,
-            "logits_dtype": found.logits_dtype, "chunk_rows": rows})
+            "logits_dtype": found.logits_dtype, "chunk_rows": chunks.rows, "vocab_chunk": chunks.vocab})
     found.loss.replace_all_uses_with(chunked)
     graph.erase_node(found.loss)

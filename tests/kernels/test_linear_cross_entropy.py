@@ -48,6 +48,34 @@ def test_chunked_loss_and_gradients_match_the_unfused_reference(dtype, tolerance
         assert _relative_error(grad, ref) < tolerance
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("block_rows, vocab_chunk", [(1, 1), (8, 7), (TOKENS, VOCAB), (1000, 1000)])
+def test_vocabulary_chunks_with_online_sums_match_the_unfused_reference(dtype, tolerance, reduction, block_rows,
+                                                                         vocab_chunk):
+    # chunk edges: one row by one class, uneven both ways, whole, beyond
+    x, weight, target, _ = _inputs(dtype, lora=False, train_weight=False)
+    ref_loss, (ref_grad,) = _loss_and_grads(linear_cross_entropy_reference, x, weight, target, None,
+                                            reduction=reduction)
+    loss, (grad,) = _loss_and_grads(linear_cross_entropy, x, weight, target, None, reduction=reduction,
+                                    chunk_rows=block_rows, vocab_chunk=vocab_chunk)
+    assert abs(float(loss - ref_loss)) <= 1e-6 * abs(float(ref_loss))  # the logits rounded as torch rounds them
+    assert grad.dtype == dtype
+    assert _relative_error(grad, ref_grad) < tolerance
+    assert torch.all(grad[::5] == 0)  # ignored tokens
+
+
+def test_online_sums_survive_logits_far_apart_across_chunks():
+    # the running maximum rises by 80 between chunks: exp(80) overflows nothing once rescaled
+    x = torch.ones(4, 2, requires_grad=True)
+    weight = torch.tensor([[0.0, 0.0], [1.0, 1.0], [40.0, 40.0], [-50.0, -50.0], [40.0, 39.0]])
+    target = torch.tensor([0, 2, 4, 3])
+    ref_loss, (ref_grad,) = _loss_and_grads(linear_cross_entropy_reference, x, weight, target, None)
+    loss, (grad,) = _loss_and_grads(linear_cross_entropy, x, weight, target, None, chunk_rows=3, vocab_chunk=2)
+    assert torch.isfinite(loss) and torch.allclose(loss, ref_loss, rtol=1e-6)
+    assert _relative_error(grad, ref_grad) < 1e-6
+
+
 def test_a_frozen_weight_gets_no_gradient_and_ignored_tokens_none_at_all():
     x, weight, target, _ = _inputs(torch.float32, lora=False, train_weight=False, ignored_every=2)
     loss = linear_cross_entropy(x, weight, target, chunk_rows=8)
@@ -86,14 +114,21 @@ def test_the_step_never_holds_the_whole_logits():
     assert peak_memory(step(linear_cross_entropy_reference), "cpu") >= 2 * logits  # logits + log-probabilities
     chunked = peak_memory(step(linear_cross_entropy, chunk_rows=64), "cpu")
     assert chunked < logits / 4  # a chunk of logits (1/8) and the input's gradient
+    online = peak_memory(step(linear_cross_entropy, chunk_rows=64, vocab_chunk=512), "cpu")
+    gradient = x.numel() * 4
+    # the input's gradient twice (the forward's, then scaled in backward) and a block: 64 x 512 float32 logits,
+    # the block's input, target rows and float32 weighted sum (64 x 64 each); 8 KiB of token indices and row sums
+    assert 2 * gradient <= online <= 2 * gradient + 64 * 512 * 4 + 3 * 64 * 64 * 4 + 8192
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"reduction": "none"}, "reduction must be one of mean, sum; got 'none'"),
     ({"chunk_rows": 0}, "chunk_rows must be >= 1; got 0"),
+    ({"vocab_chunk": 0}, "vocab_chunk must be >= 1 or None; got 0"),
+    ({"vocab_chunk": 8}, r"vocab_chunk needs a head that does not train and has no LoRA .*pass vocab_chunk=None"),
 ])
 def test_bad_arguments_are_refused_naming_the_valid_ones(kwargs, message):
-    x, weight, target, _ = _inputs(torch.float32, lora=False)
+    x, weight, target, _ = _inputs(torch.float32, lora=False)  # the weight trains
     with pytest.raises(ValueError, match=message):
         linear_cross_entropy(x, weight, target, **kwargs)
 
@@ -109,12 +144,12 @@ def test_every_output_is_on_the_inputs_device():
     # off. On meta tensors the op runs its fake: the shapes and devices compiled code is built against.
     x, weight = torch.empty(6, 8, device="meta"), torch.empty(10, 8, device="meta")
     target = torch.zeros(6, dtype=torch.long, device="meta")
-    outputs = torch.ops.fxmem.linear_cross_entropy(x, weight, target, None, None, 1.0, -100, True, 4, torch.float32,
-                                                   False, False, False)
+    outputs = torch.ops.fxmem.linear_cross_entropy(x, weight, target, None, None, 1.0, -100, True, 4, 0,
+                                                   torch.float32, False, False, False)
     assert [o.device.type for o in outputs] == ["meta"] * 5
     # and the real op makes its empty gradients like the input (the old torch.empty(0) was CPU float32)
     x, weight = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(10, 8, dtype=torch.bfloat16)
     target = torch.zeros(6, dtype=torch.long)
-    outputs = torch.ops.fxmem.linear_cross_entropy(x, weight, target, None, None, 1.0, -100, True, 4, torch.float32,
-                                                   False, False, False)
+    outputs = torch.ops.fxmem.linear_cross_entropy(x, weight, target, None, None, 1.0, -100, True, 4, 0,
+                                                   torch.float32, False, False, False)
     assert [(o.numel(), o.dtype) for o in outputs[1:]] == [(0, torch.bfloat16)] * 4

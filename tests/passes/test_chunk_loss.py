@@ -26,8 +26,11 @@ def _ignore_some(batch):
     return {**batch, "labels": labels}
 
 
-@pytest.mark.parametrize("family, lora", [("llama", True), ("gpt2", False)])  # gpt2: tied head and embedding
-def test_a_causal_lm_loss_is_chunked_exactly_and_its_logits_returned_empty(family, lora):
+@pytest.mark.parametrize("family, lora, chunks", [
+    ("llama", True, "blocks of 32 rows x 256 classes, ignored tokens skipped"),  # a frozen head: online sums
+    ("gpt2", False, "1 chunk(s) of 32 rows"),  # full fine-tuning of a head tied to the embedding
+])
+def test_a_causal_lm_loss_is_chunked_exactly_and_its_logits_returned_empty(family, lora, chunks):
     model, batch = tiny_model(family, lora=lora, layers=1)
     for module in model.modules():  # GPT-2's dropout: eager and compiled runs would draw different masks
         if isinstance(module, torch.nn.Dropout):
@@ -40,8 +43,7 @@ def test_a_causal_lm_loss_is_chunked_exactly_and_its_logits_returned_empty(famil
     forward = torch.compile(model, backend=backend)
     assert forward(**batch).logits.shape == (0,)
     _assert_same(reference, loss_and_grads(forward, model, batch))
-    assert "32 tokens x 256 vocabulary in 1 chunk(s) of 32 rows; 0.0 MiB of float32 logits never whole" \
-        in _summary(backend)
+    assert f"32 tokens x 256 vocabulary in {chunks}; 0.0 MiB of float32 logits never whole" in _summary(backend)
 
 
 def test_a_lora_on_the_head_trains_through_the_chunked_loss():
@@ -77,7 +79,7 @@ def test_num_items_in_batch_divides_the_chunked_sum():
     forward = torch.compile(model, backend=backend)
     loss, grads = loss_and_grads(forward, model, batch)
     assert torch.allclose(loss, reference[0], rtol=1e-2)
-    assert "in 1 chunk(s)" in _summary(backend)
+    assert "in blocks of 32 rows x 256 classes" in _summary(backend)
     plans = [(s.role.value, p.action) for r in backend.regions for s, p in zip(r.saved, r.plans)]
     assert ("loss_gradient", "keep") in plans  # the head input's gradient, computed in forward, stays exact
 
@@ -162,4 +164,4 @@ def test_a_dynamic_sequence_length_is_still_chunked_and_exact():
         batch = {"input_ids": ids, "labels": ids}
         _assert_same(loss_and_grads(model, model, batch), loss_and_grads(forward, model, batch))
     assert len(backend.regions) == 2
-    assert "in 1 chunk(s) of 48 rows" in _summary(backend)  # the dynamic region: rows from the traced length
+    assert "in blocks of 48 rows x 256 classes" in _summary(backend)  # the dynamic region: from the traced length
