@@ -9,9 +9,10 @@ Two ways (kernels/linear_cross_entropy.py):
   has fewer, and never more rows than the tokens.
 - A frozen head (a LoRA fine-tune): blocks of ``BLOCK_ROWS`` tokens by ``VOCAB_CHUNK`` classes, the softmax
   accumulated online. Both products stay as thick as the whole-vocabulary ones (a 256 x hidden by hidden x 1024
-  GEMM), and a block's logits, inputs and sums (about 4 MiB at hidden 1024) stay in a CPU's cache. Measured on
-  this project's CPU at 2,048 tokens, hidden 1024, vocabulary 128,256: blocks of 256 to 1,024 rows by chunks of
-  1,024 to 2,048 classes all ran within 5% of each other and of torch.compile's unfused loss (docs/loss.md).
+  GEMM), and a block's logits, inputs and sums (about 4 MiB at hidden 1024) stay in a CPU's last-level cache.
+  On this project's CPU at 2,048 tokens, hidden 1024, vocabulary 128,256, a prototype (every token computed; the
+  least of 3 interleaved runs) took 1.04x torch.compile's unfused loss with blocks of 256 rows and with blocks
+  of 1,024, by 1,024 classes; the op, skipping the tenth of tokens ignored, 0.97x (docs/loss.md).
   In a narrower model dtype on CUDA the rows chunks stay: the online sums take the head's second product in
   float32 (summed over the vocabulary, its roundings would add up), which a GPU runs several times slower than
   in bf16, and no GPU here has measured the trade.
