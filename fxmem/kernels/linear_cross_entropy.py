@@ -158,7 +158,7 @@ def _online_loss(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, row_w
     ``grad_x`` (zero for an ignored token). Per row: the running maximum m and sum s of exp(logit - m) and,
     rescaled with them, the sum of exp(logit - m) W_v, all in float32 (products of the model's dtype upcast:
     summed over the vocabulary, their roundings would add up where softmax and target nearly cancel)."""
-    compute = torch.promote_types(x.dtype, torch.float32)
+    compute = torch.promote_types(torch.promote_types(x.dtype, logits_dtype), torch.float32)
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     if grad_x is not None:
         grad_x.zero_()
@@ -175,12 +175,15 @@ def _online_loss(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, row_w
             # torch's logits: the model-dtype product in the loss's dtype; then float32 for the running sums
             logits = (x_block @ chunk.t()).to(logits_dtype).to(compute)
             new_max = torch.maximum(running_max, logits.amax(1, keepdim=True))
-            rescale = (running_max - new_max).exp_()  # the first chunk: exp(-inf) = 0
-            probabilities = logits.sub_(new_max).exp_()  # unnormalized, in place
+            # a row whose logits so far are all -inf (fp16 overflow) shifts by 0: -inf - -inf would be nan
+            shift = torch.where(new_max == float("-inf"), 0, new_max)
+            rescale = (running_max - shift).exp_()  # the first chunk: exp(-inf) = 0
+            probabilities = logits.sub_(shift).exp_()  # unnormalized, in place
             running_sum.mul_(rescale).add_(probabilities.sum(1, keepdim=True))
             if weighted_rows is not None:
                 weighted_rows.mul_(rescale).addmm_(probabilities, chunk.to(compute))
             running_max = new_max
+            del logits, probabilities  # freed before the next chunk's are made
         target_rows = weight.index_select(0, block_target)
         # the target's logit as torch has it: accumulated in float32, rounded to the model's dtype
         picked = torch.linalg.vecdot(x_block.to(compute), target_rows.to(compute)).to(x.dtype).to(logits_dtype)

@@ -65,8 +65,9 @@ def test_vocabulary_chunks_with_online_sums_match_the_unfused_reference(dtype, t
     assert torch.all(grad[::5] == 0)  # ignored tokens
 
 
-def test_in_a_cuda_graph_capture_ignored_tokens_are_computed_and_masked(monkeypatch):
-    # a capture cannot count the counted tokens (a host sync): every row goes through, weighted 0 if ignored
+def test_every_token_computed_and_the_ignored_masked_as_in_a_cuda_graph_capture(monkeypatch):
+    # a capture cannot count the counted tokens (a host sync): every row goes through, weighted 0 if ignored.
+    # This CPU cannot capture: the capture's row selection is put in place of _counted_rows
     from fxmem.kernels import linear_cross_entropy as module
     monkeypatch.setattr(module, "_counted_rows", lambda valid: torch.arange(valid.numel()))
     x, weight, target, _ = _inputs(torch.float32, lora=False, train_weight=False)
@@ -77,14 +78,35 @@ def test_in_a_cuda_graph_capture_ignored_tokens_are_computed_and_masked(monkeypa
 
 
 def test_online_sums_survive_logits_far_apart_across_chunks():
-    # the running maximum rises by 80 between chunks: exp(80) overflows nothing once rescaled
+    # the running maximum rises by 120 between chunks: exp(120) overflows float32 unless the maximum is subtracted
     x = torch.ones(4, 2, requires_grad=True)
-    weight = torch.tensor([[0.0, 0.0], [1.0, 1.0], [40.0, 40.0], [-50.0, -50.0], [40.0, 39.0]])
+    weight = torch.tensor([[0.0, 0.0], [1.0, 1.0], [60.0, 60.0], [-50.0, -50.0], [60.0, 59.0]])
     target = torch.tensor([0, 2, 4, 3])
     ref_loss, (ref_grad,) = _loss_and_grads(linear_cross_entropy_reference, x, weight, target, None)
     loss, (grad,) = _loss_and_grads(linear_cross_entropy, x, weight, target, None, chunk_rows=3, vocab_chunk=2)
     assert torch.isfinite(loss) and torch.allclose(loss, ref_loss, rtol=1e-6)
     assert _relative_error(grad, ref_grad) < 1e-6
+
+
+def test_a_first_chunk_of_minus_infinity_logits_stays_finite():
+    # fp16 overflow makes a whole chunk -inf: its shift is 0, not -inf - -inf = nan
+    x = torch.tensor([[300.0, 300.0]], dtype=torch.float16, requires_grad=True)
+    weight = torch.tensor([[-200.0, -200.0], [0.01, 0.01], [0.02, 0.0]], dtype=torch.float16)
+    target = torch.tensor([1])
+    ref_loss, (ref_grad,) = _loss_and_grads(linear_cross_entropy_reference, x, weight, target, None)
+    loss, (grad,) = _loss_and_grads(linear_cross_entropy, x, weight, target, None, chunk_rows=4, vocab_chunk=1)
+    assert torch.isfinite(ref_loss) and torch.allclose(loss, ref_loss, rtol=1e-3)
+    assert torch.allclose(grad.float(), ref_grad.float(), rtol=1e-2, atol=1e-4)
+
+
+def test_float64_logits_are_summed_in_float64():
+    x, weight, target, _ = _inputs(torch.float64, lora=False, train_weight=False)
+    # a sum, and no scale downstream: the loss (and so the gradient it gets) and the mean's 1 / count are float32
+    kwargs = {"logits_dtype": torch.float64, "reduction": "sum"}
+    (ref_grad,) = torch.autograd.grad(linear_cross_entropy_reference(x, weight, target, **kwargs), x)
+    (grad,) = torch.autograd.grad(linear_cross_entropy(x, weight, target, chunk_rows=8, vocab_chunk=7, **kwargs), x)
+    assert grad.dtype == torch.float64
+    assert float((grad - ref_grad).abs().max() / ref_grad.abs().max()) < 1e-12
 
 
 def test_a_frozen_weight_gets_no_gradient_and_ignored_tokens_none_at_all():
@@ -127,8 +149,9 @@ def test_the_step_never_holds_the_whole_logits():
     assert chunked < logits / 4  # a chunk of logits (1/8) and the input's gradient
     online = peak_memory(step(linear_cross_entropy, chunk_rows=64, vocab_chunk=512), "cpu")
     gradient = x.numel() * 4
-    # the input's gradient twice (the forward's, then scaled in backward) and a block: 64 x 512 float32 logits,
-    # the block's input, target rows and float32 weighted sum (64 x 64 each); 8 KiB of token indices and row sums
+    # the input's gradient twice (in backward: the forward's, and it scaled) and less in forward: the gradient and
+    # a block: one chunk of 64 x 512 float32 logits, the block's input, target rows and float32 weighted sum
+    # (64 x 64 each); 8 KiB of token indices and row sums
     assert 2 * gradient <= online <= 2 * gradient + 64 * 512 * 4 + 3 * 64 * 64 * 4 + 8192
 
 
