@@ -19,7 +19,7 @@ from fxmem.cost_model.memory import lowrank_bytes, planned_bytes, prenorm_bytes,
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.prices import lowrank_seconds, quantize_seconds, recompute_seconds
 from fxmem.kernels.lowrank import DEFAULT_NITER, resolve_rank
-from fxmem.kernels.quantize import outlier_chunk
+from fxmem.kernels.quantize import fits_range, outlier_chunk
 
 # Roles HyC-LoRA stores quantized (section 4.1): the inputs of non-linear operators and of linears.
 QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV,
@@ -260,6 +260,8 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
              if bits <= OUTLIER_VALUE_BITS and owner.role is not Role.LORA_BASE_OUTPUT else 0)
     if chunk:
         reason += f", one value in {chunk} of each row exact"
+    if fits_range(bits):
+        reason += ", range fitted per channel"
     nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(), chunk) + tables_bytes
     if nbytes >= owner.nbytes:
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")

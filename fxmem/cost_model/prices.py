@@ -14,6 +14,7 @@ import functools
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fxmem.kernels.quantize import fit_reads
 from fxmem.timing import median, step_times
 
 _PROBE_BYTES = 2**26  # a 64 MiB copy: past the caches, a few milliseconds
@@ -40,9 +41,10 @@ def matmul_rate(device: str = "cpu") -> float:
 
 
 def quantize_seconds(numel: int, element_size: int, bits: int, chunk: int, device: str = "cpu") -> float:
-    """Forward: the statistics read the tensor, the codes read it again (the outlier values once more) and write
-    the packed bytes; backward: the consumer reads the packed bytes, which is no more than it read before."""
-    reads = 2 + (1 if chunk else 0)
+    """Forward: the statistics read the tensor, the codes read it again (the outlier values once more, a fitted
+    range its sampled rows) and write the packed bytes; backward: the consumer reads the packed bytes, which is
+    no more than it read before."""
+    reads = 2 + (1 if chunk else 0) + fit_reads(bits)
     return numel * (reads * element_size + bits / 8) / memory_bandwidth(device)
 
 

@@ -39,14 +39,51 @@ def test_codes_are_packed_in_planes_byte_j_holding_channels_j_j_plus_w_and_on_fi
 
 @pytest.mark.parametrize("bits", q.BITS_CHOICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_round_trip_error_is_at_most_half_a_step_in_the_tensors_dtype(bits, dtype):
+def test_round_trip_error_is_at_most_half_a_step_in_the_grid_and_the_rest_is_clamped_to_its_ends(bits, dtype):
     x = (torch.randn(4, 32, 16, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 10, 16)).to(dtype)
     parts = q.quantize(x, q.QuantSpec(16, bits))
     restored = q.dequantize(parts, q.QuantSpec(16, bits), dtype)
     assert restored.dtype == dtype and restored.shape == x.shape
-    scale = parts[1]
+    _, scale, zero, *_ = parts
+    low, high = -zero * scale, (2**bits - 1 - zero) * scale  # the grid's ends
+    expected = x.float().clamp(low, high)
     rounding = 0 if dtype == torch.float32 else x.abs().float() * 2**-7  # the restored value in x's dtype
-    assert ((restored.float() - x.float()).abs() <= scale / 2 * (1 + 1e-5) + 1e-6 + rounding).all()
+    assert ((restored.float() - expected).abs() <= scale / 2 * (1 + 1e-5) + 1e-5 + rounding).all()
+    clamped = (x.float() < low - scale) | (x.float() > high + scale)  # the zero point rounds the ends to the grid
+    assert clamped.any() == q.fits_range(bits)  # only a fitted grid leaves values outside (Gaussian channels)
+
+
+def _squared_errors(x: torch.Tensor, lows: torch.Tensor, highs: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each candidate grid's squared error per channel over the rows the fit reads, value by value."""
+    rows = x[::q.FIT_ROW_STRIDE]
+    errors = torch.zeros(lows.shape)
+    for k in range(lows.shape[0]):
+        scale, zero = q.quant_params(lows[k], highs[k], bits)
+        codes = _codes(rows, scale, zero, bits).float()
+        errors[k] = ((codes - zero) * scale - rows).square().sum(0)
+    return errors
+
+
+@pytest.mark.parametrize("bits", sorted(q.FITTED_SPREADS))
+def test_a_fitted_range_is_the_candidate_grid_with_the_least_squared_error(bits):
+    g = torch.Generator().manual_seed(bits)
+    gaussian, uniform = torch.randn(512, generator=g), torch.rand(512, generator=g) * 4 - 2
+    spiky = torch.randn(512, generator=g) * 0.01
+    spiky[::64] = 5.0  # mostly near 0, a few far values: the whole range keeps them
+    x = torch.stack([gaussian, uniform, spiky, torch.full((512,), 3.0)], 1)
+    low, high, mean, std, _ = q.channel_stats(x)
+    chosen_low, chosen_high = q.fitted_range(x, low, high, mean, std, bits)
+    spreads = q.FITTED_SPREADS[bits]
+    lows = torch.stack([low, *(torch.maximum(low, mean - k * std) for k in spreads)])
+    highs = torch.stack([high, *(torch.minimum(high, mean + k * std) for k in spreads)])
+    errors = _squared_errors(x, lows, highs, bits)
+    best = errors.argmin(0)
+    torch.testing.assert_close(chosen_low, lows.gather(0, best[None])[0])
+    torch.testing.assert_close(chosen_high, highs.gather(0, best[None])[0])
+    assert best[0] != 0  # a Gaussian channel is clamped
+    assert chosen_low[3] == chosen_high[3] == 3.0  # a constant channel: every candidate is the value
+    if bits == 2:  # (two levels are best inside a uniform channel's range, at +-1/2 of it)
+        assert best[1] == 0 and best[2] == 0  # a uniform channel, and far spikes: the whole range
 
 
 def test_a_constant_channel_comes_back_exactly_and_bits_are_checked():
@@ -87,9 +124,9 @@ def test_each_chunk_keeps_its_farthest_value_exactly(channels):
     kept.scatter_(1, (index.long() + torch.arange(0, channels, 16)).clamp_max(channels - 1), True)
     assert torch.equal(restored[kept].nan_to_num(-1.0), x[kept].nan_to_num(-1.0))  # the NaN, exactly
     assert restored[3, 7] == 80.0 and restored[9, 20].isnan()
-    # the rest: on a grid of mean +- SPREAD std, clamped there
-    scale = (torch.minimum(high, mean + q.SPREAD * std) - torch.maximum(low, mean - q.SPREAD * std)) / 3
-    inside = ~kept & ((x - mean).abs() <= q.SPREAD * std)
+    # the rest: on the fitted grid, clamped to its ends
+    _, scale, zero, *_ = q.quantize(x, spec)
+    inside = ~kept & (x >= -zero * scale) & (x <= (3 - zero) * scale)
     assert ((restored - x).abs()[inside] <= (scale / 2 * (1 + 1e-5)).expand_as(x)[inside]).all()
 
 
@@ -97,8 +134,9 @@ def test_outlier_chunk_is_the_power_of_two_nearest_the_ratio():
     assert [q.outlier_chunk(r) for r in (0.0, 0.02, 0.01, 0.1, 0.4)] == [0, 64, 128, 8, 2]
 
 
-def test_the_traced_formulas_have_no_host_sync_and_no_data_dependent_size():
-    spec = q.QuantSpec(64, 4, outliers=1, chunk=64)
+@pytest.mark.parametrize("bits", [4, 2])  # 2: a fitted range
+def test_the_traced_formulas_have_no_host_sync_and_no_data_dependent_size(bits):
+    spec = q.QuantSpec(64, bits, outliers=1, chunk=64)
     x = torch.randn(8, 5, 64)
     traced = make_fx(lambda t: q.quantize(t, spec), tracing_mode="symbolic")(x)
     aten = torch.ops.aten
@@ -149,3 +187,21 @@ def test_inductor_fuses_the_statistics_into_the_producers_kernel_and_unpacks_in_
     source = _source(code, consumer)
     assert source.count("#pragma omp for") == 2, source
     assert not vectorized or "at::vec::Vectorized<uint8_t>::loadu" in source
+
+
+def test_inductor_fits_a_2_bit_range_inside_the_producers_kernel():
+    spec = q.QuantSpec(256, 2, chunk=64)
+    a, b = (torch.randn(128, 256, generator=torch.Generator().manual_seed(i)) for i in range(2))
+
+    def forward(a, b):
+        y = torch.nn.functional.silu(a) * b
+        return (y, *q.quantize(y, spec))
+
+    eager = forward(a, b)
+    compiled, (code,) = run_and_get_code(torch.compile(forward), a, b)
+    assert torch.equal(compiled[1], eager[1])  # the packed codes
+    torch.testing.assert_close(compiled[2], eager[2])  # scales: std is a sum, whose order inductor may change
+    [producer] = _kernels(code)  # y, statistics, the fit (its argmin), outlier values and codes: one kernel
+    assert all(op in producer for op in ("silu", "argmin", "floor", "gather")), producer
+    call = code.split("def call(")[1].split("\ndef ")[0]
+    assert "extern_kernels." not in call and "aten." not in call
