@@ -19,11 +19,16 @@ class Config:
     bits: quantize saved activations to 1, 2, 4 or 8 bits; None keeps them as they are.
     qkv_bits: bits for attention's q, k and v when ``bits`` is set (default 8: the softmax amplifies their
         error; see docs/quantization.md); None quantizes them to ``bits`` like the rest (the paper).
+    linear_input_bits: the fewest bits for a linear's input when ``bits`` is set: linear inputs are quantized at
+        max(bits, linear_input_bits). Default 4: the LoRA A's gradient reads its input with no operator between,
+        so the input's error reaches it whole; at 2 bits it was the worst gradient (see docs/quantization.md).
+        None quantizes them at ``bits`` like the rest (the paper).
     outlier_ratio: fraction of norm-input channels kept in full precision when quantizing.
     outlier_values: about this fraction of the values of each tensor quantized at 2 bits or fewer is kept exact
         beside the codes (dense-and-sparse): of each row, the value of every chunk of channels farthest from its
         channel's mean in standard deviations, the chunk the power of two nearest 1 / outlier_values (0.02: 64
-        channels, 1.6%); the channel's grid then spans its mean +- 3 standard deviations. 0 is off.
+        channels, 1.6%). 0 is off. (At these widths each channel's grid is fitted to the batch either way:
+        kernels.quantize.FITTED_SPREADS.)
     attn_sparsity: fraction of attention probabilities kept (eager attention); None is off.
     calibration_steps: training forwards that gather quantization statistics before freezing them.
     calibration: "dynamic" recomputes scales and outlier channels from every batch; "static" freezes
@@ -58,6 +63,7 @@ class Config:
 
     bits: int | None = None
     qkv_bits: int | None = 8
+    linear_input_bits: int | None = 4
     outlier_ratio: float = 0.005
     outlier_values: float = 0.02
     attn_sparsity: float | None = None
@@ -75,6 +81,7 @@ class Config:
     def __post_init__(self) -> None:
         _check_choice("bits", self.bits, BITS_CHOICES + (None,))
         _check_choice("qkv_bits", self.qkv_bits, BITS_CHOICES + (None,))
+        _check_choice("linear_input_bits", self.linear_input_bits, BITS_CHOICES + (None,))
         _check_fraction("outlier_ratio", self.outlier_ratio, low_open=False, high=0.5, high_open=True,
                         allow_none=False)
         _check_fraction("outlier_values", self.outlier_values, low_open=False, high=0.5, high_open=True,

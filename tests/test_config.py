@@ -15,6 +15,7 @@ def test_defaults_are_the_exact_preset():
     ("bits", 3, "bits must be one of 1, 2, 4, 8, None"),
     ("bits", True, "bits must be one of 1, 2, 4, 8, None"),
     ("qkv_bits", 16, "qkv_bits must be one of 1, 2, 4, 8, None"),
+    ("linear_input_bits", 3, "linear_input_bits must be one of 1, 2, 4, 8, None"),
     ("outlier_ratio", -0.1, "outlier_ratio must be a number in [0, 0.5)"),
     ("outlier_ratio", 0.5, "outlier_ratio must be a number in [0, 0.5)"),
     ("attn_sparsity", 0.0, "attn_sparsity must be a number in (0, 1.0] or None (off)"),
@@ -54,7 +55,7 @@ def test_good_values_are_accepted(field, value):
 def test_unknown_preset_and_option_name_the_valid_ones():
     with pytest.raises(ValueError, match="unknown preset 'fast'; valid presets: exact, hyclora-4bit"):
         Config.from_preset("fast")
-    with pytest.raises(ValueError, match=r"unknown fxmem option\(s\) bitz; valid options: bits, qkv_bits, outlier_ratio"):
+    with pytest.raises(ValueError, match=r"unknown fxmem option\(s\) bitz; valid options: bits, qkv_bits, linear_input_bits, outlier_ratio"):
         Config().replace(bitz=4)
 
 

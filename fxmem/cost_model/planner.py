@@ -47,10 +47,11 @@ OUTLIER_VALUE_BITS = 2
 DERIVATIVE_SAVED_ACTIVATIONS = frozenset({"gelu", "tanh"})
 REBUILD_ALL_ACTIVATIONS_BITS = 8
 # memory_budget's ladder: (bits, sensitivity) stages, taken in order until the region fits. Sensitivity 0 is
-# linear, activation, product inputs and X W; 1 norm inputs; 2 attention's q, k, v. The least sensitive go
-# first, and q, k, v drop below 8 bits last, after everything else is at 2 (docs/quantization.md measures
-# why: the softmax amplifies their error, and norm inputs carry the most after them).
-BUDGET_STAGES = ((8, 0), (8, 1), (8, 2), (4, 0), (4, 1), (2, 0), (2, 1), (4, 2), (2, 2))
+# activation and product inputs and X W; 1 norm inputs; 2 linear inputs; 3 attention's q, k, v. The least
+# sensitive go first, and q, k, v drop below 8 bits last, after everything else is at 2 (docs/quantization.md
+# measures why: the softmax amplifies their error; a linear input's error reaches its LoRA A's gradient whole, and
+# at 2 bits it was worse than a norm input's).
+BUDGET_STAGES = ((8, 0), (8, 1), (8, 2), (8, 3), (4, 0), (4, 1), (4, 2), (2, 0), (2, 1), (2, 2), (4, 3), (2, 3))
 
 
 def rebuild_refusal(consumer: str, config: Config) -> str | None:
@@ -237,6 +238,8 @@ def _quantizable(group: list[SavedTensor], config: Config) -> bool:
 def _configured_bits(owner: SavedTensor, config: Config) -> int:
     if config.qkv_bits is not None and owner.feeds_attention is not None:
         return config.qkv_bits
+    if config.linear_input_bits is not None and Role.LINEAR_INPUT in (owner.role, *owner.also):
+        return max(config.bits, config.linear_input_bits)
     return config.bits
 
 
@@ -431,6 +434,8 @@ def _lowest_bits(owner: SavedTensor) -> int:
 
 def _sensitivity(owner: SavedTensor) -> int:
     if owner.feeds_attention is not None:
+        return 3
+    if Role.LINEAR_INPUT in (owner.role, *owner.also):
         return 2
     return 1 if owner.role is Role.NORM_INPUT else 0
 
