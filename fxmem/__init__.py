@@ -2,6 +2,7 @@
 
     model = torch.compile(model, backend="fxmem")                      # the 'exact' preset
     model = torch.compile(model, backend=fxmem.backend(preset="exact"))
+    fxmem.compile_(model, preset="hyclora-4bit")                      # in place: HF Trainer, TRL
     report = fxmem.inspect(model, **batch)                            # what is saved, and why
 """
 
@@ -11,9 +12,9 @@ from fxmem import (
     kernels,  # noqa: F401  registers torch.ops.fxmem.* before anything uses them
     measure,
 )
-from fxmem.backend import Backend, backend
+from fxmem.backend import Backend, backend, compile_
 from fxmem.config import PRESETS, Config
 from fxmem.inspection import inspect
 from fxmem.report import Report
 
-__all__ = ["PRESETS", "Backend", "Config", "Report", "__version__", "backend", "inspect", "measure"]
+__all__ = ["PRESETS", "Backend", "Config", "Report", "__version__", "backend", "compile_", "inspect", "measure"]

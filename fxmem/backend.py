@@ -262,6 +262,16 @@ def backend(preset: str = "exact", **overrides: Any) -> Backend:
     return Backend(Config.from_preset(preset, **overrides))
 
 
+def compile_(model: torch.nn.Module, preset: str = "exact", **overrides: Any) -> Backend:
+    """Compile ``model`` in place with fxmem (``nn.Module.compile``) and return the backend, whose ``report()``
+    says what it saved. The model keeps its class, attributes and ``forward``'s signature, so HF's Trainer and
+    TRL's trainers keep the batch columns ``forward`` names (``torch.compile(model)`` returns a wrapper whose
+    signature is ``*args, **kwargs``: Trainer then drops every column)."""
+    compiled = backend(preset, **overrides)
+    model.compile(backend=compiled)
+    return compiled
+
+
 _DEFAULT = Backend()
 
 
