@@ -26,9 +26,11 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.fx import GraphModule
 
 from fxmem.analysis import Analysis, SavedTensor, analyze
+from fxmem.analysis.pinned import Pinned, pinned
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.planner import budget_bytes, budget_note, plan_region
+from fxmem.measure import format_bytes
 from fxmem.passes import PassManager, PassRecord, PipelineState
 from fxmem.passes.manager import copy_graph_module, tag_must_recompute
 from fxmem.region import Region
@@ -96,6 +98,7 @@ class _Partitioner(CustomPartitionerFn):
             region.notes.append(note)
             if not met:
                 warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
+        region.notes += pinned_notes(pinned(state.analysis, state.fw.graph, kwargs["num_fwd_outputs"], joint.graph))
         region.passes += self.passes.run("partitioned", state)
         # Appended: inductor may partition nested subgraphs of the region through this same hook.
         region.saved += state.analysis.saved + [saved for saved, _ in chosen.recomputed]
@@ -165,6 +168,23 @@ class _Partitioner(CustomPartitionerFn):
 def _source_hash() -> str:
     files = sorted(str(p) for p in pathlib.Path(__file__).parent.rglob("*.py"))
     return get_hash_for_files(tuple(files)).hex()
+
+
+def pinned_notes(held: Pinned) -> list[str]:
+    """The report's lines on what the region holds that no plan can free."""
+    notes = []
+    if held.kv_cache_bytes:
+        notes.append(f"the forward returns attention's k and v, {format_bytes(held.kv_cache_bytes)} the caller "
+                     "holds: a KV cache (a model built with use_cache=True returns one); use_cache=False in training "
+                     "frees it")
+    if held.input_bytes:
+        notes.append(f"{format_bytes(held.input_bytes)} of saved tensors are inputs the caller holds")
+    if held.checkpointed_ops:
+        notes.append(f"activation checkpointing (torch.utils.checkpoint, e.g. HF's gradient_checkpointing_enable) "
+                     f"reruns {held.checkpointed_ops} forward ops of {held.checkpoint_regions} region(s) in "
+                     "backward; fxmem plans only what crosses their boundaries. Without it fxmem's plan covers "
+                     "the rest, without the rerun: compare fxmem.inspect with it off")
+    return notes
 
 
 def _run_eagerly(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:

@@ -182,6 +182,14 @@ def _fused_attention(f: TensorFacts) -> Match | None:
     return None
 
 
+def forward_attention_operands(node: Node) -> list:
+    """(q, k, v, ...) of a fused attention forward, as it is or run under recompute_attention's RNG wrapper."""
+    if node.target is torch.ops.higher_order.run_and_save_rng_state and "scaled_dot_product" in str(node.args[0]):
+        return list(node.args[1:]) + list(node.kwargs.values())  # (op, *operands)
+    operands, forward = _attention_operands(node)
+    return operands if forward else []
+
+
 def _attention_operands(node: Node) -> tuple[list, bool]:
     """(q, k, v, ...) of a fused attention forward, its recomputation or its backward; bool: a forward."""
     if is_fused_attention(node):

@@ -114,6 +114,9 @@ def _held_as_is(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis
     if not owner.frees_memory:
         return Plan("keep", "frees nothing: not an activation")
     if owner.storage in analysis.output_storages:
+        if any(s.feeds_attention in ("k", "v") for s in group):
+            return Plan("keep", "also a forward output, the caller holds it anyway: a KV cache (use_cache=False "
+                                "in training frees it)")
         return Plan("keep", "also a forward output: the caller holds it anyway")
     if not any_technique:
         return Plan("keep", "no technique enabled")

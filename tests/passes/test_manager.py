@@ -157,4 +157,4 @@ def test_a_rewrite_inductor_cannot_lower_runs_as_aten_ops_with_a_note():
     with pytest.warns(UserWarning, match="it runs as aten ops, unfused"):
         _run(backend, model, x, expected)  # still correct
     region = backend.regions[0]
-    assert "inductor could not lower a rewritten graph (InductorError" in region.notes[0]
+    assert any("inductor could not lower a rewritten graph (InductorError" in note for note in region.notes)
