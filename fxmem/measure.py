@@ -26,8 +26,18 @@ def format_bytes(n: float) -> str:
 
 
 def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters and buffers: storages that exist anyway and are never counted as activations."""
-    return [*model.parameters(), *model.buffers()]
+    """Parameters, buffers and a quantized weight's state (bitsandbytes' ``quant_state``: scales, code, nested
+    state): storages that exist anyway and are never counted as activations."""
+    tensors = [*model.parameters(), *model.buffers()]
+    states = [p.quant_state for p in model.parameters() if getattr(p, "quant_state", None) is not None]
+    while states:
+        state = states.pop()
+        for value in vars(state).values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif hasattr(value, "__dict__") and not callable(value):
+                states.append(value)  # the double quantization's own state
+    return tensors
 
 
 def saved_activation_bytes(forward: Callable[[], T], exclude: Iterable[torch.Tensor] = ()) -> tuple[int, T]:
@@ -36,22 +46,56 @@ def saved_activation_bytes(forward: Callable[[], T], exclude: Iterable[torch.Ten
     Each storage counts once, at its full size. Storages of ``exclude`` (pass the
     model's parameters and buffers and the batch's tensors) are left out. Works
     for eager and compiled models alike: AOTAutograd saves its tensors through
-    the same hooks. Returns the bytes and ``forward``'s result, so that the
-    caller can run backward on it.
+    the same hooks. Tensors an ``autograd.Function`` stashes on its ctx instead of
+    saving them pass no hook (bitsandbytes' 4-bit matmul keeps its input so, and
+    AOTAutograd then keeps them on its own ctx): they are read off the autograd
+    graph once ``forward`` returns. Returns the bytes and ``forward``'s result, so
+    that the caller can run backward on it.
     """
     excluded = {t.untyped_storage().data_ptr() for t in exclude}
     storages: dict[int, int] = {}
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def count(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer and pointer not in excluded:
             storages[pointer] = storage.nbytes()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        count(tensor)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         result = forward()
+    for tensor in _stashed_on_ctx(result):
+        count(tensor)
     return sum(storages.values()), result
+
+
+def _stashed_on_ctx(result: object) -> list[torch.Tensor]:
+    """Tensors held as attributes (alone, or in a tuple or list) of the custom-Function nodes of the autograd
+    graph behind ``result``'s tensors."""
+    roots = [t.grad_fn for t in _tensors_in(result) if t.grad_fn is not None]
+    seen, found = set(), []
+    while roots:
+        node = roots.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        roots += [next_node for next_node, _ in node.next_functions]
+        for value in getattr(node, "__dict__", {}).values():
+            found += [v for v in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(v, torch.Tensor)]
+    return found
+
+
+def _tensors_in(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
 
 
 def peak_memory(step: Callable[[], object], device: torch.device | str) -> int:

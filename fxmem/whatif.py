@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxmem.config import Config
 from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes, loss_chunks, unfused_loss_bytes
+from fxmem.kernels.nf4 import nf4_nbytes
 from fxmem.models import build_lora_model, example_batch, hf_config, is_causal_lm
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}  # state tensors per trainable parameter
@@ -36,6 +37,9 @@ TRACE_DEVICE = "cpu"
 # differently from the others.
 SCALING_DEPTHS = (2, 3, 4)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# "nf4": QLoRA, every LoRA-targeted linear's frozen weight stored as bitsandbytes' NF4 (double-quantized scales);
+# the rest (embeddings, head, norms, adapters) in the model's dtype.
+BASES = ("float", "nf4")
 
 @dataclass(frozen=True)
 class PresetCost:
@@ -126,11 +130,16 @@ def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype
 
 
 def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf16", optimizer: str = "adamw",
-           presets: list[str] | None = None, name: str | None = None) -> WhatIf:
+           presets: list[str] | None = None, name: str | None = None, base: str = "float") -> WhatIf:
     """Memory per preset and LoRA orders of ``model`` (a named shape, a config.json or a transformers config),
-    called ``name`` in the result (default: ``model`` if it is a name, else the config's model type)."""
+    called ``name`` in the result (default: ``model`` if it is a name, else the config's model type). ``base``
+    "nf4" prices the LoRA-targeted frozen weights as QLoRA stores them; what a step saves is the float base's
+    (a frozen weight's storage changes no saved activation: bitsandbytes' 4-bit matmul keeps its input, which
+    the LoRA branch saves anyway)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid dtypes: {', '.join(DTYPES)}")
+    if base not in BASES:
+        raise ValueError(f"unknown base {base!r}; valid bases: {', '.join(BASES)}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZER_STATES)}")
     if rank < 1:
@@ -142,6 +151,10 @@ def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     lora_model = build_lora_model(config, rank, torch_dtype)
     params = list(lora_model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
+    if base == "nf4":
+        frozen = [m.base_layer.weight for m in lora_model.modules()
+                  if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+        weights += sum(nf4_nbytes(w.numel()) - w.numel() * w.element_size() for w in frozen)
     trainable = [p for p in params if p.requires_grad]
     gradients = sum(p.numel() * p.element_size() for p in trainable)
     state = OPTIMIZER_STATES[optimizer] * sum(p.numel() * 4 for p in trainable)  # optimizer state in fp32

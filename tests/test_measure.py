@@ -64,3 +64,20 @@ def test_static_bytes_count_weights_and_optimizer_state_once():
     optimizer.step()
     # AdamW adds exp_avg and exp_avg_sq per parameter, and a step counter per parameter tensor
     assert static_bytes(model, optimizer) == 220 * 4 * 3 + 2 * 4
+
+
+def test_a_tensor_a_custom_function_stashes_on_its_ctx_is_counted_as_saved():
+    class Stashing(torch.autograd.Function):  # as bitsandbytes' 4-bit matmul keeps its input: ctx.tensors = (x,)
+        @staticmethod
+        def forward(ctx, x):
+            ctx.tensors = (x * 2,)
+            return x * 3
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * ctx.tensors[0] / ctx.tensors[0]
+
+    x = torch.randn(64, requires_grad=True)
+    saved, y = saved_activation_bytes(lambda: Stashing.apply(x).sin(), exclude=[x])
+    assert saved == 64 * 4 * 2  # x * 2 on the ctx, and sin's input through the hooks
+    y.sum().backward()

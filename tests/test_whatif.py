@@ -49,6 +49,19 @@ def test_whatif_counts_weights_gradients_state_and_lora_orders(tiny_config):
         32 * 256 * 12, 32 * 256 * 4 + 32 * 64 * 12 + 32 * 64 * 4, LossChunks(32, 256))
 
 
+def test_an_nf4_base_prices_the_lora_targeted_frozen_weights_as_qlora_stores_them(tiny_config):
+    float_base, nf4 = (whatif(str(tiny_config), batch=2, seq=16, rank=8, dtype="bf16", presets=["exact"], base=base)
+                       for base in ("float", "nf4"))
+    # each frozen weight: a byte per two values, a byte per block of 64 (absmax), a float32 per 256 blocks
+    frozen = {64 * 64: 8, 64 * 172: 6}  # values: how many (2 layers x q, k, v, o; 2 x gate, up, down)
+    nf4_bytes = sum(n * (numel // 2 + -(-numel // 64) + 4 * -(-numel // 64 // 256) + 4) for numel, n in frozen.items())
+    bf16_bytes = sum(n * 2 * numel for numel, n in frozen.items())
+    assert float_base.costs[0].weights - nf4.costs[0].weights == bf16_bytes - nf4_bytes
+    assert nf4.costs[0].saved_activations == float_base.costs[0].saved_activations
+    with pytest.raises(ValueError, match="unknown base 'int8'; valid bases: float, nf4"):
+        whatif(str(tiny_config), batch=2, seq=16, base="int8")
+
+
 def test_whatif_refuses_unknown_models_naming_the_valid_ones():
     with pytest.raises(ValueError, match="valid names: llama-7b, llama-13b, mistral-7b, llama-3-8b, roberta-base"):
         hf_config("llama-70b")

@@ -4,7 +4,8 @@ The match uses only data flow and shapes (a rank-r matmul pair on the same input
 as a frozen matmul, joined by an add), so it holds for PEFT's layers, a plain
 module written by hand, and any architecture. A matmul may also be
 fxmem::nf4_linear, whose weight is its packed NF4 operand: LoQT's layers
-(fxmem.train.loqt) are this pattern with a frozen A (P) or B (P) and NF4 weights.
+(fxmem.train.loqt) are this pattern with a frozen A (P) or B (P) and NF4 weights;
+or bitsandbytes' gemm_4bit, the frozen product of QLoRA's Linear4bit.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from fxmem.analysis.graph import (
 MATMULS = frozenset({aten.mm.default, aten.addmm.default})
 # x @ deq(W)^T with W stored NF4 (operands: x, packed W), by name: analysis registers no op (fxmem.kernels does).
 NF4_LINEAR = "fxmem::nf4_linear"
+# bitsandbytes' Linear4bit (QLoRA's base layers): x @ deq(W)^T, operands (x, packed W, ...), by name likewise
+BNB_GEMM_4BIT = "bitsandbytes::gemm_4bit"
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,8 @@ class LoraLinear:
 
 
 def is_linear_product(node: Node) -> bool:
-    """One of a LoRA linear's three products: a matmul, or fxmem::nf4_linear."""
-    return node.target in MATMULS or schema_name(node.target) == NF4_LINEAR
+    """One of a LoRA linear's three products: a matmul, fxmem::nf4_linear or bitsandbytes' 4-bit gemm."""
+    return node.target in MATMULS or schema_name(node.target) in (NF4_LINEAR, BNB_GEMM_4BIT)
 
 
 def matmul_operands(node: Node) -> tuple[Node, Node]:

@@ -32,6 +32,7 @@ class Workload:
     description: str
     llama: LlamaShape | None = None
     gpu_only: bool = False
+    nf4: bool = False  # QLoRA: every LoRA-targeted linear a bitsandbytes NF4 Linear4bit, loaded as users load one
 
     def default_dtype(self, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" and self.family == "llama" else torch.float32
@@ -47,6 +48,8 @@ class Workload:
         torch.manual_seed(seed)
         model = _build_llama(self.llama) if self.family == "llama" else _load_minilm()
         model = model.to(device=device, dtype=dtype)
+        if self.nf4:
+            model = _as_qlora_base(model, device, dtype)
         if lora_rank:
             model = _with_lora(model, self.family, lora_rank)
         model.train()
@@ -78,6 +81,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              LlamaShape(256, 688, 4, 8, 4096)),
     Workload("llama-small", "llama", 4, 512, "LlamaForCausalLM 1024/2752, 8 layers, 16 heads, vocab 32000",
              LlamaShape(1024, 2752, 8, 16, 32000)),
+    Workload("qlora-tiny", "llama", 4, 256, "llama-tiny on an NF4 base (bitsandbytes Linear4bit), PEFT LoRA on top",
+             LlamaShape(256, 688, 4, 8, 4096), nf4=True),
+    Workload("qlora-small", "llama", 4, 512, "llama-small on an NF4 base (bitsandbytes Linear4bit), PEFT LoRA on top",
+             LlamaShape(1024, 2752, 8, 16, 32000), nf4=True),
     Workload("llama-7b-shape", "llama", 4, 512, "LlamaForCausalLM with Llama-2-7B's shape (4096/11008/32/32)",
              LlamaShape(4096, 11008, 32, 32, 32000), gpu_only=True),
     Workload("minilm-real", "bert", 16, 128,
@@ -102,6 +109,26 @@ def llama_config(shape: LlamaShape) -> Any:
 def _build_llama(shape: LlamaShape) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
     return LlamaForCausalLM(llama_config(shape))
+
+
+def _as_qlora_base(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` as QLoRA users load and prepare theirs: from_pretrained with bitsandbytes' NF4 config (double
+    quantization, compute in ``dtype``) from a saved copy, then peft's prepare_model_for_kbit_training. Without its
+    gradient checkpointing: the benchmark's methods choose that themselves (hf-checkpointing turns it on)."""
+    import tempfile
+
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from fxmem.kernels.nf4 import bitsandbytes
+    bitsandbytes()  # its error if absent, and its import-time warning silenced
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=nf4, dtype=dtype,
+                                                     device_map=str(device))
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 def minilm_dir() -> pathlib.Path:

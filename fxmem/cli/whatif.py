@@ -19,7 +19,7 @@ from fxmem.cli.common import (
 from fxmem.config import PRESETS
 from fxmem.measure import format_bytes
 from fxmem.models import NAMED_SHAPES
-from fxmem.whatif import DTYPES, OPTIMIZER_STATES, measured_saved_bytes, plot, whatif
+from fxmem.whatif import BASES, DTYPES, OPTIMIZER_STATES, measured_saved_bytes, plot, whatif
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -32,6 +32,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--rank", type=int_at_least(1), default=16, help="LoRA rank")
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
+    parser.add_argument("--base", default="float", choices=list(BASES),
+                        help="nf4: QLoRA, the LoRA-targeted frozen weights stored as bitsandbytes' NF4")
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS), help="default: every preset")
     parser.add_argument("--plot", type=pathlib.Path, metavar="PNG", help="draw the breakdown as stacked bars")
     parser.add_argument("--measure", action="store_true",
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     model = get_workload(args.model).hf_config() if args.model in workload_names() else args.model
     try:
         result = whatif(model, batch=args.batch, seq=args.seq, rank=args.rank, dtype=args.dtype,
-                        optimizer=args.optimizer, presets=args.presets, name=args.model)
+                        optimizer=args.optimizer, presets=args.presets, name=args.model, base=args.base)
     except ValueError as error:
         console.print(f"[red]{error}; or a workload: {', '.join(workload_names())}[/red]")
         return 2
@@ -60,8 +62,10 @@ def run(args: argparse.Namespace) -> int:
                                             dtype=args.dtype, preset=cost.preset)
             row += [format_bytes(measured), f"{cost.saved_activations / measured:.3f}"]
         rows.append(row)
-    title = f"{args.model}: batch {args.batch} x {args.seq}, LoRA r={args.rank}, {args.dtype}, {args.optimizer}"
-    legend = ("weights: every parameter; gradients: the trainable ones, in their dtype; optimizer state: "
+    title = (f"{args.model}: batch {args.batch} x {args.seq}, LoRA r={args.rank}, {args.dtype}, {args.optimizer}"
+             + (", NF4 base (QLoRA)" if args.base == "nf4" else ""))
+    legend = ("weights: every parameter" + (" (LoRA-targeted frozen weights in NF4, 4.13 bits each)"
+                                           if args.base == "nf4" else "") + "; gradients: the trainable ones, in their dtype; optimizer state: "
               f"{OPTIMIZER_STATES[args.optimizer]} fp32 tensor(s) per trainable parameter; saved activations: what "
               "one step holds from forward to backward under the preset (fxmem's analysis of a trace on fake CPU "
               "tensors, priced by the cost model)" + ("; measured: a real compiled step on this CPU" if args.measure
