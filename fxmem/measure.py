@@ -6,8 +6,11 @@ fine-tuning demo and the tests all measure through them.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
-from collections.abc import Callable, Iterable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -114,7 +117,10 @@ def peak_memory(step: Callable[[], object], device: torch.device | str) -> int:
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    # Kineto prints a line at every start and stop, and the allocator one when a block older than the profile is
+    # freed: native writes, past Python's streams, which keep the terminal.
+    with _native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                           profile_memory=True) as prof:
         step()
     allocations: list[tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -129,6 +135,25 @@ def peak_memory(step: Callable[[], object], device: torch.device | str) -> int:
         current += size
         peak = max(peak, current)
     return peak
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 pointed at the null device, for native code that writes there directly; Python's
+    ``sys.stderr`` (warnings, tracebacks) meanwhile writes where fd 2 pointed before."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    python_stderr = sys.stderr
+    sys.stderr = open(os.dup(saved), "w", buffering=1, encoding=python_stderr.encoding or "utf-8")  # noqa: SIM115
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.close()
+        sys.stderr = python_stderr
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:

@@ -20,7 +20,7 @@ from fxmem.measure import (
 )
 from fxmem.timing import median, step_times, warm_up_compiler
 
-FINETUNE_METHODS = ("eager", "compile", "fxmem")
+FINETUNE_METHODS = ("eager", "compile", "hf-checkpointing", "fxmem")
 
 
 @dataclass

@@ -119,15 +119,22 @@ def _as_qlora_base(model: torch.nn.Module, device: torch.device, dtype: torch.dt
 
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.utils import logging as transformers_logging
 
     from fxmem.kernels.nf4 import bitsandbytes
     bitsandbytes()  # its error if absent, and its import-time warning silenced
     nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                              bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
-    with tempfile.TemporaryDirectory() as directory:
-        model.save_pretrained(directory)
-        model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=nf4, dtype=dtype,
-                                                     device_map=str(device))
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # the copy's saving and loading bars are not the benchmark's
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            model.save_pretrained(directory)
+            model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=nf4, dtype=dtype,
+                                                         device_map=str(device))
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
