@@ -130,16 +130,20 @@ def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype
 
 
 def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf16", optimizer: str = "adamw",
-           presets: list[str] | None = None, name: str | None = None, base: str = "float") -> WhatIf:
+           presets: list[str] | None = None, name: str | None = None, base: str = "float",
+           shards: int = 1) -> WhatIf:
     """Memory per preset and LoRA orders of ``model`` (a named shape, a config.json or a transformers config),
     called ``name`` in the result (default: ``model`` if it is a name, else the config's model type). ``base``
     "nf4" prices the LoRA-targeted frozen weights as QLoRA stores them; what a step saves is the float base's
     (a frozen weight's storage changes no saved activation: bitsandbytes' 4-bit matmul keeps its input, which
-    the LoRA branch saves anyway)."""
+    the LoRA branch saves anyway). Per rank: ``batch`` is a rank's; ``shards`` > 1 is FSDP2 over that many
+    ranks, which holds 1/shards of the weights, gradients and optimizer state on each."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid dtypes: {', '.join(DTYPES)}")
     if base not in BASES:
         raise ValueError(f"unknown base {base!r}; valid bases: {', '.join(BASES)}")
+    if shards < 1:
+        raise ValueError(f"shards must be an integer >= 1; got {shards}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZER_STATES)}")
     if rank < 1:
@@ -158,6 +162,7 @@ def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     trainable = [p for p in params if p.requires_grad]
     gradients = sum(p.numel() * p.element_size() for p in trainable)
     state = OPTIMIZER_STATES[optimizer] * sum(p.numel() * 4 for p in trainable)  # optimizer state in fp32
+    weights, gradients, state = (-(-total // shards) for total in (weights, gradients, state))
     name = name or (model if isinstance(model, str) else config.model_type)
     result = WhatIf(name, batch, seq, rank, torch_dtype, optimizer, trainable[0].dtype,
                     lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype),

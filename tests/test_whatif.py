@@ -62,6 +62,16 @@ def test_an_nf4_base_prices_the_lora_targeted_frozen_weights_as_qlora_stores_the
         whatif(str(tiny_config), batch=2, seq=16, base="int8")
 
 
+def test_fsdp2_shards_divide_weights_gradients_and_state_per_rank(tiny_config):
+    whole, sharded = (whatif(str(tiny_config), batch=2, seq=16, rank=8, dtype="fp32", presets=["exact"], shards=n)
+                      .costs[0] for n in (1, 4))
+    assert (sharded.weights, sharded.gradients, sharded.optimizer_state) == tuple(
+        -(-x // 4) for x in (whole.weights, whole.gradients, whole.optimizer_state))
+    assert sharded.saved_activations == whole.saved_activations  # a rank's batch saves what it saves
+    with pytest.raises(ValueError, match="shards must be an integer >= 1; got 0"):
+        whatif(str(tiny_config), batch=2, seq=16, shards=0)
+
+
 def test_whatif_refuses_unknown_models_naming_the_valid_ones():
     with pytest.raises(ValueError, match="valid names: llama-7b, llama-13b, mistral-7b, llama-3-8b, roberta-base"):
         hf_config("llama-70b")

@@ -32,6 +32,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--rank", type=int_at_least(1), default=16, help="LoRA rank")
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
+    parser.add_argument("--shards", type=int_at_least(1), default=1,
+                        help="FSDP2 over this many ranks: per rank, 1/shards of the weights, gradients and optimizer "
+                             "state (--batch is a rank's batch)")
     parser.add_argument("--base", default="float", choices=list(BASES),
                         help="nf4: QLoRA, the LoRA-targeted frozen weights stored as bitsandbytes' NF4")
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS), help="default: every preset")
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     model = get_workload(args.model).hf_config() if args.model in workload_names() else args.model
     try:
         result = whatif(model, batch=args.batch, seq=args.seq, rank=args.rank, dtype=args.dtype,
-                        optimizer=args.optimizer, presets=args.presets, name=args.model, base=args.base)
+                        optimizer=args.optimizer, presets=args.presets, name=args.model, base=args.base,
+                        shards=args.shards)
     except ValueError as error:
         console.print(f"[red]{error}; or a workload: {', '.join(workload_names())}[/red]")
         return 2
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
             row += [format_bytes(measured), f"{cost.saved_activations / measured:.3f}"]
         rows.append(row)
     title = (f"{args.model}: batch {args.batch} x {args.seq}, LoRA r={args.rank}, {args.dtype}, {args.optimizer}"
-             + (", NF4 base (QLoRA)" if args.base == "nf4" else ""))
+             + (", NF4 base (QLoRA)" if args.base == "nf4" else "")
+             + (f", per rank of FSDP2 over {args.shards}" if args.shards > 1 else ""))
     legend = ("weights: every parameter" + (" (LoRA-targeted frozen weights in NF4, 4.13 bits each)"
                                            if args.base == "nf4" else "") + "; gradients: the trainable ones, in their dtype; optimizer state: "
               f"{OPTIMIZER_STATES[args.optimizer]} fp32 tensor(s) per trainable parameter; saved activations: what "

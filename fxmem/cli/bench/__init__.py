@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from fxmem.cli.bench import (
     ablate,
     compare,
+    distributed,
     finetune,
     hift,
     loqt,
@@ -23,7 +24,7 @@ from fxmem.cli.bench import (
 )
 
 EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
-                                                  lowrank_error, lowrank_saved, ptxas)}
+                                                  lowrank_error, lowrank_saved, ptxas, distributed)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

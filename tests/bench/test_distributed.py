@@ -1,0 +1,81 @@
+"""DDP and FSDP2 under fxmem: two gloo processes launched by torchrun against one process on the global batch."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fxmem.backend import Backend
+from fxmem.bench.distributed import _decoder_blocks, relative_distance, train
+from fxmem.config import Config
+from tests.conftest import TINY_LLAMA
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DRIVER = """
+import pathlib, sys
+from tests.conftest import TINY_LLAMA
+from fxmem.bench.distributed import run_rank
+run_rank(TINY_LLAMA, sys.argv[1], pathlib.Path(sys.argv[3]), preset=sys.argv[2], steps=3)
+"""
+
+
+def _torchrun(tmp_path: pathlib.Path, mode: str, preset: str) -> list[dict]:
+    driver, out = tmp_path / "driver.py", tmp_path / f"{mode}-{preset}.json"
+    driver.write_text(DRIVER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    str(driver), mode, preset, str(out)], env=env, check=True, cwd=REPO, capture_output=True)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    torch._dynamo.reset()
+    return {preset: train(TINY_LLAMA, "single", preset=preset) for preset in ("exact", "hyclora-4bit")}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_ranks_train_as_one_process_on_the_global_batch_under_exact(tmp_path, one_process, mode):
+    ranks = _torchrun(tmp_path, mode, "exact")
+    reference = one_process["exact"]
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+        assert relative_distance(reference["lora"], rank["lora"]) < 1e-5
+    assert ranks[0]["planned_bytes"] == ranks[1]["planned_bytes"] > 0
+    if mode == "ddp":  # each rank saves what its plan says
+        assert all(rank["saved_bytes"] == rank["planned_bytes"] for rank in ranks)
+    else:  # a rank plans its blocks as one process does on its part of the batch
+        setup = TINY_LLAMA.build()
+        backend = Backend(Config())
+        for block in _decoder_blocks(setup.model):
+            block.compile(backend=backend)
+        batch = next(setup.batches)
+        setup.model(**{k: v.chunk(2)[0] for k, v in batch.items()})
+        assert ranks[0]["planned_bytes"] == backend.report().planned_bytes
+
+
+def test_ddp_ranks_calibrating_on_their_own_parts_stay_as_close_to_exact_as_one_process(tmp_path, one_process):
+    ranks = _torchrun(tmp_path, "ddp", "hyclora-4bit")
+    exact, compressed = one_process["exact"]["lora"], one_process["hyclora-4bit"]["lora"]
+    assert all(rank["saved_bytes"] == rank["planned_bytes"] for rank in ranks)
+    assert relative_distance(exact, ranks[0]["lora"]) <= 1.5 * relative_distance(exact, compressed)
+    assert ranks[0]["lora"] == ranks[1]["lora"]  # DDP's ranks agree
+
+
+def test_the_command_tables_each_mode_against_one_process(tiny_workloads, monkeypatch, capsys):
+    from fxmem import cli
+    from fxmem.cli.bench import distributed as command
+
+    def launched(mode, args):  # ranks that trained exactly as one process did
+        rank = {**train(TINY_LLAMA, "single", preset=args.preset, steps=args.steps), "saved_bytes": 1024}
+        return [rank, rank]
+
+    monkeypatch.setattr(command, "_launch", launched)
+    assert cli.main(["bench", "distributed", "--steps", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "one process" in printed and "fsdp2" in printed and "1.00 KiB / 1.00 KiB" in printed
+    assert printed.count("0.00e+00") >= 3  # the same LoRA weights: distance 0
