@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from fxmem.analysis.graph import is_view, storage_base, storage_bytes, tensor_val
+from fxmem.analysis.graph import storage_base, storage_bytes, tensor_val, users_through_views
 from fxmem.analysis.roles import Role, eager_attention_operand, forward_attention_operands
 from fxmem.analysis.saved import Analysis
 
@@ -42,18 +42,13 @@ def pinned(analysis: Analysis, fw: Graph, num_fwd_outputs: int, joint: Graph) ->
 
 
 def _attention_key_or_value(base: Node) -> bool:
-    """``base`` is attention's k or v in forward: as it is, through views, or repeated per head (GQA)."""
-    stack, seen = [base], set()
-    while stack:
-        node = stack.pop()
-        for user in node.users:
-            if user in seen or user.op == "output":
-                continue
-            seen.add(user)
-            if is_view(user) or user.target in _COPIES:
-                stack.append(user)
-            elif any(arg is node for arg in forward_attention_operands(user)[1:3]):
+    """The storage ``base`` is attention's k or v in forward: through views, or copied per head (GQA's repeat)."""
+    for user in users_through_views(base):
+        if user.target in _COPIES:
+            if _attention_key_or_value(user):
                 return True
-            elif eager_attention_operand(user, storage_base(node)) in ("k", "v"):
-                return True
+        elif any(isinstance(arg, Node) and storage_base(arg) is base for arg in forward_attention_operands(user)[1:3]):
+            return True
+        elif eager_attention_operand(user, base) in ("k", "v"):
+            return True
     return False

@@ -14,9 +14,10 @@ def _training_notes(backend: fxmem.Backend) -> list[str]:
     return [note for region in backend.regions if region.kind == "training" for note in region.notes]
 
 
-@pytest.mark.parametrize("preset", ["exact", "hyclora-4bit"])  # hyclora-4bit: k and v rebuilt, not saved
-def test_a_returned_kv_cache_is_named_with_its_bytes_and_use_cache_false_frees_it(preset):
-    model, batch = tiny_model("llama", lora=True)
+@pytest.mark.parametrize("preset, kv_heads", [("exact", 4), ("hyclora-4bit", 4), ("exact", 2)])
+def test_a_returned_kv_cache_is_named_with_its_bytes_and_use_cache_false_frees_it(preset, kv_heads):
+    # hyclora-4bit: k and v rebuilt in backward, not saved; 2 kv heads: GQA repeats them before attention
+    model, batch = tiny_model("llama", lora=True, kv_heads=kv_heads)
     backend = fxmem.Backend(fxmem.Config.from_preset(preset), lowering="eager")
     output = torch.compile(model, backend=backend)(**batch, use_cache=True)
     cache = [t for layer in output.past_key_values.layers for t in (layer.keys, layer.values)]

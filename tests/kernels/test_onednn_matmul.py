@@ -151,7 +151,8 @@ def test_inductor_keeps_the_onednn_product_as_one_extern_call(monkeypatch):
         lambda: torch.compile(model, backend=backend)(x).square().sum().backward())
     region = backend.regions[0]
     assert "run by oneDNN" in {r.name: r.summary for r in region.passes}["onednn_matmul"]
-    assert not region.notes, region.notes  # lowered by inductor, not run as aten ops after a failure
+    # lowered by inductor, not run as aten ops after a failure
+    assert not [note for note in region.notes if "could not lower" in note], region.notes
     assert "torch.ops.fxmem.onednn_mm.default" in forward_code  # X W^T
     assert "torch.ops.fxmem.onednn_mm.default" in backward_code  # dY W
     got = [t.grad for t in (x, *[p for p in model.parameters() if p.requires_grad])]
