@@ -12,8 +12,8 @@ Run a distributed mode under torchrun, one process a rank (gloo, on the CPU):
 
     torchrun --nproc_per_node 2 -m fxmem.bench.distributed --mode ddp --preset hyclora-4bit --out ddp.json
 
-Each rank calibrates (and quantizes) on its own part of the batch, as it computes it: dynamic calibration needs no
-communication in the forward.
+Under dynamic calibration each rank quantizes with the statistics of its own part of the batch, with no
+communication in the forward; static calibration reduces them across ranks while it calibrates.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import torch.distributed as dist
 
 from fxmem.backend import Backend, compile_
 from fxmem.bench.workloads import Workload, get_workload
-from fxmem.config import Config
+from fxmem.config import CALIBRATION_CHOICES, Config
 from fxmem.measure import model_tensors, saved_activation_bytes
 
 MODES = ("single", "ddp", "fsdp2")
 
 
-def train(workload: Workload, mode: str, *, preset: str = "exact", steps: int = 3, lr: float = 1.0,
-          ranks: int = 2) -> dict[str, Any]:
+def train(workload: Workload, mode: str, *, preset: str = "exact", calibration: str = "dynamic", steps: int = 3,
+          lr: float = 1.0, ranks: int = 2) -> dict[str, Any]:
     """``steps`` SGD steps of ``mode``; in a distributed mode, this process's rank of an initialized group.
     Returns the global losses, this rank's saved bytes (planned; measured on the first step under DDP) and the
     LoRA weights at the end (full tensors, gathered under FSDP2)."""
@@ -46,7 +46,7 @@ def train(workload: Workload, mode: str, *, preset: str = "exact", steps: int = 
     setup = workload.build()
     model = setup.model
     batches = [next(setup.batches) for _ in range(steps)]
-    backend = Backend(Config.from_preset(preset))
+    backend = Backend(Config.from_preset(preset, calibration=calibration))
     forward: Any = model
     if mode == "single":
         model.compile(backend=backend)
@@ -66,7 +66,7 @@ def train(workload: Workload, mode: str, *, preset: str = "exact", steps: int = 
     with torch._dynamo.config.patch(optimize_ddp=False):
         losses, saved = _steps(forward, model, optimizer, batches, mode, rank, world)
     lora = {name: _full(p).tolist() for name, p in model.named_parameters() if p.requires_grad}
-    return {"mode": mode, "preset": preset, "rank": rank, "world": world, "losses": losses,
+    return {"mode": mode, "preset": preset, "calibration": calibration, "rank": rank, "world": world, "losses": losses,
             "saved_bytes": saved, "planned_bytes": backend.report().planned_bytes, "lora": lora}
 
 
@@ -136,11 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=MODES[1:], required=True)
     parser.add_argument("--workload", default="llama-tiny")
     parser.add_argument("--preset", default="exact")
+    parser.add_argument("--calibration", choices=CALIBRATION_CHOICES, default="dynamic")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1.0)
     parser.add_argument("--out", type=pathlib.Path, required=True, help="rank 0 writes every rank's result here")
     args = parser.parse_args(argv)
-    run_rank(get_workload(args.workload), args.mode, args.out, preset=args.preset, steps=args.steps, lr=args.lr)
+    run_rank(get_workload(args.workload), args.mode, args.out, preset=args.preset, calibration=args.calibration,
+             steps=args.steps, lr=args.lr)
     return 0
 
 

@@ -14,6 +14,7 @@ import torch
 
 from fxmem.bench.distributed import relative_distance, train
 from fxmem.cli.common import add_outputs, add_preset, add_workload, console, get_workload, int_at_least, print_table
+from fxmem.config import CALIBRATION_CHOICES
 from fxmem.measure import format_bytes
 
 NAME = "distributed"
@@ -27,6 +28,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
                                                "one process on the same global batch")
     add_workload(parser, "llama-tiny")
     add_preset(parser)
+    parser.add_argument("--calibration", choices=CALIBRATION_CHOICES, default="dynamic",
+                        help="static: the ranks reduce their statistics while calibrating")
     parser.add_argument("--steps", type=int_at_least(1), default=3)
     parser.add_argument("--lr", type=float, default=1.0, help="SGD: large, so that differences show")
     add_outputs(parser, json_results=False)
@@ -39,7 +42,7 @@ def _launch(mode: str, args: argparse.Namespace) -> list[dict]:
         out = Path(directory) / "ranks.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
                    "-m", "fxmem.bench.distributed", "--mode", mode, "--workload", args.workload, "--preset",
-                   args.preset, "--steps", str(args.steps), "--lr", str(args.lr), "--out", str(out)]
+                   args.preset, "--calibration", args.calibration, "--steps", str(args.steps), "--lr", str(args.lr), "--out", str(out)]
         finished = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                                   text=True)
         if finished.returncode != 0:
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"{workload.name}: {args.steps} SGD steps (lr {args.lr}) of the global batch "
                   f"{workload.batch} x {workload.seq}, {RANKS} ranks on this CPU (gloo), preset {args.preset}")
     with console.status("one process") as status:
-        single = {p: train(workload, "single", preset=p, steps=args.steps, lr=args.lr)
+        single = {p: train(workload, "single", preset=p, calibration=args.calibration, steps=args.steps, lr=args.lr)
                   for p in dict.fromkeys(("exact", args.preset))}
         torch._dynamo.reset()
         runs = {}
