@@ -1,10 +1,11 @@
-"""Static calibration under DDP: statistics reduced across ranks (fxmem's) against each rank's own, and one process.
+"""Static calibration under DDP: each rank's own statistics (fxmem's) against statistics reduced across ranks.
 
     python benchmarks/distributed_calibration.py out.json
 
 llama-tiny, hyclora-4bit with calibration="static" (5 calibrating forwards), 8 SGD steps at lr 1.0 on the same
-global batches. The per-rank variant replaces the reduction with the rank's own statistics. Results:
-docs/benchmarks.md, "DDP and FSDP2".
+global batches, against one process. The reduced variant all-reduces each calibrating batch's statistics (min,
+max, sum) before the slot adds them; fxmem does not (a collective in the forward is unsafe when ranks recompile
+at different steps). Results: docs/benchmarks.md, "DDP and FSDP2".
 """
 
 import json
@@ -15,6 +16,7 @@ import sys
 import tempfile
 
 import torch
+import torch.distributed as dist
 
 from fxmem.bench.distributed import relative_distance, run_rank, train
 from fxmem.bench.workloads import get_workload
@@ -23,9 +25,20 @@ from fxmem.kernels import calibration
 STEPS = 8
 
 
+def _observe_reduced(observe):
+    def reduced(slot, low, high, square_norm):
+        if slot.frozen is None:
+            low, high, square_norm = low.clone(), high.clone(), square_norm.clone()
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+            dist.all_reduce(square_norm)
+        return observe(slot, low, high, square_norm)
+    return reduced
+
+
 def rank_main(variant: str, out: str) -> None:
-    if variant == "per-rank":
-        calibration._across_ranks = lambda *stats: stats
+    if variant == "reduced":
+        calibration.QuantSlot.observe = _observe_reduced(calibration.QuantSlot.observe)
     run_rank(get_workload("llama-tiny"), "ddp", pathlib.Path(out), preset="hyclora-4bit", calibration="static",
              steps=STEPS)
 

@@ -36,7 +36,8 @@ def main(preset: str = "exact") -> None:
     inductor_losses, _ = train("inductor", preset)
     print(f"fxmem.compile_(model, preset={preset!r}) + Trainer:", fxmem_losses)
     print("Trainer(torch_compile=True):", inductor_losses)
-    print("largest relative difference:", max(abs(a - b) / b for a, b in zip(fxmem_losses, inductor_losses, strict=True)))
+    largest = max(abs(a - b) / b for a, b in zip(fxmem_losses, inductor_losses, strict=True))
+    print("largest relative difference:", largest)
     report = backend.report()
     notes = [f"region {r.index}: {note}" for r in report.regions for note in r.notes]
     print(f"fxmem saved activations: {format_bytes(report.planned_bytes)}", *notes, sep="\n  ")

@@ -12,8 +12,8 @@ Run a distributed mode under torchrun, one process a rank (gloo, on the CPU):
 
     torchrun --nproc_per_node 2 -m fxmem.bench.distributed --mode ddp --preset hyclora-4bit --out ddp.json
 
-Under dynamic calibration each rank quantizes with the statistics of its own part of the batch, with no
-communication in the forward; static calibration reduces them across ranks while it calibrates.
+Each rank calibrates (and quantizes) on its own part of the batch, with no communication in the forward (static
+calibration too: benchmarks/distributed_calibration.py measures it against statistics reduced across ranks).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxmem.backend import Backend, compile_
+from fxmem.backend import Backend
 from fxmem.bench.workloads import Workload, get_workload
 from fxmem.config import CALIBRATION_CHOICES, Config
 from fxmem.measure import model_tensors, saved_activation_bytes

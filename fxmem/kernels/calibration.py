@@ -19,11 +19,12 @@ small op on per-channel vectors that updates the slot and returns the scales,
 zero points and outlier channel ids to use, as fresh tensors, so the backward
 dequantizes with exactly those even if the slot moves on.
 
-Under data parallelism (an initialized default process group) each calibrating
-forward reduces the batch's statistics across ranks (min, max, sum) before
-adding them: every rank freezes the scales and outlier channels one process
-would on the global batch. The collective runs only while calibrating
-(``calibration_steps`` forwards a slot).
+Under data parallelism each rank calibrates on its own part of the batch. Reducing
+the statistics across ranks reproduces one process better (docs/benchmarks.md,
+"DDP and FSDP2"), but a collective in the forward needs every rank to make the
+same calls at the same step, and a rank that recompiles later than another (a new
+sequence length) starts new slots calibrating while the other's are frozen: its
+collective would pair with DDP's gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from fxmem.kernels.quantize import quant_params
 
@@ -62,7 +62,6 @@ class QuantSlot:
         self.seen += 1
         if self.frozen is not None:
             return self.frozen
-        low, high, square_norm = _across_ranks(low, high, square_norm)
         if self.low is None:  # copies: inductor reuses its buffers once the op returns
             self.low, self.high, self.square_norm = low.clone(), high.clone(), square_norm.clone()
         else:
@@ -81,18 +80,6 @@ class QuantSlot:
         ids = self.frozen[2].tolist() if self.frozen is not None else None
         return {"name": self.name, "bits": self.bits, "channels": self.channels, "outliers": self.outliers,
                 "seen": self.seen, "calibrated": self.calibrated, "outlier_channels": ids}
-
-
-def _across_ranks(low: torch.Tensor, high: torch.Tensor, square_norm: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A batch's per-channel statistics over every data-parallel rank's part of it (alone: the rank's own)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return low, high, square_norm
-    low, high, square_norm = low.clone(), high.clone(), square_norm.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(square_norm)
-    return low, high, square_norm
 
 
 # Slots are found by index from compiled code; a slot lives as long as the process (a few per saved tensor).

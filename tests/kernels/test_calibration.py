@@ -61,31 +61,3 @@ def test_the_op_returns_fresh_parameters_backward_can_keep_and_quantizes_with_th
     assert torch.equal(parts[1], slot.frozen[0]) and slot.seen == 2
     restored = q.dequantize(parts, spec, x.dtype)
     assert restored.shape == x.shape and torch.equal(restored[..., ids], (x * 100)[..., ids])
-
-
-def _calibrate_rank(rank: int, world: int, store_path: str, batches: list[torch.Tensor], out: dict) -> None:
-    import torch.distributed as dist
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
-        slot = _slot()
-        for batch in batches:
-            slot.observe(*_stats(batch.chunk(world)[rank]))
-        out[rank] = [t.tolist() for t in slot.frozen]
-    finally:
-        dist.destroy_process_group()
-
-
-def test_data_parallel_ranks_freeze_what_one_process_freezes_on_the_global_batch(tmp_path):
-    import torch.multiprocessing as mp
-    batches = [torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    batches[2][:2, :, 3] += 40  # rank 0's part alone holds the outlier channel
-    batches[0][2:, :, 5] -= 9  # and rank 1's alone the widest low of channel 5
-    one = _slot()
-    for batch in batches:
-        one.observe(*_stats(batch))
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_calibrate_rank, args=(2, str(tmp_path / "store"), batches, out), nprocs=2)
-        ranks = [out[0], out[1]]
-    expected = [t.tolist() for t in one.frozen]
-    assert ranks[0] == ranks[1] == expected and expected[2] == [3]

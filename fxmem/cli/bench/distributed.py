@@ -29,7 +29,7 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     add_workload(parser, "llama-tiny")
     add_preset(parser)
     parser.add_argument("--calibration", choices=CALIBRATION_CHOICES, default="dynamic",
-                        help="static: the ranks reduce their statistics while calibrating")
+                        help="static: each rank freezes the scales of its own parts of the batches")
     parser.add_argument("--steps", type=int_at_least(1), default=3)
     parser.add_argument("--lr", type=float, default=1.0, help="SGD: large, so that differences show")
     add_outputs(parser, json_results=False)
@@ -42,7 +42,8 @@ def _launch(mode: str, args: argparse.Namespace) -> list[dict]:
         out = Path(directory) / "ranks.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
                    "-m", "fxmem.bench.distributed", "--mode", mode, "--workload", args.workload, "--preset",
-                   args.preset, "--calibration", args.calibration, "--steps", str(args.steps), "--lr", str(args.lr), "--out", str(out)]
+                   args.preset, "--calibration", args.calibration, "--steps", str(args.steps), "--lr", str(args.lr),
+                   "--out", str(out)]
         finished = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                                   text=True)
         if finished.returncode != 0:
@@ -55,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"{workload.name}: {args.steps} SGD steps (lr {args.lr}) of the global batch "
                   f"{workload.batch} x {workload.seq}, {RANKS} ranks on this CPU (gloo), preset {args.preset}")
     with console.status("one process") as status:
-        single = {p: train(workload, "single", preset=p, calibration=args.calibration, steps=args.steps, lr=args.lr)
-                  for p in dict.fromkeys(("exact", args.preset))}
+        single = {preset: train(workload, "single", preset=preset, calibration=args.calibration, steps=args.steps,
+                                lr=args.lr)
+                  for preset in dict.fromkeys(("exact", args.preset))}
         torch._dynamo.reset()
         runs = {}
         for mode in ("ddp", "fsdp2"):
