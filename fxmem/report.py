@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,9 @@ from fxmem.cost_model import planned_bytes
 from fxmem.cost_model.plan import Plan
 from fxmem.measure import format_bytes
 from fxmem.region import Region
+
+# A reason's figures for one tensor, e.g. "(4 x 64)" or "(512 >= 384 bytes)": dropped to group tensors by rule.
+_FIGURES = re.compile(r" ?\([^()]*\d[^()]*\)")
 
 
 class Report:
@@ -56,6 +60,18 @@ class Report:
         """Activation bytes per repeated block (parameters and inputs left out)."""
         return self._totals(lambda s: s.layer or "(outside blocks)", activations_only=True)
 
+    def kept_by_reason(self) -> dict[str, dict[str, int]]:
+        """Activation bytes the plan keeps exact, by the rule that kept them: the plan's reason without the
+        tensor's own figures, so that one rule is one row."""
+        totals: dict[str, dict[str, int]] = {}
+        for _, saved, plan in self.rows():
+            if plan.action != "keep" or not saved.frees_memory or saved.shares_storage_with:
+                continue
+            entry = totals.setdefault(_FIGURES.sub("", plan.reason), {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += saved.nbytes
+        return dict(sorted(totals.items(), key=lambda kv: -kv[1]["bytes"]))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "fxmem_version": __version__,
@@ -64,6 +80,7 @@ class Report:
             "planned_bytes": self.planned_bytes,
             "by_role": self.by_role(),
             "by_layer": self.by_layer(),
+            "kept_by_reason": self.kept_by_reason(),
             "regions": [{
                 "index": r.index,
                 "kind": r.kind,
@@ -104,6 +121,9 @@ class Report:
         parts: list[RenderableType] = [tensors,
                                        _totals_table("By role", "role", self.by_role(), describe_roles=True),
                                        _totals_table("By layer", "layer", self.by_layer())]
+        kept = self.kept_by_reason()
+        if kept:
+            parts.append(_kept_table(kept, self.planned_bytes))
         if hidden:
             parts.append(f"{hidden} saved parameters/inputs free nothing and are not listed (include_all / --all)")
         kinds = [r.kind for r in self.regions]
@@ -147,6 +167,17 @@ def _totals_table(title: str, key_name: str, totals: dict[str, dict[str, int]],
         if describe_roles:
             row.append(ROLE_DESCRIPTIONS[Role(key)])
         table.add_row(*row)
+    return table
+
+
+def _kept_table(kept: dict[str, dict[str, int]], planned: int) -> Table:
+    table = Table(title="Kept exact, by reason", title_justify="left")
+    table.add_column("reason")
+    for column in ("tensors", "bytes", "of saved after the plan"):
+        table.add_column(column, justify="right")
+    for reason, entry in kept.items():
+        table.add_row(reason, str(entry["count"]), format_bytes(entry["bytes"]),
+                      f"{entry['bytes'] / planned:.0%}" if planned else "")
     return table
 
 

@@ -58,10 +58,13 @@ def storage_base(node: Node) -> Node:
 
 
 def view_chain(node: Node) -> list[Node]:
-    """The view nodes from ``node``'s storage base (exclusive) to ``node`` (inclusive), outermost first."""
+    """The view nodes from ``node``'s storage base (exclusive) to ``node`` (inclusive), outermost first; a getitem
+    of split or unbind comes with the op it takes an item of, so that a copy of the chain runs alone."""
     chain = []
     while is_view(node):
         chain.append(node)
+        if node.target is operator.getitem:
+            chain.append(node.args[0])
         node = view_source(node)
     return chain[::-1]
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from fxmem.cli.bench import (
     ablate,
     compare,
+    coverage,
     distributed,
     finetune,
     hift,
@@ -24,7 +25,8 @@ from fxmem.cli.bench import (
 )
 
 EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
-                                                  lowrank_error, lowrank_saved, ptxas, distributed)}
+                                                  lowrank_error, lowrank_saved, ptxas, distributed,
+                                                  coverage)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
