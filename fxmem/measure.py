@@ -75,6 +75,17 @@ def saved_activation_bytes(forward: Callable[[], T], exclude: Iterable[torch.Ten
     return sum(storages.values()), result
 
 
+def saved_bytes_and_gradients(model: torch.nn.Module, loss: Callable[[], torch.Tensor],
+                              exclude: Iterable[torch.Tensor] = ()) -> tuple[int, dict[str, torch.Tensor]]:
+    """One forward (``loss``) and backward: the bytes autograd saved (``saved_activation_bytes``) and a copy of
+    every trainable gradient of ``model``, whose gradients are cleared after."""
+    saved, value = saved_activation_bytes(loss, exclude)
+    value.backward()
+    grads = trainable_gradients(model)
+    model.zero_grad(set_to_none=True)
+    return saved, grads
+
+
 def _stashed_on_ctx(result: object) -> list[torch.Tensor]:
     """Tensors held as attributes (alone, or in a tuple or list) of the custom-Function nodes of the autograd
     graph behind ``result``'s tensors."""

@@ -22,7 +22,7 @@ import torch
 
 from fxmem.backend import Backend
 from fxmem.config import Config
-from fxmem.measure import Fidelity, gradient_fidelity, model_tensors, saved_activation_bytes, trainable_gradients
+from fxmem.measure import Fidelity, gradient_fidelity, model_tensors, saved_bytes_and_gradients
 
 HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB = 128, 2, 4, 256, 256
 BATCH, SEQ, LORA_RANK = 2, 64, 8
@@ -109,11 +109,7 @@ def measure(family: Family, presets: Sequence[str], *, lowering: str = "eager") 
     exclude = model_tensors(model) + list(batch.values())
 
     def run(forward: Callable[..., Any]) -> tuple[int, dict[str, torch.Tensor]]:
-        saved, output = saved_activation_bytes(lambda: forward(**batch), exclude)
-        output.loss.backward()
-        grads = trainable_gradients(model)
-        model.zero_grad(set_to_none=True)
-        return saved, grads
+        return saved_bytes_and_gradients(model, lambda: forward(**batch).loss, exclude)
 
     eager_bytes, reference = run(model)
     results = []

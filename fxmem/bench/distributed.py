@@ -76,15 +76,14 @@ def _steps(forward: Any, model: torch.nn.Module, optimizer: torch.optim.Optimize
     losses: list[float] = []
     saved: int | None = None
     for batch in batches:
-        parts = [{k: v.chunk(world)[r] for k, v in batch.items()} for r in range(world)]  # each rank's part
+        part = {k: v.chunk(world)[rank] for k, v in batch.items()}  # this rank's part
         if mode == "single":  # the global batch at once: the mean over its tokens, as the ranks' average is
             loss = forward(**batch).loss
         elif saved is None and mode == "ddp":  # FSDP2's unsharded parameters are no model tensor to leave out
-            saved, output = saved_activation_bytes(lambda: forward(**parts[rank]),
-                                                   model_tensors(model) + list(parts[rank].values()))
+            saved, output = saved_activation_bytes(lambda: forward(**part), model_tensors(model) + list(part.values()))
             loss = output.loss
         else:
-            loss = forward(**parts[rank]).loss
+            loss = forward(**part).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

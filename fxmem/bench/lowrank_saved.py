@@ -18,7 +18,7 @@ import torch
 from fxmem.backend import Backend
 from fxmem.bench.workloads import Workload
 from fxmem.config import Config
-from fxmem.measure import Fidelity, gradient_fidelity, model_tensors, saved_activation_bytes, trainable_gradients
+from fxmem.measure import Fidelity, gradient_fidelity, model_tensors, saved_bytes_and_gradients
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,7 @@ def measure_ratios(workload: Workload, ratios: Sequence[float | int], *, lora_ra
 
     def run(forward) -> tuple[int, dict[str, torch.Tensor]]:
         torch.manual_seed(0)  # the same row samples at every ratio
-        saved, loss = saved_activation_bytes(lambda: setup.loss(forward, batch), exclude=exclude)
-        loss.backward()
-        grads = trainable_gradients(setup.model)
-        setup.model.zero_grad(set_to_none=True)
-        return saved, grads
+        return saved_bytes_and_gradients(setup.model, lambda: setup.loss(forward, batch), exclude)
 
     saved, reference = run(setup.model)
     results = [RatioResult("eager PEFT", saved, None, None, 0)]
