@@ -192,6 +192,18 @@ def _run_eagerly(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) 
     return make_boxed_func(gm.forward)
 
 
+_RANDOM_OPS = (torch.ops.aten.rand_like.default, torch.ops.aten.rand.default)
+
+
+def _lower_random_ops(gm: GraphModule) -> None:
+    """Inductor lowers random ops only as its joint-graph pass rewrites them (to its seeded prims), and that pass
+    ran before fxmem's passes: stochastic rounding's random numbers are rewritten here."""
+    if any(node.target in _RANDOM_OPS for node in gm.graph.nodes):
+        from torch._inductor.fx_passes.replace_random import replace_random_passes
+        replace_random_passes(gm)
+        gm.recompile()
+
+
 def _lower_or_run_as_is(region: Region) -> Callable:
     """Inductor's lowering; a graph fxmem rewrote that inductor cannot lower runs as aten ops, with a note.
 
@@ -200,6 +212,7 @@ def _lower_or_run_as_is(region: Region) -> Callable:
     """
     def compile_inner(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         try:
+            _lower_random_ops(gm)
             return compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as error:
             if not any(p.summary for p in region.passes):

@@ -11,6 +11,7 @@ from fxmem.kernels.quantize import BITS_CHOICES
 
 RUNLORA_CHOICES = ("off", "flops", "time")
 CALIBRATION_CHOICES = ("dynamic", "static")
+ROTATION_CHOICES = (8, 16, 32, 64, 128, 256)
 
 @dataclass(frozen=True)
 class Config:
@@ -29,6 +30,12 @@ class Config:
         channel's mean in standard deviations, the chunk the power of two nearest 1 / outlier_values (0.02: 64
         channels, 1.6%). 0 is off. (At these widths each channel's grid is fitted to the batch either way:
         kernels.quantize.FITTED_SPREADS.)
+    rotation: rotate each quantized tensor's rows in blocks of this many channels (a power of two from 8 to 256) by
+        a fixed randomized Hadamard matrix before quantizing, and back after restoring: outliers spread over the
+        block (kernels/quantize.py). A tensor whose channels no such block divides gets the largest power of two
+        that does, or none below 8. None is off.
+    stochastic_rounding: round codes down or up at random, with the probability of the distance (an unbiased
+        restore inside the grid, a larger error per batch). False rounds to nearest.
     attn_sparsity: fraction of attention probabilities kept (eager attention); None is off.
     calibration_steps: training forwards that gather quantization statistics before freezing them.
     calibration: "dynamic" recomputes scales and outlier channels from every batch; "static" freezes
@@ -66,6 +73,8 @@ class Config:
     linear_input_bits: int | None = 4
     outlier_ratio: float = 0.005
     outlier_values: float = 0.02
+    rotation: int | None = None
+    stochastic_rounding: bool = False
     attn_sparsity: float | None = None
     calibration_steps: int = 5
     calibration: str = "dynamic"
@@ -86,15 +95,22 @@ class Config:
                         allow_none=False)
         _check_fraction("outlier_values", self.outlier_values, low_open=False, high=0.5, high_open=True,
                         allow_none=False)
+        if self.rotation is not None and (_is_bool(self.rotation) or self.rotation not in ROTATION_CHOICES):
+            raise ValueError(f"rotation must be a power of two from 8 to 256 ({', '.join(map(str, ROTATION_CHOICES))})"
+                             f" or None (off); got {self.rotation!r}")
         _check_fraction("attn_sparsity", self.attn_sparsity, low_open=True, high=1.0, high_open=False,
                         allow_none=True)
         if _is_bool(self.calibration_steps) or not isinstance(self.calibration_steps, int) \
                 or self.calibration_steps < 1:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
-        for name in ("lora_reorder", "intra", "prenorm_sharing", "chunk_loss", "return_logits"):
+        for name in ("lora_reorder", "intra", "prenorm_sharing", "chunk_loss", "return_logits", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        for name in ("rotation", "stochastic_rounding"):
+            if getattr(self, name) not in (None, False) and self.bits is None and self.memory_budget is None:
+                raise ValueError(f"{name} applies to quantized tensors: set bits (one of 1, 2, 4, 8) or "
+                                 f"memory_budget too")
         if self.lora_reorder and self.bits is None:
             raise ValueError("lora_reorder stores X W quantized: set bits (one of 1, 2, 4, 8) too")
         if not self.intra and not self.lora_reorder:

@@ -35,6 +35,11 @@ def test_defaults_are_the_exact_preset():
     ("memory_budget", 0.0, "memory_budget must be a number in (0, 1.0], an integer number of bytes > 1 or None (off)"),
     ("memory_budget", 1.5, "memory_budget must be a number in (0, 1.0], an integer number of bytes > 1 or None (off)"),
     ("memory_budget", -3, "memory_budget must be a number in (0, 1.0], an integer number of bytes > 1 or None (off)"),
+    ("rotation", 48, "rotation must be a power of two from 8 to 256 (8, 16, 32, 64, 128, 256) or None (off); got 48"),
+    ("rotation", True, "rotation must be a power of two from 8 to 256"),
+    ("rotation", 64, "rotation applies to quantized tensors: set bits (one of 1, 2, 4, 8) or memory_budget too"),
+    ("stochastic_rounding", 1, "stochastic_rounding must be True or False"),
+    ("stochastic_rounding", True, "stochastic_rounding applies to quantized tensors: set bits"),
 ])
 def test_bad_values_name_the_valid_range(field, value, expected):
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -50,6 +55,11 @@ def test_bad_values_name_the_valid_range(field, value, expected):
 ])
 def test_good_values_are_accepted(field, value):
     assert getattr(Config(**{field: value}), field) == value
+
+
+def test_rotation_and_stochastic_rounding_go_with_bits_or_a_budget():
+    assert Config(bits=2, rotation=128, stochastic_rounding=True).rotation == 128
+    assert Config(memory_budget=0.5, rotation=8).rotation == 8
 
 
 def test_unknown_preset_and_option_name_the_valid_ones():

@@ -30,12 +30,14 @@ class Setting:
 
 
 DEFAULT_BITS = (4, 2)
+ROTATION = 64  # Hadamard block of the rotated settings
 DEFAULT_RATIOS = (0.5, 0.25, 0.125, 0.0625)  # the issue's ratios; the paper's Table 1 goes down to 1/64
 
 
 def hyclora_settings(bits: Sequence[int] = DEFAULT_BITS) -> list[Setting]:
     """The baselines, then per bit width the paper's Table 1 rows: intra + inter (the preset), intra-operator
-    only with and without outliers (channels and values), inter-operator only; and for the first bit width two
+    only with and without outliers (channels and values), inter-operator only, and the preset with each of our
+    options (Hadamard rotation in blocks of ROTATION, stochastic rounding); and for the first bit width two
     of the paper's choices we depart from: q/k/v at that bit width too (we keep them at 8), and static
     calibration (scales frozen, values outside clamped; we recompute them every batch)."""
     _check_unique("bits", bits)
@@ -47,7 +49,9 @@ def hyclora_settings(bits: Sequence[int] = DEFAULT_BITS) -> list[Setting]:
                      Setting(f"{b}-bit intra", "fxmem", intra),
                      Setting(f"{b}-bit intra, no outliers", "fxmem",
                              intra.replace(outlier_ratio=0.0, outlier_values=0.0)),
-                     Setting(f"{b}-bit inter", "fxmem", Config(bits=b, lora_reorder=True, intra=False))]
+                     Setting(f"{b}-bit inter", "fxmem", Config(bits=b, lora_reorder=True, intra=False)),
+                     Setting(f"{b}-bit intra + inter, rotated", "fxmem", preset.replace(rotation=ROTATION)),
+                     Setting(f"{b}-bit intra + inter, stochastic", "fxmem", preset.replace(stochastic_rounding=True))]
     first = Config(bits=bits[0], attn_sparsity=0.05, lora_reorder=True)
     settings.append(Setting(f"{bits[0]}-bit intra + inter, q/k/v {bits[0]}-bit", "fxmem",
                             first.replace(qkv_bits=None)))
@@ -91,6 +95,7 @@ class AblationResult:
     losses: list[float]
     step_seconds: float
     probes: list[Fidelity]  # empty for the baselines
+    evaluation: tuple[float, float] | None = None  # (eval loss, next-token accuracy), where the workload has them
 
     @property
     def final_loss(self) -> float:
@@ -109,7 +114,8 @@ class AblationResult:
         return {"setting": self.setting, "saved_bytes": self.saved_bytes, "final_loss": self.final_loss,
                 "step_seconds": self.step_seconds, "min_cosine": self.min_cosine,
                 "median_relative_error": self.median_error, "probes": [p.to_dict() for p in self.probes],
-                "losses": self.losses}
+                "losses": self.losses,
+                **({"eval_loss": self.evaluation[0], "eval_accuracy": self.evaluation[1]} if self.evaluation else {})}
 
 
 def probe_steps(steps: int, calibration_steps: int) -> list[int]:
@@ -140,5 +146,7 @@ def ablate(workload: Workload, settings: Sequence[Setting], *, steps: int, lr: f
     results = []
     for setting, run, fidelity in zip(settings, runs, probes, strict=True):
         r = run.result()
-        results.append(AblationResult(setting.name, r.saved_bytes, r.losses, r.step_seconds, fidelity))
+        # The trained weights, read by the plain model: compression changes training, not inference.
+        evaluation = run.setup.evaluate(run.setup.model) if run.setup.evaluate else None
+        results.append(AblationResult(setting.name, r.saved_bytes, r.losses, r.step_seconds, fidelity, evaluation))
     return results

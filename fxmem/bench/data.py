@@ -71,3 +71,41 @@ def docstring_code_pairs(max_pairs: int = 4096) -> tuple[tuple[str, str], ...]:
                     if len(pairs) == max_pairs:
                         return tuple(pairs)
     return tuple(pairs)
+
+
+def _docstring_nodes(tree: ast.Module) -> Iterator[tuple[ast.AST, ast.Expr]]:
+    """(module, class or function; its docstring statement) for every documented one in ``tree``."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and ast.get_docstring(node, clean=False) is not None:
+            yield node, node.body[0]
+
+
+@functools.cache
+def stdlib_split_by_docstrings() -> tuple[tuple[bytes, bytes], ...]:
+    """Per standard-library file, in stdlib_files' order: (its source without any docstring, its docstrings,
+    cleaned and separated by blank lines). Code and prose: a model pretrained on the first has never read the
+    second."""
+    split = []
+    for path in stdlib_files():
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        lines = source.splitlines(keepends=True)
+        dropped: set[int] = set()
+        docstrings = []
+        for node, statement in sorted(_docstring_nodes(tree), key=lambda pair: pair[1].lineno):
+            docstrings.append(ast.get_docstring(node))
+            # A docstring on its def's own line goes with the def's text; the line stays.
+            if isinstance(node, ast.Module) or statement.lineno > node.lineno:
+                dropped.update(range(statement.lineno - 1, statement.end_lineno))
+        code = "".join(line for i, line in enumerate(lines) if i not in dropped)
+        split.append((code.encode(), "\n\n".join(docstrings).encode()))
+    return tuple(split)
+
+
+def held_out(index: int, every: int) -> bool:
+    """Whether file ``index`` (in stdlib_files' order) is held out for evaluation: one file in ``every``."""
+    return index % every == every - 1

@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 import torch
 
-from fxmem.bench.data import byte_token_batches, docstring_code_pairs
+from fxmem.bench import pretrained
+from fxmem.bench.data import byte_token_batches, docstring_code_pairs, held_out, stdlib_split_by_docstrings
 from fxmem.models import LORA_TARGETS
 
 
@@ -33,6 +34,7 @@ class Workload:
     llama: LlamaShape | None = None
     gpu_only: bool = False
     nf4: bool = False  # QLoRA: every LoRA-targeted linear a bitsandbytes NF4 Linear4bit, loaded as users load one
+    pretrained: bool = False  # llama: the weights fxmem.bench.pretrained builds, fine-tuned on held-out prose
 
     def default_dtype(self, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" and self.family == "llama" else torch.float32
@@ -46,19 +48,27 @@ class Workload:
                              f"got device {device}")
         dtype = dtype or self.default_dtype(device)
         torch.manual_seed(seed)
-        model = _build_llama(self.llama) if self.family == "llama" else _load_minilm()
+        if self.pretrained:
+            model = pretrained.load_pretrained(pretrained.RECIPE)
+        else:
+            model = _build_llama(self.llama) if self.family == "llama" else _load_minilm()
         model = model.to(device=device, dtype=dtype)
         if self.nf4:
             model = _as_qlora_base(model, device, dtype)
         if lora_rank:
             model = _with_lora(model, self.family, lora_rank)
         model.train()
+        if self.pretrained:
+            return Setup(workload=self, model=model, batches=_docstring_batches(self, device), loss=_causal_lm_loss,
+                         evaluate=_docstring_evaluation(device))
         batches = _llama_batches(self, device) if self.family == "llama" else _minilm_batches(self, device)
         loss = _causal_lm_loss if self.family == "llama" else _contrastive_loss
         return Setup(workload=self, model=model, batches=batches, loss=loss)
 
     def hf_config(self) -> Any:
         """The transformers config of the workload's model (what `fxmem whatif` traces for it)."""
+        if self.pretrained:
+            return pretrained.RECIPE.config()
         if self.llama is not None:
             return llama_config(self.llama)
         from transformers import BertConfig  # all-MiniLM-L6-v2's shape
@@ -68,12 +78,15 @@ class Workload:
 
 @dataclass
 class Setup:
-    """A built workload. ``loss(forward, batch)`` runs ``forward`` (the model, compiled or not) on a batch."""
+    """A built workload. ``loss(forward, batch)`` runs ``forward`` (the model, compiled or not) on a batch;
+    ``evaluate(model)``, where the workload has a held-out set, gives the model's (eval loss, next-token
+    accuracy) on it."""
 
     workload: Workload
     model: torch.nn.Module
     batches: Iterator[dict[str, torch.Tensor]]
     loss: Callable[[Callable[..., Any], dict[str, torch.Tensor]], torch.Tensor]
+    evaluate: Callable[[torch.nn.Module], tuple[float, float]] | None = None
 
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
@@ -85,6 +98,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              LlamaShape(256, 688, 4, 8, 4096), nf4=True),
     Workload("qlora-small", "llama", 4, 512, "llama-small on an NF4 base (bitsandbytes Linear4bit), PEFT LoRA on top",
              LlamaShape(1024, 2752, 8, 16, 32000), nf4=True),
+    Workload("llama-pretrained", "llama", 4, 256,
+             "byte-level LlamaForCausalLM 256/688, 4 layers, 8 heads, pretrained here on the standard library's code "
+             "(`fxmem bench pretrain`), fine-tuned on its docstrings", pretrained=True),
     Workload("llama-7b-shape", "llama", 4, 512, "LlamaForCausalLM with Llama-2-7B's shape (4096/11008/32/32)",
              LlamaShape(4096, 11008, 32, 32, 32000), gpu_only=True),
     Workload("minilm-real", "bert", 16, 128,
@@ -164,6 +180,29 @@ def _llama_batches(workload: Workload, device: torch.device) -> Iterator[dict[st
     for tokens in byte_token_batches(workload.batch, workload.seq):
         tokens = tokens.to(device)
         yield {"input_ids": tokens, "labels": tokens}
+
+
+FINETUNE_HELD_OUT_EVERY = 10  # one docstring file in 10 is the fine-tune's eval set
+FINETUNE_EVAL_WINDOWS = 64
+
+
+def docstring_windows(seq: int, evaluation: bool) -> torch.Tensor:
+    """[n, seq] byte windows of the standard library's docstrings: the training files' or the held-out files'."""
+    split = stdlib_split_by_docstrings()
+    texts = [docs for i, (_, docs) in enumerate(split) if docs and held_out(i, FINETUNE_HELD_OUT_EVERY) == evaluation]
+    tokens = torch.frombuffer(bytearray(b"\n\n".join(texts)), dtype=torch.uint8).long()
+    return tokens[: (tokens.numel() // seq) * seq].view(-1, seq)
+
+
+def _docstring_batches(workload: Workload, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    for tokens in pretrained.shuffled_batches(docstring_windows(workload.seq, False), workload.batch, seed=0):
+        tokens = tokens.to(device)
+        yield {"input_ids": tokens, "labels": tokens}
+
+
+def _docstring_evaluation(device: torch.device) -> Callable[[torch.nn.Module], tuple[float, float]]:
+    windows = docstring_windows(pretrained.RECIPE.seq, True)[:FINETUNE_EVAL_WINDOWS].to(device)
+    return lambda model: pretrained.evaluate(model, windows)
 
 
 def _causal_lm_loss(forward: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -21,6 +21,8 @@ class Plan:
     channels: int = 0  # quantize: channels with their own scale (the innermost memory dimension)
     outliers: int = 0  # quantize: channels kept in full precision
     chunk: int = 0  # quantize: each row keeps one value exact per chunk of this many channels (0: none)
+    rotation: int = 0  # quantize: rows rotated in Hadamard blocks of this many channels (0: none)
+    stochastic: bool = False  # quantize: codes rounded stochastically
     keep: int = 0  # sparsify: values kept per row
     rank: int = 0  # lowrank: rank of the factors of the (rows, last dimension) matrix
     exact_channels: int = 0  # prenorm: input channels (smallest |gamma|) saved exactly
@@ -41,4 +43,4 @@ class Plan:
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("replay", "norm", "chain")}
         data["source"] = self.source.name if self.source is not None else None
-        return {k: v for k, v in data.items() if v not in (None, 0) or k in ("action", "reason")}
+        return {k: v for k, v in data.items() if v not in (None, 0, False) or k in ("action", "reason")}

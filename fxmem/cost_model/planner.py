@@ -19,7 +19,7 @@ from fxmem.cost_model.memory import lowrank_bytes, planned_bytes, prenorm_bytes,
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.prices import lowrank_seconds, quantize_seconds, recompute_seconds
 from fxmem.kernels.lowrank import DEFAULT_NITER, resolve_rank
-from fxmem.kernels.quantize import fits_range, outlier_chunk
+from fxmem.kernels.quantize import fits_range, outlier_chunk, rotation_block
 
 # Roles HyC-LoRA stores quantized (section 4.1): the inputs of non-linear operators and of linears.
 QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV,
@@ -268,12 +268,20 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
         reason += f", one value in {chunk} of each row exact"
     if fits_range(bits):
         reason += ", range fitted per channel"
+    rotation = rotation_block(channels, config.rotation) if config.rotation else 0
+    if rotation:
+        reason += f", rows rotated in Hadamard blocks of {rotation}"
+    elif config.rotation:
+        reason += f", not rotated ({channels} channels: no power-of-two block of 8 or more divides them)"
+    if config.stochastic_rounding:
+        reason += ", rounded stochastically"
     nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(), chunk) + tables_bytes
     if nbytes >= owner.nbytes:
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
-    seconds = quantize_seconds(numel_hint(val), val.element_size(), bits, chunk, str(val.device))
-    return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, chunk=chunk, replay=replay,
-                nbytes=nbytes, seconds=seconds)
+    seconds = quantize_seconds(numel_hint(val), val.element_size(), bits, chunk, str(val.device), rotation=rotation,
+                               stochastic=config.stochastic_rounding)
+    return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, chunk=chunk, rotation=rotation,
+                stochastic=config.stochastic_rounding, replay=replay, nbytes=nbytes, seconds=seconds)
 
 
 def _refused_layout(val: torch.Tensor, inner: str, layout: str) -> Plan | None:

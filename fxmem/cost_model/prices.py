@@ -40,12 +40,20 @@ def matmul_rate(device: str = "cpu") -> float:
     return 2 * _PROBE_SIZE**3 / max(seconds, 1e-9)
 
 
-def quantize_seconds(numel: int, element_size: int, bits: int, chunk: int, device: str = "cpu") -> float:
+def quantize_seconds(numel: int, element_size: int, bits: int, chunk: int, device: str = "cpu", *, rotation: int = 0,
+                     stochastic: bool = False) -> float:
     """Forward: the statistics read the tensor, the codes read it again (the outlier values once more, a fitted
     range its sampled rows) and write the packed bytes; backward: the consumer reads the packed bytes, which is
-    no more than it read before."""
-    reads = 2 + (1 if chunk else 0) + fit_reads(bits)
-    return numel * (reads * element_size + bits / 8) / memory_bandwidth(device)
+    no more than it read before. A rotation adds two products of each row by a (rotation x rotation) matrix, one
+    each way, and the rotated copy written and read in float32; stochastic rounding a float32 random number per
+    value, priced as one written and read."""
+    traffic = numel * ((2 + (1 if chunk else 0) + fit_reads(bits)) * element_size + bits / 8)
+    if rotation:
+        traffic += 2 * 4 * numel
+    if stochastic:
+        traffic += 2 * 4 * numel
+    seconds = traffic / memory_bandwidth(device)
+    return seconds + (2 * 2 * rotation * numel / matmul_rate(device) if rotation else 0.0)
 
 
 def recompute_seconds(input_bytes: int, device: str = "cpu") -> float:

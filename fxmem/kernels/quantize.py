@@ -30,6 +30,16 @@ mean +- k standard deviations (within its minimum and maximum) for a few k, whos
 error on the batch, found in one more pass over the tensor. Values outside the chosen grid are clamped to it,
 unless a chunk keeps them exactly.
 
+Options (HyC-LoRA has neither; issue 28 measures both on a pretrained decoder, docs/quantization.md):
+- Rotation (``rotation``): each row's channels, in blocks of ``rotation``, are multiplied by a fixed randomized
+  Hadamard matrix (orthogonal: a Sylvester Hadamard matrix / sqrt(block), its rows' signs flipped by a fixed
+  pseudo-random pattern) before the statistics, and by its transpose after restoring: a channel's outliers are
+  spread over its block, as the rotation papers for LLM quantization do. Built from arange ops, so it traces
+  as a constant inductor folds, with no weight to carry.
+- Stochastic rounding (``stochastic``): codes round down or up with probability equal to the distance, so a
+  restored value's expectation is the value clamped to the grid (an unbiased gradient inside the grid) at the
+  price of a larger error on each batch.
+
 Statistics treat non-finite values as 0; a NaN is stored as the zero code, an infinity as the end code, and
 non-finite values count as the farthest of all, so an outlier value keeps one exactly.
 """
@@ -75,20 +85,41 @@ def outlier_chunk(ratio: float) -> int:
     return min(128, 2 ** max(0, round(math.log2(1 / ratio))))
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def rotation_block(channels: int, block: int) -> int:
+    """The Hadamard block a tensor of ``channels`` gets for Config.rotation ``block``: the largest power of two
+    up to ``block`` that divides ``channels``; 0 (no rotation) below MIN_ROTATION_BLOCK, too few channels to
+    spread an outlier over."""
+    size = min(block, channels & -channels)  # channels & -channels: the largest power of two dividing it
+    return size if size >= MIN_ROTATION_BLOCK else 0
+
+
+MIN_ROTATION_BLOCK = 8
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """How one saved tensor is stored: the channels (its last dimension), the bits of its codes, its outlier
-    channels and the chunk of channels that keeps one outlier value per row (0: none)."""
+    channels, the chunk of channels that keeps one outlier value per row (0: none), the Hadamard block its rows
+    are rotated in (0: none) and whether codes round stochastically."""
 
     channels: int
     bits: int
     outliers: int = 0
     chunk: int = 0
+    rotation: int = 0
+    stochastic: bool = False
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
-        if self.chunk and (self.chunk & (self.chunk - 1) or self.chunk > 256):
+        if self.chunk and (not _power_of_two(self.chunk) or self.chunk > 256):
             raise ValueError(f"chunk must be a power of two up to 256 (its index is a byte); got {self.chunk}")
+        if self.rotation and (not _power_of_two(self.rotation) or self.channels % self.rotation):
+            raise ValueError(f"rotation must be a power of two that divides the channels ({self.channels}); "
+                             f"got {self.rotation}")
 
 
 def quant_params(low: torch.Tensor, high: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,19 +176,22 @@ def fitted_range(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, mean: t
     return lows.gather(0, best)[0], highs.gather(0, best)[0]
 
 
-def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """Equation (1)'s codes of ``x`` in float32; NaN stores the zero code."""
+def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, stochastic: bool = False
+           ) -> torch.Tensor:
+    """Equation (1)'s codes of ``x`` in float32, rounded to nearest or stochastically; NaN stores the zero code."""
     half = zero + 0.5
-    t = x.float() * (1.0 / scale) + half
+    offset = zero + torch.rand_like(x, dtype=torch.float32) if stochastic else half
+    t = x.float() * (1.0 / scale) + offset
     t = torch.where(t == t, t, half)
     return torch.clamp(torch.floor(t), 0, 2**bits - 1)
 
 
-def pack(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+def pack(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, stochastic: bool = False
+         ) -> torch.Tensor:
     """Codes of ``x`` (channels last) packed in planes along each row: (*x.shape[:-1], packed_width(C, bits))
     uint8."""
     per_byte, width = 8 // bits, packed_width(x.shape[-1], bits)
-    codes = _codes(x, scale, zero, bits)
+    codes = _codes(x, scale, zero, bits, stochastic)
     pad = per_byte * width - x.shape[-1]
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
@@ -215,10 +249,36 @@ def restore_outlier_values(x: torch.Tensor, index: torch.Tensor, values: torch.T
     return torch.where(kept, per_channel(values).to(x.dtype), x)
 
 
+def hadamard_rotation(block: int, device: torch.device | str) -> torch.Tensor:
+    """The (block, block) orthogonal matrix rows are rotated by: diag(signs) H / sqrt(block), H the Sylvester
+    Hadamard matrix (H[i, j] = (-1)^popcount(i & j)), the signs a fixed pseudo-random pattern (a bit of an integer
+    hash of the row index, kept below 2**63: no overflow in generated C++). Made of arange ops: traced, it is a
+    constant."""
+    index = torch.arange(block, device=device, dtype=torch.int64)
+    both = index.unsqueeze(1) & index.unsqueeze(0)
+    parity = torch.zeros_like(both)
+    for bit in range(block.bit_length() - 1):
+        parity = parity ^ ((both >> bit) & 1)
+    mixed = index * 2654435761
+    mixed = (mixed ^ (mixed >> 15)) & 0x7FFFFFFF
+    signs = 1 - 2 * (((mixed * 2246822519) >> 29) & 1)
+    return (1 - 2 * parity).float() * signs.float().unsqueeze(1) * block**-0.5
+
+
+def rotate(x: torch.Tensor, block: int, inverse: bool = False) -> torch.Tensor:
+    """``x`` (channels last) in float32 with each row's blocks of ``block`` channels rotated (or rotated back)."""
+    rotation = hadamard_rotation(block, x.device)
+    blocks = x.float().unflatten(-1, (-1, block))
+    return (blocks @ (rotation.T if inverse else rotation)).flatten(-2)
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec, slot: int | None = None) -> tuple[torch.Tensor, ...]:
     """What is saved instead of ``x`` (channels last): (packed codes, scale, zero, outlier channel ids, their
-    values, outlier value indices, outlier values). ``slot``: a calibration slot (fxmem.kernels.calibration)
-    that gives the scales and outlier channels from its statistics; None: from this batch's."""
+    values, outlier value indices, outlier values), of ``x`` rotated if the spec says so. ``slot``: a
+    calibration slot (fxmem.kernels.calibration) that gives the scales and outlier channels from its
+    statistics; None: from this batch's."""
+    if spec.rotation:
+        x = rotate(x, spec.rotation).to(x.dtype)
     low, high, mean, std, square_norm = channel_stats(x)
     if spec.chunk:
         index, values = select_outlier_values(x, mean, std, spec.chunk)
@@ -233,7 +293,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, slot: int | None = None) -> tuple
     else:
         scale, zero, ids = torch.ops.fxmem.calibrated_params(low, high, square_norm, slot)
     channel_values = x.index_select(-1, ids)
-    return pack(x, scale, zero, spec.bits), scale, zero, ids, channel_values, index, values
+    return pack(x, scale, zero, spec.bits, spec.stochastic), scale, zero, ids, channel_values, index, values
 
 
 def dequantize(parts: tuple[torch.Tensor, ...], spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
@@ -244,4 +304,6 @@ def dequantize(parts: tuple[torch.Tensor, ...], spec: QuantSpec, dtype: torch.dt
         x = x.index_copy(-1, ids, channel_values)
     if spec.chunk:
         x = restore_outlier_values(x, index, values, spec.chunk)
+    if spec.rotation:
+        x = rotate(x, spec.rotation, inverse=True).to(dtype)
     return x

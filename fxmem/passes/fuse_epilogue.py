@@ -166,8 +166,8 @@ def kernel_operands(node: Node, dequantized: dict[Node, tuple]) -> KernelOperand
             continue
         if frozen in dequantized:
             packed, scale, zero, spec = dequantized[frozen]
-            if spec.outliers or spec.chunk:
-                continue  # outliers are not the kernels' input
+            if spec.outliers or spec.chunk or spec.rotation:
+                continue  # outliers and rotated codes are not the kernels' input
             return KernelOperands(node, joined.base, xa, b, joined.scaling, (packed, scale, zero, spec.bits))
         if frozen.target in (aten.mm.default, aten.addmm.default):
             return KernelOperands(node, joined.base, xa, b, joined.scaling, None)

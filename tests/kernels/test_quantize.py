@@ -205,3 +205,62 @@ def test_inductor_fits_a_2_bit_range_inside_the_producers_kernel():
     assert all(op in producer for op in ("silu", "argmin", "floor", "gather")), producer
     call = code.split("def call(")[1].split("\ndef ")[0]
     assert "extern_kernels." not in call and "aten." not in call
+
+
+@pytest.mark.parametrize("block", [8, 64, 256])
+def test_the_hadamard_rotation_is_orthogonal_with_entries_plus_or_minus_one_over_root_block(block):
+    rotation = q.hadamard_rotation(block, "cpu")
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(block), rtol=0, atol=1e-6)
+    assert set((rotation * block**0.5).round().unique().tolist()) == {-1.0, 1.0}
+    signs = (rotation[:, 0] > 0).int()  # H's first column is all ones: the row signs, about half flipped
+    assert 0.3 < signs.float().mean() < 0.7 or block == 8
+    x = torch.randn(3, 5, 2 * block, generator=torch.Generator().manual_seed(block))
+    torch.testing.assert_close(q.rotate(q.rotate(x, block), block, inverse=True), x, rtol=0, atol=1e-5)
+
+
+def test_rotation_spreads_a_rows_outlier_over_its_block_and_restores_it_with_less_error():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 128, generator=g)
+    rows = torch.arange(256)
+    x[rows, torch.randint(0, 128, (256,), generator=g)] = 40.0  # one far value per row, in any channel
+    errors = {}
+    for block in (0, 64):
+        spec = q.QuantSpec(128, 2, rotation=block)
+        restored = q.dequantize(q.quantize(x, spec), spec, x.dtype)
+        errors[block] = ((restored - x).norm() / x.norm()).item()
+    assert errors[64] < 0.6 * errors[0], errors
+
+
+def test_rotation_blocks_divide_the_channels_and_bad_specs_are_refused():
+    assert q.rotation_block(688, 64) == 16 and q.rotation_block(256, 64) == 64 and q.rotation_block(12, 64) == 0
+    with pytest.raises(ValueError, match=r"rotation must be a power of two that divides the channels \(96\); got 64"):
+        q.QuantSpec(96, 2, rotation=64)
+    with pytest.raises(ValueError, match="rotation must be a power of two"):
+        q.QuantSpec(96, 2, rotation=24)
+
+
+def test_stochastic_rounding_is_unbiased_where_rounding_to_nearest_is_not():
+    x = torch.tensor([[0.0], [3.0], [1.25]])  # a channel of range [0, 3]: at 4 bits, levels 0.2 apart
+    spec, nearest = q.QuantSpec(1, 4, stochastic=True), q.QuantSpec(1, 4)
+    torch.manual_seed(0)
+    draws = torch.stack([q.dequantize(q.quantize(x, spec), spec, x.dtype)[2, 0] for _ in range(2000)])
+    torch.testing.assert_close(draws.unique(), torch.tensor([1.2, 1.4]))  # the levels around it, nothing else
+    assert abs(draws.mean().item() - 1.25) < 0.005  # 1.4 a quarter of the time
+    torch.testing.assert_close(q.dequantize(q.quantize(x, nearest), nearest, x.dtype)[2, 0], torch.tensor(1.2))
+
+
+def test_inductor_rotates_and_rounds_stochastically_as_eager_does():
+    spec = q.QuantSpec(128, 2, chunk=64, rotation=64, stochastic=True)
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(5))
+
+    def round_trip(t):
+        return q.dequantize(q.quantize(t, spec), spec, t.dtype)
+
+    exact = q.dequantize(q.quantize(x, q.QuantSpec(128, 8, rotation=64)), q.QuantSpec(128, 8, rotation=64), x.dtype)
+    compiled = torch.compile(round_trip)(x)
+    eager = round_trip(x)
+    # Different random draws, the same distribution: each within a step of the value, errors of one size.
+    for restored in (compiled, eager):
+        assert ((restored - x).norm() / x.norm()).item() < 0.75
+    assert abs((compiled - x).norm() / (eager - x).norm() - 1) < 0.1
+    torch.testing.assert_close(exact, x, rtol=0, atol=0.05)  # at 8 bits rotation round-trips to the grid's step

@@ -1,5 +1,7 @@
 """fuse_epilogue: rebuilt LoRA outputs and their SwiGLU / GELU replaced by one fused kernel call, same values."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -219,3 +221,11 @@ def test_a_bf16_model_with_fp32_adapters_is_rebuilt_and_fused():
     # far from eager's as the unfused graph's (measured: minimum cosine 0.907 both, median 0.987).
     for position in (0, len(eager) // 2):
         assert cosines[True][position] > cosines[False][position] - 0.003
+
+
+def test_rotated_codes_are_not_the_kernels_input():
+    """The kernels read codes as channels; rotated codes (Config.rotation) are mixtures of them."""
+    gm, _, _, dequantized = _gelu_backward_graph(also_return_y=False)
+    [(restored, (*parts, spec))] = dequantized.items()
+    rotated = {restored: (*parts, dataclasses.replace(spec, rotation=8))}
+    assert fuse_graph(gm, backward=True, on_reference=True, dequantized=rotated) == []

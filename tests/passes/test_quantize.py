@@ -122,3 +122,32 @@ def test_varying_sequence_lengths_compile_at_most_twice_and_train():
     backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit"), lowering="eager")
     train_at_sequence_lengths(torch.compile(model, backend=backend), model, (16, 24, 32, 40))
     assert len(backend.regions) <= 2
+
+
+def test_rotation_and_stochastic_rounding_are_planned_priced_and_keep_the_bytes():
+    model, batch = tiny_model("llama", lora=True, layers=1)
+    randomize_lora_b(model)
+    _, _, exact_grads = compiled_step(model, batch, fxmem.Backend(lowering="eager"))
+    results = {}
+    # Inductor for the random numbers (its seeded prims, fxmem.backend._lower_random_ops); aten ops for the rest.
+    for name, overrides, lowering in (("plain", {}, "eager"), ("rotated", {"rotation": 32}, "eager"),
+                                      ("stochastic", {"stochastic_rounding": True}, "inductor")):
+        torch._dynamo.reset()
+        backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", **overrides), lowering=lowering)
+        saved, _, grads = compiled_step(model, batch, backend)
+        plans = [p for _, s, p in backend.report().rows() if p.action == "quantize"]
+        results[name] = saved, plans, gradient_fidelity(exact_grads, grads), backend
+    plain_saved, plain_plans, *_ = results["plain"]
+    for name in ("rotated", "stochastic"):
+        saved, plans, fidelity, backend = results[name]
+        assert saved == plain_saved == backend.report().planned_bytes  # the same codes, scales and outliers
+        assert fidelity.min_cosine > 0.9, (name, fidelity)
+        # Priced: the rotations' products and the random numbers add to each plan's seconds.
+        assert all(p.seconds > q.seconds if p.rotation or p.stochastic else p.seconds == q.seconds
+                   for p, q in zip(plans, plain_plans, strict=True))
+        assert not [n for r in backend.regions for n in r.notes if "could not lower" in n]
+    rotated = results["rotated"][1]
+    # 64 hidden channels: blocks of 32; the MLP's 172 (4 x 43) have no power-of-two block of 8 or more.
+    assert {p.rotation for p in rotated if p.channels == 64} == {32}
+    assert all(p.rotation == 0 and "not rotated (172 channels" in p.reason for p in rotated if p.channels == 172)
+    assert all("rounded stochastically" in p.reason and p.stochastic for p in results["stochastic"][1])

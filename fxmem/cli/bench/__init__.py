@@ -20,13 +20,14 @@ from fxmem.cli.bench import (
     loss,
     lowrank_error,
     lowrank_saved,
+    pretrain,
     profile,
     ptxas,
 )
 
 EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
                                                   lowrank_error, lowrank_saved, ptxas, distributed,
-                                                  coverage)}
+                                                  coverage, pretrain)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

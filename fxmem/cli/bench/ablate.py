@@ -23,6 +23,7 @@ from fxmem.measure import format_bytes
 NAME = "ablate"
 COLUMNS = ("setting", "saved activations", "vs eager", "min grad cosine", "median grad error", "final loss",
            "vs compile", "step time vs compile")
+EVAL_COLUMNS = ("eval loss", "eval vs compile", "eval accuracy")
 
 
 def add_parser(experiments: argparse._SubParsersAction) -> None:
@@ -62,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         console.print(f"[red]{error}[/red]")
         return 2
-    console.print(f"{workload.name} ({workload.description}): {args.steps} LoRA steps on Python standard-library "
-                  f"source, AdamW lr {args.lr}, {len(settings)} settings round-robin")
+    console.print(f"{workload.name} ({workload.description}): {args.steps} LoRA steps on its real text, "
+                  f"AdamW lr {args.lr}, {len(settings)} settings round-robin")
     with progress_bars(20) as progress:
         tasks = {s.name: progress.add_task(s.name, total=args.steps, loss="—") for s in settings}
         results = ablation.ablate(workload, settings, steps=args.steps, lr=args.lr, device=args.device,
@@ -75,9 +76,18 @@ def run(args: argparse.Namespace) -> int:
              "—" if r.median_error is None else f"{r.median_error:.4f}",
              f"{r.final_loss:.4f}", f"{(r.final_loss - compiled.final_loss) / compiled.final_loss:+.2%}",
              f"{r.step_seconds / compiled.step_seconds:.2f}x"] for r in results]
+    columns = COLUMNS
     legend = ("grad cosine / error: every trainable gradient on a fixed batch vs the eager model's at the same "
               "weights, probed after calibration, mid-way and at the end (minimum cosine, median relative L2 "
               "error). final loss: mean of the last 5 steps; vs compile: relative to torch.compile's.")
-    print_table(f"{workload.name}: {args.steps} steps", COLUMNS, rows, legend, args, args.device)
+    if compiled.evaluation is not None:
+        columns += EVAL_COLUMNS
+        for row, r in zip(rows, results, strict=True):
+            loss, accuracy = r.evaluation
+            row += [f"{loss:.4f}", f"{(loss - compiled.evaluation[0]) / compiled.evaluation[0]:+.2%}",
+                    f"{accuracy:.4f}"]
+        legend += (" eval loss / accuracy: the trained model's next-token loss and accuracy on held-out text; "
+                   "vs compile: relative to torch.compile's.")
+    print_table(f"{workload.name}: {args.steps} steps", columns, rows, legend, args, args.device)
     write_json(results, args, args.device)
     return 0
