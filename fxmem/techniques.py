@@ -42,8 +42,8 @@ _COMPRESSION_RECOMPUTES = ("recompute_logits", "recompute_attention")
 
 # Registration order is planning order: where two proposals save as many bytes, the earlier technique's wins.
 TECHNIQUES: tuple[Technique, ...] = (
-    Technique("quantize", ("bits", "qkv_bits", "linear_input_bits", "outlier_ratio", "outlier_values",
-                           "calibration_steps", "calibration", "intra"),
+    Technique("quantize", ("bits", "qkv_bits", "linear_input_bits", "outlier_ratio", "outlier_values", "rotation",
+                           "stochastic_rounding", "calibration_steps", "calibration", "intra"),
               lambda config: config.bits is not None, (*_COMPRESSION_RECOMPUTES, "quantize"),
               propose=planner.propose_quantized),
     Technique("lowrank", ("lowrank", "prenorm_sharing"), lambda config: config.lowrank is not None,

@@ -36,13 +36,22 @@ def stdlib_bytes(limit: int) -> bytes:
     return b"".join(chunks)[:limit]
 
 
+def byte_windows(texts: list[bytes], seq: int, separator: bytes = b"") -> torch.Tensor:
+    """[n, seq] byte tokens (0..255): the texts joined by ``separator``, cut into windows."""
+    tokens = torch.frombuffer(bytearray(separator.join(texts)), dtype=torch.uint8).long()
+    return tokens[: (tokens.numel() // seq) * seq].view(-1, seq)
+
+
 def byte_token_batches(batch: int, seq: int, *, seed: int = 0, corpus_bytes: int = 8 << 20
                        ) -> Iterator[torch.Tensor]:
-    """Endless [batch, seq] windows of byte tokens (0..255), in a seeded shuffled order."""
-    tokens = torch.frombuffer(bytearray(stdlib_bytes(corpus_bytes)), dtype=torch.uint8).long()
-    windows = tokens[: (tokens.numel() // seq) * seq].view(-1, seq)
+    """Endless [batch, seq] windows of the standard library's first ``corpus_bytes`` bytes, shuffled."""
+    return shuffled_batches(byte_windows([stdlib_bytes(corpus_bytes)], seq), batch, seed)
+
+
+def shuffled_batches(windows: torch.Tensor, batch: int, seed: int) -> Iterator[torch.Tensor]:
+    """Endless [batch, seq] batches of ``windows``, reshuffled every epoch by a seeded generator."""
     if windows.shape[0] < batch:
-        raise ValueError(f"corpus of {tokens.numel()} bytes has fewer than {batch} windows of {seq}")
+        raise ValueError(f"{windows.shape[0]} windows of {windows.shape[1]} bytes: fewer than a batch of {batch}")
     generator = torch.Generator().manual_seed(seed)
     while True:
         order = torch.randperm(windows.shape[0], generator=generator)
@@ -50,16 +59,21 @@ def byte_token_batches(batch: int, seq: int, *, seed: int = 0, corpus_bytes: int
             yield windows[order[start:start + batch]]
 
 
+def _parsed_stdlib() -> Iterator[tuple[str, ast.Module]]:
+    """(source, syntax tree) of each standard-library file that parses, in stdlib_files' order."""
+    for path in stdlib_files():
+        try:
+            source = path.read_text(encoding="utf-8")
+            yield source, ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+
+
 @functools.cache
 def docstring_code_pairs(max_pairs: int = 4096) -> tuple[tuple[str, str], ...]:
     """(docstring, source without the docstring) of standard-library functions: a code-search task."""
     pairs = []
-    for path in stdlib_files():
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError):
-            continue
+    for source, tree in _parsed_stdlib():
         lines = source.splitlines()
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -87,12 +101,7 @@ def stdlib_split_by_docstrings() -> tuple[tuple[bytes, bytes], ...]:
     cleaned and separated by blank lines). Code and prose: a model pretrained on the first has never read the
     second."""
     split = []
-    for path in stdlib_files():
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError):
-            continue
+    for source, tree in _parsed_stdlib():
         lines = source.splitlines(keepends=True)
         dropped: set[int] = set()
         docstrings = []

@@ -8,6 +8,7 @@ no pretrained causal LM can be downloaded here: this is the one that judges a lo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -17,12 +18,14 @@ import pathlib
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from fxmem.bench.data import held_out, stdlib_split_by_docstrings
+from fxmem.bench.data import byte_windows, held_out, shuffled_batches, stdlib_split_by_docstrings
 
 BYTE_VOCAB = 256
 WEIGHTS_FILE = "model.safetensors"
@@ -52,7 +55,8 @@ class PretrainRecipe:
     def key(self) -> str:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
-    def config(self):  # -> transformers.LlamaConfig (imported lazily)
+    def config(self) -> Any:
+        """The model's transformers LlamaConfig (byte vocabulary, SDPA, no KV cache)."""
         from transformers import LlamaConfig
         return LlamaConfig(hidden_size=self.hidden, intermediate_size=self.ffn, num_hidden_layers=self.layers,
                            num_attention_heads=self.heads, num_key_value_heads=self.heads, vocab_size=BYTE_VOCAB,
@@ -60,6 +64,7 @@ class PretrainRecipe:
 
 
 RECIPE = PretrainRecipe()
+BUILD_TIME = "about 20-30 minutes on 2 CPU cores"
 
 
 def cache_root() -> pathlib.Path:
@@ -71,10 +76,6 @@ def cache_root() -> pathlib.Path:
 
 def checkpoint_dir(recipe: PretrainRecipe = RECIPE) -> pathlib.Path:
     return cache_root() / f"llama-pretrained-{recipe.key}"
-
-
-def rebuild_command(recipe: PretrainRecipe = RECIPE) -> str:
-    return "fxmem bench pretrain" + (" --rebuild" if checkpoint_dir(recipe).exists() else "")
 
 
 def file_sha256(path: pathlib.Path) -> str:
@@ -97,7 +98,7 @@ def verified_checkpoint(recipe: PretrainRecipe = RECIPE) -> pathlib.Path:
     manifest = read_manifest(recipe)
     if manifest is None or not (directory / WEIGHTS_FILE).exists():
         raise FileNotFoundError(f"no llama-pretrained weights in {directory}: build them with "
-                                f"`fxmem bench pretrain` (about 25 minutes on 2 CPU cores)")
+                                f"`fxmem bench pretrain` ({BUILD_TIME})")
     actual = file_sha256(directory / WEIGHTS_FILE)
     if actual != manifest["sha256"]:
         raise ValueError(f"llama-pretrained weights in {directory} do not match their recorded hash "
@@ -106,36 +107,35 @@ def verified_checkpoint(recipe: PretrainRecipe = RECIPE) -> pathlib.Path:
     return directory
 
 
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' loading and saving bars off: a benchmark loads a model per setting."""
+    from transformers.utils import logging as transformers_logging
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
+
+
 def load_pretrained(recipe: PretrainRecipe = RECIPE) -> torch.nn.Module:
     """The pretrained LlamaForCausalLM (checked by hash), built first if absent."""
     from transformers import LlamaForCausalLM
     if read_manifest(recipe) is None:
+        warnings.warn(f"llama-pretrained weights absent from {checkpoint_dir(recipe)}: pretraining them now "
+                      f"({BUILD_TIME}; `fxmem bench pretrain` does the same and shows its progress)", stacklevel=2)
         build(recipe)
-    return LlamaForCausalLM.from_pretrained(verified_checkpoint(recipe), dtype=torch.float32)
-
-
-def _windows(texts: list[bytes], seq: int) -> torch.Tensor:
-    """[n, seq] byte tokens: the texts concatenated, cut into windows."""
-    tokens = torch.frombuffer(bytearray(b"".join(texts)), dtype=torch.uint8).long()
-    return tokens[: (tokens.numel() // seq) * seq].view(-1, seq)
+    with quiet_progress_bars():
+        return LlamaForCausalLM.from_pretrained(verified_checkpoint(recipe), dtype=torch.float32)
 
 
 def code_windows(recipe: PretrainRecipe, evaluation: bool) -> torch.Tensor:
     """The pretraining corpus (code without docstrings), training files or held-out ones."""
     split = stdlib_split_by_docstrings()
-    return _windows([code for i, (code, _) in enumerate(split) if held_out(i, recipe.held_out_every) == evaluation],
-                    recipe.seq)
-
-
-def shuffled_batches(windows: torch.Tensor, batch: int, seed: int) -> Iterator[torch.Tensor]:
-    """Endless [batch, seq] batches of ``windows``, reshuffled every epoch by a seeded generator."""
-    if windows.shape[0] < batch:
-        raise ValueError(f"{windows.shape[0]} windows: fewer than a batch of {batch}")
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        order = torch.randperm(windows.shape[0], generator=generator)
-        for start in range(0, order.numel() - batch + 1, batch):
-            yield windows[order[start:start + batch]]
+    return byte_windows([code for i, (code, _) in enumerate(split) if held_out(i, recipe.held_out_every) == evaluation],
+                        recipe.seq)
 
 
 @torch.no_grad()

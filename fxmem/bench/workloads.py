@@ -11,7 +11,14 @@ from typing import Any, Literal
 import torch
 
 from fxmem.bench import pretrained
-from fxmem.bench.data import byte_token_batches, docstring_code_pairs, held_out, stdlib_split_by_docstrings
+from fxmem.bench.data import (
+    byte_token_batches,
+    byte_windows,
+    docstring_code_pairs,
+    held_out,
+    shuffled_batches,
+    stdlib_split_by_docstrings,
+)
 from fxmem.models import LORA_TARGETS
 
 
@@ -60,7 +67,7 @@ class Workload:
         model.train()
         if self.pretrained:
             return Setup(workload=self, model=model, batches=_docstring_batches(self, device), loss=_causal_lm_loss,
-                         evaluate=_docstring_evaluation(device))
+                         evaluate=_docstring_evaluation(self, device))
         batches = _llama_batches(self, device) if self.family == "llama" else _minilm_batches(self, device)
         loss = _causal_lm_loss if self.family == "llama" else _contrastive_loss
         return Setup(workload=self, model=model, batches=batches, loss=loss)
@@ -135,22 +142,16 @@ def _as_qlora_base(model: torch.nn.Module, device: torch.device, dtype: torch.dt
 
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-    from transformers.utils import logging as transformers_logging
 
     from fxmem.kernels.nf4 import bitsandbytes
     bitsandbytes()  # its error if absent, and its import-time warning silenced
     nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                              bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
-    bars = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()  # the copy's saving and loading bars are not the benchmark's
-    try:
-        with tempfile.TemporaryDirectory() as directory:
-            model.save_pretrained(directory)
-            model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=nf4, dtype=dtype,
-                                                         device_map=str(device))
-    finally:
-        if bars:
-            transformers_logging.enable_progress_bar()
+    # The copy's saving and loading bars are not the benchmark's.
+    with pretrained.quiet_progress_bars(), tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=nf4, dtype=dtype,
+                                                     device_map=str(device))
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
@@ -190,18 +191,17 @@ def docstring_windows(seq: int, evaluation: bool) -> torch.Tensor:
     """[n, seq] byte windows of the standard library's docstrings: the training files' or the held-out files'."""
     split = stdlib_split_by_docstrings()
     texts = [docs for i, (_, docs) in enumerate(split) if docs and held_out(i, FINETUNE_HELD_OUT_EVERY) == evaluation]
-    tokens = torch.frombuffer(bytearray(b"\n\n".join(texts)), dtype=torch.uint8).long()
-    return tokens[: (tokens.numel() // seq) * seq].view(-1, seq)
+    return byte_windows(texts, seq, separator=b"\n\n")
 
 
 def _docstring_batches(workload: Workload, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
-    for tokens in pretrained.shuffled_batches(docstring_windows(workload.seq, False), workload.batch, seed=0):
+    for tokens in shuffled_batches(docstring_windows(workload.seq, False), workload.batch, seed=0):
         tokens = tokens.to(device)
         yield {"input_ids": tokens, "labels": tokens}
 
 
-def _docstring_evaluation(device: torch.device) -> Callable[[torch.nn.Module], tuple[float, float]]:
-    windows = docstring_windows(pretrained.RECIPE.seq, True)[:FINETUNE_EVAL_WINDOWS].to(device)
+def _docstring_evaluation(workload: Workload, device: torch.device) -> Callable[[torch.nn.Module], tuple[float, float]]:
+    windows = docstring_windows(workload.seq, True)[:FINETUNE_EVAL_WINDOWS].to(device)
     return lambda model: pretrained.evaluate(model, windows)
 
 

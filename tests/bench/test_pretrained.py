@@ -92,3 +92,9 @@ def test_ablate_reports_eval_loss_and_accuracy_where_the_workload_has_a_held_out
     assert all(0 < r["eval_loss"] < math.log(256) and 0 <= r["eval_accuracy"] <= 1 for r in results)
     # Eager and torch.compile train the same model the same way: the same held-out figures, to rounding.
     assert results[0]["eval_loss"] == pytest.approx(results[1]["eval_loss"], rel=1e-4)
+
+
+def test_loading_absent_weights_says_it_pretrains_them_first(cache):
+    with pytest.warns(UserWarning, match=r"absent from .*: pretraining them now \(about 20-30 minutes"):
+        pretrained.load_pretrained(TINY)
+    assert pretrained.verified_checkpoint(TINY).exists()
