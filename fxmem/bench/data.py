@@ -118,3 +118,11 @@ def stdlib_split_by_docstrings() -> tuple[tuple[bytes, bytes], ...]:
 def held_out(index: int, every: int) -> bool:
     """Whether file ``index`` (in stdlib_files' order) is held out for evaluation: one file in ``every``."""
     return index % every == every - 1
+
+
+def split_windows(part: int, seq: int, *, every: int, evaluation: bool, separator: bytes = b"") -> torch.Tensor:
+    """[n, seq] byte windows of one side of stdlib_split_by_docstrings (0: the code, 1: the docstrings), of the
+    training files or of the held-out ones (one in ``every``), their non-empty texts joined by ``separator``."""
+    texts = [pair[part] for i, pair in enumerate(stdlib_split_by_docstrings())
+             if pair[part] and held_out(i, every) == evaluation]
+    return byte_windows(texts, seq, separator)

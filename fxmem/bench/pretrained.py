@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fxmem.bench.data import byte_windows, held_out, shuffled_batches, stdlib_split_by_docstrings
+from fxmem.bench.data import shuffled_batches, split_windows
 
 BYTE_VOCAB = 256
 WEIGHTS_FILE = "model.safetensors"
@@ -133,9 +133,7 @@ def load_pretrained(recipe: PretrainRecipe = RECIPE) -> torch.nn.Module:
 
 def code_windows(recipe: PretrainRecipe, evaluation: bool) -> torch.Tensor:
     """The pretraining corpus (code without docstrings), training files or held-out ones."""
-    split = stdlib_split_by_docstrings()
-    return byte_windows([code for i, (code, _) in enumerate(split) if held_out(i, recipe.held_out_every) == evaluation],
-                        recipe.seq)
+    return split_windows(0, recipe.seq, every=recipe.held_out_every, evaluation=evaluation)
 
 
 @torch.no_grad()
@@ -171,8 +169,8 @@ def build(recipe: PretrainRecipe = RECIPE, *,
     torch.manual_seed(recipe.seed)
     model = LlamaForCausalLM(recipe.config())
     model.train()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    other = [p for n, p in model.named_parameters() if p.ndim < 2]
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                                    {"params": other, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
     batches = shuffled_batches(code_windows(recipe, evaluation=False), recipe.batch, recipe.seed)

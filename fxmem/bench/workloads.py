@@ -11,14 +11,7 @@ from typing import Any, Literal
 import torch
 
 from fxmem.bench import pretrained
-from fxmem.bench.data import (
-    byte_token_batches,
-    byte_windows,
-    docstring_code_pairs,
-    held_out,
-    shuffled_batches,
-    stdlib_split_by_docstrings,
-)
+from fxmem.bench.data import byte_token_batches, docstring_code_pairs, shuffled_batches, split_windows
 from fxmem.models import LORA_TARGETS
 
 
@@ -189,9 +182,7 @@ FINETUNE_EVAL_WINDOWS = 64
 
 def docstring_windows(seq: int, evaluation: bool) -> torch.Tensor:
     """[n, seq] byte windows of the standard library's docstrings: the training files' or the held-out files'."""
-    split = stdlib_split_by_docstrings()
-    texts = [docs for i, (_, docs) in enumerate(split) if docs and held_out(i, FINETUNE_HELD_OUT_EVERY) == evaluation]
-    return byte_windows(texts, seq, separator=b"\n\n")
+    return split_windows(1, seq, every=FINETUNE_HELD_OUT_EVERY, evaluation=evaluation, separator=b"\n\n")
 
 
 def _docstring_batches(workload: Workload, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:

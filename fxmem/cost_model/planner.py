@@ -19,7 +19,7 @@ from fxmem.cost_model.memory import lowrank_bytes, planned_bytes, prenorm_bytes,
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.prices import lowrank_seconds, quantize_seconds, recompute_seconds
 from fxmem.kernels.lowrank import DEFAULT_NITER, resolve_rank
-from fxmem.kernels.quantize import fits_range, outlier_chunk, rotation_block
+from fxmem.kernels.quantize import MIN_ROTATION_BLOCK, fits_range, outlier_chunk, rotation_block
 
 # Roles HyC-LoRA stores quantized (section 4.1): the inputs of non-linear operators and of linears.
 QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV,
@@ -272,7 +272,8 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     if rotation:
         reason += f", rows rotated in Hadamard blocks of {rotation}"
     elif config.rotation:
-        reason += f", not rotated ({channels} channels: no power-of-two block of 8 or more divides them)"
+        reason += (f", not rotated ({channels} channels: no power-of-two block of {MIN_ROTATION_BLOCK} or more "
+                   "divides them)")
     if config.stochastic_rounding:
         reason += ", rounded stochastically"
     nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(), chunk) + tables_bytes

@@ -89,15 +89,15 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
+MIN_ROTATION_BLOCK = 8
+
+
 def rotation_block(channels: int, block: int) -> int:
     """The Hadamard block a tensor of ``channels`` gets for Config.rotation ``block``: the largest power of two
     up to ``block`` that divides ``channels``; 0 (no rotation) below MIN_ROTATION_BLOCK, too few channels to
     spread an outlier over."""
     size = min(block, channels & -channels)  # channels & -channels: the largest power of two dividing it
     return size if size >= MIN_ROTATION_BLOCK else 0
-
-
-MIN_ROTATION_BLOCK = 8
 
 
 @dataclass(frozen=True)
