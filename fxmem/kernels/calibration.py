@@ -92,7 +92,7 @@ def register(slot: QuantSlot) -> int:
 
 
 # Its state is Python, which a CUDA graph replay would skip: the tag keeps it out of what inductor captures.
-@torch.library.custom_op("fxmem::calibrated_params", mutates_args=(), tags=torch.Tag.cudagraph_unsafe)
+@torch.library.custom_op("fxmem::calibrated_params", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def calibrated_params(low: torch.Tensor, high: torch.Tensor, square_norm: torch.Tensor, slot: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(scale, zero, outlier channel ids) of slot ``slot`` for a batch with these per-channel statistics."""

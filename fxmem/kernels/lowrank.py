@@ -178,7 +178,7 @@ def _check_method(method: str) -> None:
 
 # torch.linalg.qr / svd synchronize with the host on CUDA, which a CUDA graph capture forbids: the tag keeps the
 # decompositions out of what inductor captures (mode="reduce-overhead").
-@torch.library.custom_op("fxmem::lowrank_decompose", mutates_args=(), tags=torch.Tag.cudagraph_unsafe)
+@torch.library.custom_op("fxmem::lowrank_decompose", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def lowrank_decompose(x: torch.Tensor, rank: int, niter: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(U, V), ``x``'s dtype, with x ~= U @ V: U (*, m, rank), V (*, rank, n); ``rank`` is the resolved integer
     (see ``resolve_rank``) and ``method`` one of ``METHODS``. Random: each call samples afresh.
@@ -202,7 +202,7 @@ def _(x, rank, niter, method):
     return x.new_empty((*x.shape[:-1], rank)), x.new_empty((*x.shape[:-2], rank, x.shape[-1]))
 
 
-@torch.library.custom_op("fxmem::lowrank_decompose_rows", mutates_args=(), tags=torch.Tag.cudagraph_unsafe)
+@torch.library.custom_op("fxmem::lowrank_decompose_rows", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def lowrank_decompose_rows(x: torch.Tensor, rank: int, niter: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowrank_decompose`` of ``x`` viewed as one (rows, n) matrix, rows = all leading dimensions, as the paper's
     code flattens (batch, seq, hidden): U (*x.shape[:-1], rank), V (rank, n). The op does the flattening so a
