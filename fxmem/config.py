@@ -44,6 +44,10 @@ class Config:
         to ``bits``) and X A (exact) and rebuild the output and its element-wise epilogue in backward
         (HyC-LoRA's inter-operator compression). Needs ``bits``. GELU and tanh consumers only at 8 bits
         (cost_model.planner.rebuild_refusal says why).
+    fused_epilogue: with ``lora_reorder``, on CUDA, run each rebuilt LoRA output's SwiGLU or GELU (forward and
+        backward) in fxmem's hand-written Triton kernel (kernels/lora_epilogue.py) instead of inductor's code. Off by
+        default: on an H200 (llama-small, bf16, hyclora-4bit) the step took 1.76x torch.compile's with the kernels
+        and 1.54x with inductor's code (benchmarks/cuda_check.py, docs/gpu.md).
     intra: quantize every saved activation whose role allows it (HyC-LoRA's intra-operator compression);
         False quantizes only the X W that lora_reorder saves (needs lora_reorder).
     lowrank: low-rank saved activations, as a ratio of the last dimension in (0, 1)
@@ -79,6 +83,7 @@ class Config:
     calibration_steps: int = 5
     calibration: str = "dynamic"
     lora_reorder: bool = False
+    fused_epilogue: bool = False
     intra: bool = True
     lowrank: float | int | None = None
     prenorm_sharing: bool = True
@@ -104,7 +109,8 @@ class Config:
                 or self.calibration_steps < 1:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
-        for name in ("lora_reorder", "intra", "prenorm_sharing", "chunk_loss", "return_logits", "stochastic_rounding"):
+        for name in ("lora_reorder", "fused_epilogue", "intra", "prenorm_sharing", "chunk_loss", "return_logits",
+                     "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
         for name in ("rotation", "stochastic_rounding"):
@@ -113,6 +119,8 @@ class Config:
                                  f"memory_budget too")
         if self.lora_reorder and self.bits is None:
             raise ValueError("lora_reorder stores X W quantized: set bits (one of 1, 2, 4, 8) too")
+        if self.fused_epilogue and not self.lora_reorder:
+            raise ValueError("fused_epilogue fuses the outputs lora_reorder rebuilds: set lora_reorder=True too")
         if not self.intra and not self.lora_reorder:
             raise ValueError("intra=False quantizes only what lora_reorder saves: set lora_reorder=True too")
         check_lowrank(self.lowrank)

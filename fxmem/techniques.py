@@ -50,7 +50,7 @@ TECHNIQUES: tuple[Technique, ...] = (
               (*_COMPRESSION_RECOMPUTES, "lowrank"), propose=planner.propose_lowrank, refine=planner.share_prenorm),
     Technique("attn_sparsity", ("attn_sparsity",), lambda config: config.attn_sparsity is not None,
               ("sparsify_attention",), propose=planner.propose_sparse),
-    Technique("lora_reorder", ("lora_reorder",), lambda config: config.lora_reorder,
+    Technique("lora_reorder", ("lora_reorder", "fused_epilogue"), lambda config: config.lora_reorder,
               ("lora_reorder", "fuse_epilogue")),
     Technique("runlora", ("runlora",), lambda config: config.runlora != "off", ("runlora", "onednn_matmul")),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),

@@ -24,6 +24,8 @@ def test_defaults_are_the_exact_preset():
     ("calibration_steps", 2.5, "calibration_steps must be an integer >= 1"),
     ("lora_reorder", 1, "lora_reorder must be True or False"),
     ("lora_reorder", True, "lora_reorder stores X W quantized: set bits (one of 1, 2, 4, 8) too"),
+    ("fused_epilogue", 1, "fused_epilogue must be True or False"),
+    ("fused_epilogue", True, "fused_epilogue fuses the outputs lora_reorder rebuilds: set lora_reorder=True too"),
     ("intra", 0, "intra must be True or False"),
     ("intra", False, "intra=False quantizes only what lora_reorder saves: set lora_reorder=True too"),
     ("prenorm_sharing", "no", "prenorm_sharing must be True or False"),

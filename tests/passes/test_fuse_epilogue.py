@@ -77,6 +77,15 @@ def test_gelu_approximation_is_read_from_the_values_and_a_lookalike_is_left_alon
     _assert_left_alone(_quick_gelu, inputs, backward=False)
 
 
+def test_the_kernels_run_on_cuda_only_when_the_config_asks(monkeypatch):
+    monkeypatch.setattr(lora_epilogue, "uses_triton", lambda val: True)  # as on a CUDA tensor
+    for triton, fused in ((False, False), (True, True)):
+        gm = make_fx(_swiglu, tracing_mode="fake")(*_inputs(2, torch.float32))
+        found = fuse_graph(gm, backward=False, on_reference=False, triton=triton)
+        assert [(e.kind, e.fused) for e in found] == [("swiglu", fused)]
+        assert ("fxmem.lora_swiglu_forward.default" in _targets(gm)) is fused
+
+
 def _assert_left_alone(fn, inputs, *, backward, tracing_mode="fake"):
     gm = make_fx(fn, tracing_mode=tracing_mode)(*inputs)
     before = _targets(gm)
@@ -158,6 +167,13 @@ def test_fused_training_step_gives_the_unfused_gradients(family, overrides, kind
     unfused = _backend(config, on_reference=False)
     _, expected = loss_and_grads(torch.compile(model, backend=unfused), model, batch)
     summary = {p.name: p.summary for p in unfused.regions[0].passes}["fuse_epilogue"]
+    assert summary.startswith(f"2x {kind} (backward), 2x {kind} (forward) left to inductor (Config.fused_epilogue "
+                              "is off: on an H200 inductor's code measured faster than the fused Triton kernels, "
+                              "which would save ")
+    torch._dynamo.reset()
+    asked = _backend(dataclasses.replace(config, fused_epilogue=True), on_reference=False)
+    loss_and_grads(torch.compile(model, backend=asked), model, batch)
+    summary = {p.name: p.summary for p in asked.regions[0].passes}["fuse_epilogue"]
     assert summary.startswith(f"2x {kind} (backward), 2x {kind} (forward) left to inductor: the fused kernels are "
                               "Triton (CUDA), where they would save ")
     traffic = summary.split("would save ")[1].split(" MiB")[0]
