@@ -23,6 +23,7 @@ class Plan:
     chunk: int = 0  # quantize: each row keeps one value exact per chunk of this many channels (0: none)
     rotation: int = 0  # quantize: rows rotated in Hadamard blocks of this many channels (0: none)
     stochastic: bool = False  # quantize: codes rounded stochastically
+    keep_positive: bool = False  # quantize: positive values stay positive, zero zero (its backward reads which are)
     keep: int = 0  # sparsify: values kept per row
     rank: int = 0  # lowrank: rank of the factors of the (rows, last dimension) matrix
     exact_channels: int = 0  # prenorm: input channels (smallest |gamma|) saved exactly

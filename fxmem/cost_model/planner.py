@@ -43,9 +43,16 @@ OUTLIER_VALUE_BITS = 2
 # LoRA outputs feeding these are not rebuilt below 8 bits. Without the rebuild torch saves the activation's
 # derivative (and output), which are bounded; rounding the wide-ranged input instead and replaying the
 # activation doubles the derivative's error (pretrained MiniLM's FFN at 2 bits: 0.49 against 0.23 relative
-# error; docs/quantization.md). SiLU is rebuilt: there torch saves the input, the same value the rebuild rounds.
-DERIVATIVE_SAVED_ACTIVATIONS = frozenset({"gelu", "tanh"})
+# error; docs/quantization.md). ReLU's derivative is its saved output's sign: rebuilt from X W, every value
+# rounded across zero flips it (OPT's worst LoRA-gradient cosine 0.915 at 4 bits, 0.680 at 2; its output saved
+# instead, 0.960 and 0.959). SiLU is rebuilt: there torch saves the input, the same value the rebuild rounds.
+DERIVATIVE_SAVED_ACTIVATIONS = frozenset({"gelu", "tanh", "relu"})
 REBUILD_ALL_ACTIVATIONS_BITS = 8
+# Backward ops that read which saved values are positive: ReLU's backward passes the gradient where its saved output
+# is, so a small positive value rounded to zero drops its gradient. OPT with its ReLU output saved: worst
+# LoRA-gradient cosine 0.960 at 4 bits and 0.959 at 2 rounded to nearest, 0.9999 and 0.9986 kept positive
+# (fxmem bench coverage, docs/benchmarks.md).
+POSITIVE_MASK_BACKWARDS = frozenset({"threshold_backward"})
 # memory_budget's ladder: (bits, sensitivity) stages, taken in order until the region fits. Sensitivity 0 is
 # activation and product inputs and X W; 1 norm inputs; 2 linear inputs; 3 attention's q, k, v. The least
 # sensitive go first, and q, k, v drop below 8 bits last, after everything else is at 2 (docs/quantization.md
@@ -276,13 +283,17 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
                    "divides them)")
     if config.stochastic_rounding:
         reason += ", rounded stochastically"
+    keep_positive = not rotation and any(c in POSITIVE_MASK_BACKWARDS for c in owner.backward_consumers)
+    if keep_positive:
+        reason += ", positive values kept positive (its backward reads which are)"
     nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(), chunk) + tables_bytes
     if nbytes >= owner.nbytes:
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
     seconds = quantize_seconds(numel_hint(val), val.element_size(), bits, chunk, str(val.device), rotation=rotation,
                                stochastic=config.stochastic_rounding)
     return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, chunk=chunk, rotation=rotation,
-                stochastic=config.stochastic_rounding, replay=replay, nbytes=nbytes, seconds=seconds)
+                stochastic=config.stochastic_rounding, keep_positive=keep_positive, replay=replay, nbytes=nbytes,
+                seconds=seconds)
 
 
 def _refused_layout(val: torch.Tensor, inner: str, layout: str) -> Plan | None:

@@ -104,7 +104,8 @@ def rotation_block(channels: int, block: int) -> int:
 class QuantSpec:
     """How one saved tensor is stored: the channels (its last dimension), the bits of its codes, its outlier
     channels, the chunk of channels that keeps one outlier value per row (0: none), the Hadamard block its rows
-    are rotated in (0: none) and whether codes round stochastically."""
+    are rotated in (0: none), whether codes round stochastically, and whether every positive value stays positive
+    (and zero zero: what a ReLU's backward reads of its saved output)."""
 
     channels: int
     bits: int
@@ -112,6 +113,7 @@ class QuantSpec:
     chunk: int = 0
     rotation: int = 0
     stochastic: bool = False
+    keep_positive: bool = False
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
@@ -176,22 +178,28 @@ def fitted_range(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, mean: t
     return lows.gather(0, best)[0], highs.gather(0, best)[0]
 
 
-def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, stochastic: bool = False
-           ) -> torch.Tensor:
-    """Equation (1)'s codes of ``x`` in float32, rounded to nearest or stochastically; NaN stores the zero code."""
+def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, stochastic: bool = False,
+           keep_positive: bool = False) -> torch.Tensor:
+    """Equation (1)'s codes of ``x`` in float32, rounded to nearest or stochastically; NaN stores the zero code.
+    ``keep_positive``: a positive value that would round to the zero code takes the code above it (the grid must
+    hold zero, as ``quantize`` makes it; a negative value never rounds above zero's code)."""
     half = zero + 0.5
     offset = zero + torch.rand_like(x, dtype=torch.float32) if stochastic else half
-    t = x.float() * (1.0 / scale) + offset
+    x = x.float()
+    t = x * (1.0 / scale) + offset
     t = torch.where(t == t, t, half)
-    return torch.clamp(torch.floor(t), 0, 2**bits - 1)
+    codes = torch.clamp(torch.floor(t), 0, 2**bits - 1)
+    if keep_positive:
+        codes = torch.where((x > 0) & (codes <= zero), torch.clamp(zero + 1, max=2**bits - 1), codes)
+    return codes
 
 
-def pack(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, stochastic: bool = False
-         ) -> torch.Tensor:
+def pack(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, stochastic: bool = False,
+         keep_positive: bool = False) -> torch.Tensor:
     """Codes of ``x`` (channels last) packed in planes along each row: (*x.shape[:-1], packed_width(C, bits))
     uint8."""
     per_byte, width = 8 // bits, packed_width(x.shape[-1], bits)
-    codes = _codes(x, scale, zero, bits, stochastic)
+    codes = _codes(x, scale, zero, bits, stochastic, keep_positive)
     pad = per_byte * width - x.shape[-1]
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
@@ -286,6 +294,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, slot: int | None = None) -> tuple
         index, values = x.new_empty((*x.shape[:-1], 0), dtype=torch.uint8), x.new_empty((*x.shape[:-1], 0))
     if fits_range(spec.bits):
         low, high = fitted_range(x, low, high, mean, std, spec.bits)
+    if spec.keep_positive:  # zero on the grid: it comes back exactly, and positive values have codes above it
+        low, high = torch.clamp(low, max=0.0), torch.clamp(high, min=0.0)
     if slot is None:
         scale, zero = quant_params(low, high, spec.bits)
         ids = (torch.topk(square_norm, spec.outliers).indices.sort().values if spec.outliers
@@ -293,7 +303,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, slot: int | None = None) -> tuple
     else:
         scale, zero, ids = torch.ops.fxmem.calibrated_params(low, high, square_norm, slot)
     channel_values = x.index_select(-1, ids)
-    return pack(x, scale, zero, spec.bits, spec.stochastic), scale, zero, ids, channel_values, index, values
+    return (pack(x, scale, zero, spec.bits, spec.stochastic, spec.keep_positive), scale, zero, ids, channel_values, index,
+            values)
 
 
 def dequantize(parts: tuple[torch.Tensor, ...], spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:

@@ -105,10 +105,9 @@ def _backward_nodes(graph: Graph) -> set[Node]:
 
 def _epilogue_op(node: Node) -> bool:
     """A replayable element-wise op, or a view or shape op (none of which draws random numbers)."""
-    if is_replayable_pointwise(node):
+    if is_replayable_pointwise(node) or is_view(node):  # is_view: an item of a split too (a fused q/k/v)
         return True
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and (
-        is_view(node) or node.target in _EPILOGUE_SHAPE_OPS)
+    return node.op == "call_function" and node.target in _EPILOGUE_SHAPE_OPS
 
 
 def _free_input(node: Node, params: frozenset[Node]) -> bool:
@@ -154,8 +153,9 @@ def _consumer_kind(reach: list[Node], epilogue: set[Node]) -> str | None:
     for node in reach:
         for user in users_through_views(node):
             if is_fused_attention(user):
-                position = next(i for i, a in enumerate(user.args) if isinstance(a, Node) and a in own)
-                return "qkv"[position] if position < 3 else None
+                position = next((i for i, a in enumerate(user.args) if isinstance(a, Node) and a in own), None)
+                if position is not None:  # None: it reads the output through ops the epilogue does not replay
+                    return "qkv"[position] if position < 3 else None
             operand = eager_attention_operand(user, storage_base(node))
             if operand is not None:
                 return operand

@@ -53,7 +53,8 @@ def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, state: 
     val = source.meta["val"]
     order = memory_order(val)
     permuted = order != sorted(order)
-    spec = kernel.QuantSpec(plan.channels, plan.bits, plan.outliers, plan.chunk, plan.rotation, plan.stochastic)
+    spec = kernel.QuantSpec(plan.channels, plan.bits, plan.outliers, plan.chunk, plan.rotation, plan.stochastic,
+                            plan.keep_positive)
     slot = None
     if config.calibration == "static":
         slot = QuantSlot(name=members[0].name, channels=plan.channels, bits=plan.bits, outliers=plan.outliers,

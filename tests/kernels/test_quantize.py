@@ -264,3 +264,36 @@ def test_inductor_rotates_and_rounds_stochastically_as_eager_does():
         assert ((restored - x).norm() / x.norm()).item() < 0.75
     assert abs((compiled - x).norm() / (eager - x).norm() - 1) < 0.1
     torch.testing.assert_close(exact, x, rtol=0, atol=0.05)  # at 8 bits rotation round-trips to the grid's step
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_positive_values_stay_positive_and_zero_exact_each_within_a_step(bits):
+    generator = torch.Generator().manual_seed(6)
+    relu = torch.relu(torch.randn(256, 32, generator=generator))  # a ReLU's output: half zeros, many values near 0
+    shifted = torch.randn(256, 32, generator=generator) + 3.0  # mostly above zero: the grid is widened to hold it
+    kept, nearest = q.QuantSpec(32, bits, keep_positive=True), q.QuantSpec(32, bits)
+    for x in (relu, shifted):
+        restored = q.dequantize(q.quantize(x, kept), kept, x.dtype)
+        assert torch.equal(restored > 0, x > 0) and (restored[x == 0] == 0).all()
+        lost = ((q.dequantize(q.quantize(x, nearest), nearest, x.dtype) > 0) != (x > 0)).sum()
+        assert lost > 0  # what the option is for: rounding to nearest loses positive values here
+    if q.fits_range(bits):
+        return  # a fitted grid clamps the largest values: the bounds below are the whole range's
+    # A value moved off zero is at most a step away; the others keep rounding to nearest, half a step.
+    low, high, *_ = q.channel_stats(relu)
+    step = ((high - low) / (2**bits - 1)).expand_as(relu)
+    error = (q.dequantize(q.quantize(relu, kept), kept, relu.dtype) - relu).abs()
+    assert (error <= step + 1e-6).all()
+    assert (error[relu > step] <= step[relu > step] / 2 + 1e-6).all()
+
+
+def test_inductor_keeps_positive_values_as_eager_does():
+    spec = q.QuantSpec(64, 2, keep_positive=True)
+    x = torch.relu(torch.randn(128, 64, generator=torch.Generator().manual_seed(7)))
+
+    def round_trip(t):
+        return q.dequantize(q.quantize(t, spec), spec, t.dtype)
+
+    compiled, eager = torch.compile(round_trip)(x), round_trip(x)
+    assert torch.equal(compiled > 0, x > 0)
+    torch.testing.assert_close(compiled, eager)

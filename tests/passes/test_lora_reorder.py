@@ -110,6 +110,7 @@ def test_rebuild_refusal_depends_on_the_activation_and_the_bits():
     for bits in (2, 4):
         assert rebuild_refusal("gelu", fxmem.Config(bits=bits)) is not None
         assert rebuild_refusal("tanh", fxmem.Config(bits=bits)) is not None
+        assert rebuild_refusal("relu", fxmem.Config(bits=bits)) is not None
         for kind in ("silu", "product", "q", "v"):
             assert rebuild_refusal(kind, fxmem.Config(bits=bits)) is None
     assert rebuild_refusal("gelu", fxmem.Config(bits=8)) is None
