@@ -174,6 +174,21 @@ def memory_order(val: torch.Tensor) -> list[int] | None:
     return order
 
 
+def merged_channels(val: torch.Tensor, order: list[int], width: object) -> int:
+    """How many of ``val``'s innermost memory dimensions (``order``: memory_order's) make up ``width``, the last
+    dimension of a view of it: their sizes, all static, multiply to it (an attention output stored per head and
+    read as (tokens, heads x head dim)). 1 where the innermost alone does, or no run of them does."""
+    product = 1
+    for count, d in enumerate(reversed(order), start=1):
+        size = val.shape[d]
+        if not isinstance(size, int) or not isinstance(width, int):
+            return 1
+        product *= size
+        if product >= width:
+            return count if product == width else 1
+    return 1
+
+
 def is_reduced_shape(val: torch.Tensor) -> bool:
     """A per-row statistic or a scalar: 0-d/1-d, or a trailing dimension of size 1."""
     return val.dim() <= 1 or hint(val.shape[-1]) == 1

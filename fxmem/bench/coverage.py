@@ -8,8 +8,9 @@ hidden 128, LoRA r=8 on every linear (PEFT's "all-linear"), dropout off,
 ``use_cache=False``, one seeded batch of random tokens. Per family and preset:
 the bytes autograd holds for backward, eager PEFT's against fxmem's (measured:
 unique storages, parameters and inputs left out), the LoRA gradients against
-eager's at PEFT's initialisation, and the largest groups of bytes the plan keeps
-exact, by the rule that kept them (``Report.kept_by_reason``).
+eager's at PEFT's initialisation and, with ``steps``, again after that many AdamW
+steps trained under fxmem, and the largest groups of bytes the plan keeps exact,
+by the rule that kept them (``Report.kept_by_reason``).
 """
 
 from __future__ import annotations
@@ -22,10 +23,17 @@ import torch
 
 from fxmem.backend import Backend
 from fxmem.config import Config
-from fxmem.measure import Fidelity, gradient_fidelity, model_tensors, saved_bytes_and_gradients
+from fxmem.measure import (
+    Fidelity,
+    gradient_fidelity,
+    model_tensors,
+    saved_bytes_and_gradients,
+    trainable_gradients,
+)
 
 HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB = 128, 2, 4, 256, 256
 BATCH, SEQ, LORA_RANK = 2, 64, 8
+LEARNING_RATE = 1e-3  # AdamW's, for ``steps``: LoRA B leaves zero within a few steps
 
 
 @dataclass(frozen=True)
@@ -61,8 +69,10 @@ class CoverageResult:
     eager_bytes: int
     saved_bytes: int  # measured under fxmem
     planned_bytes: int  # fxmem's report
-    fidelity: Fidelity
+    fidelity: Fidelity  # at PEFT's initialisation
     kept: dict[str, dict[str, int]]  # Report.kept_by_reason
+    steps: int = 0
+    trained: Fidelity | None = None  # after ``steps`` steps trained under fxmem, on the first batch
 
     @property
     def reduction(self) -> float:
@@ -71,7 +81,8 @@ class CoverageResult:
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, "preset": self.preset, "eager_bytes": self.eager_bytes,
                 "saved_bytes": self.saved_bytes, "planned_bytes": self.planned_bytes,
-                "reduction": self.reduction, "fidelity": self.fidelity.to_dict(), "kept_by_reason": self.kept}
+                "reduction": self.reduction, "fidelity": self.fidelity.to_dict(), "kept_by_reason": self.kept,
+                "steps": self.steps, "trained_fidelity": self.trained.to_dict() if self.trained else None}
 
 
 def get_family(name: str) -> Family:
@@ -81,8 +92,8 @@ def get_family(name: str) -> Family:
     raise ValueError(f"unknown family {name!r}; valid families: {', '.join(f.name for f in FAMILIES)}")
 
 
-def build(family: Family) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """The family's tiny model with LoRA on every linear, and its batch (seeded)."""
+def build(family: Family, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The family's tiny model with LoRA on every linear, and its batch (the batch seeded by ``seed``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
@@ -99,12 +110,18 @@ def build(family: Family) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     model = get_peft_model(model_class.from_config(config),
                            LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0,
                                       target_modules="all-linear"))
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    return model, {"input_ids": ids, "labels": ids}
+    return model, batch_of(seed)
 
 
-def measure(family: Family, presets: Sequence[str], *, lowering: str = "eager") -> list[CoverageResult]:
-    """Eager PEFT's bytes and gradients on the family's batch, then fxmem's under each preset, compiled afresh."""
+def batch_of(seed: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+def measure(family: Family, presets: Sequence[str], *, lowering: str = "eager", steps: int = 0
+            ) -> list[CoverageResult]:
+    """Eager PEFT's bytes and gradients on the family's batch, then fxmem's under each preset, compiled afresh;
+    with ``steps``, each preset then trains its own copy that many steps and is compared again."""
     model, batch = build(family)
     exclude = model_tensors(model) + list(batch.values())
 
@@ -118,7 +135,29 @@ def measure(family: Family, presets: Sequence[str], *, lowering: str = "eager") 
         backend = Backend(Config.from_preset(preset), lowering=lowering)
         saved, grads = run(torch.compile(model, backend=backend))
         report = backend.report()
+        trained = _trained_fidelity(family, preset, lowering, steps) if steps else None
         results.append(CoverageResult(family.name, preset, eager_bytes, saved, report.planned_bytes,
-                                      gradient_fidelity(reference, grads), report.kept_by_reason()))
+                                      gradient_fidelity(reference, grads), report.kept_by_reason(), steps, trained))
     torch._dynamo.reset()
     return results
+
+
+def _trained_fidelity(family: Family, preset: str, lowering: str, steps: int) -> Fidelity:
+    """A fresh copy trained ``steps`` AdamW steps under fxmem (a new batch each), then its LoRA gradients on the
+    first batch against eager's at the same weights."""
+    torch._dynamo.reset()
+    model, first = build(family)
+    compiled = torch.compile(model, backend=Backend(Config.from_preset(preset), lowering=lowering))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+    for step in range(steps):
+        compiled(**batch_of(step + 1)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def gradients(forward: Callable[..., Any]) -> dict[str, torch.Tensor]:
+        forward(**first).loss.backward()
+        grads = trainable_gradients(model)
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    return gradient_fidelity(gradients(model), gradients(compiled))

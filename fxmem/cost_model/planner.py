@@ -11,7 +11,15 @@ import torch
 from torch.fx import Node
 
 from fxmem.analysis import Analysis, Role, SavedTensor
-from fxmem.analysis.graph import hint, memory_order, numel_hint, storage_base, storage_bytes, tensor_val
+from fxmem.analysis.graph import (
+    hint,
+    memory_order,
+    merged_channels,
+    numel_hint,
+    storage_base,
+    storage_bytes,
+    tensor_val,
+)
 from fxmem.analysis.recompute import rebuild_inputs
 from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
@@ -263,7 +271,12 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     order = memory_order(val)
     if not isinstance(val.shape[order[-1]], int):
         return Plan("keep", "symbolic channel dimension: scales need a fixed channel count")
-    channels = val.shape[order[-1]]
+    # The channels of the view backward reads where its storage splits them (heads x head dim): scales per
+    # channel of the view, not shared across heads.
+    view = tensor_val(owner.node)
+    merged = (merged_channels(val, order, view.shape[-1])
+              if replay is None and view.dim() > 0 and view.stride(-1) == 1 else 1)
+    channels = math.prod(val.shape[d] for d in order[-merged:])
     outliers = 0
     if owner.role is Role.NORM_INPUT and config.outlier_ratio > 0:
         outliers = min(channels, max(1, round(config.outlier_ratio * channels)))
@@ -291,7 +304,8 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
     seconds = quantize_seconds(numel_hint(val), val.element_size(), bits, chunk, str(val.device), rotation=rotation,
                                stochastic=config.stochastic_rounding)
-    return Plan("quantize", reason, bits=bits, channels=channels, outliers=outliers, chunk=chunk, rotation=rotation,
+    return Plan("quantize", reason, bits=bits, channels=channels, merged=merged, outliers=outliers, chunk=chunk,
+                rotation=rotation,
                 stochastic=config.stochastic_rounding, keep_positive=keep_positive, replay=replay, nbytes=nbytes,
                 seconds=seconds)
 
