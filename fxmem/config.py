@@ -42,7 +42,7 @@ class Config:
         them after calibration_steps (the paper; values outside the calibrated range are clamped).
     lora_reorder: for a LoRA linear feeding SiLU/GELU, a Hadamard product or attention, save X W (quantized
         to ``bits``) and X A (exact) and rebuild the output and its element-wise epilogue in backward
-        (HyC-LoRA's inter-operator compression). Needs ``bits``. GELU and tanh consumers only at 8 bits
+        (HyC-LoRA's inter-operator compression). Needs ``bits``. GELU, tanh and ReLU consumers only at 8 bits
         (cost_model.planner.rebuild_refusal says why).
     fused_epilogue: with ``lora_reorder``, on CUDA, run each rebuilt LoRA output's SwiGLU or GELU (forward and
         backward) in fxmem's hand-written Triton kernel (kernels/lora_epilogue.py) instead of inductor's code. Off by
