@@ -79,7 +79,7 @@ def pass_summaries(workload: Workload, device: str, config: Config) -> list[str]
     return lines
 
 
-def cudagraphs(workload: str, device: str, steps: int) -> dict:
+def cudagraphs(device: str, steps: int) -> dict:
     """The same training steps with and without inductor's CUDA graphs, from the same weights and batches."""
     out = {}
     for graphs in (False, True):
@@ -128,10 +128,11 @@ def main() -> None:
                          "a dry run")
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     results = {"device": name, "torch": torch.__version__}
-    parts = {"epilogue": epilogue, "cudagraphs": cudagraphs}
+    parts = {"epilogue": lambda: epilogue(args.workload, args.device, args.steps),
+             "cudagraphs": lambda: cudagraphs(args.device, args.steps)}
     for part in args.parts:
         try:
-            results[part] = parts[part](args.workload, args.device, args.steps)
+            results[part] = parts[part]()
         except Exception as error:  # one part's failure is a finding; the other part still runs
             results[part] = {"error": f"{type(error).__name__}: {error}"}
             print(f"{part} failed: {type(error).__name__}: {error}", flush=True)

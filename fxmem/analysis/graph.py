@@ -174,7 +174,7 @@ def memory_order(val: torch.Tensor) -> list[int] | None:
     return order
 
 
-def merged_channels(val: torch.Tensor, order: list[int], width: object) -> int:
+def merged_channels(val: torch.Tensor, order: list[int], width: int | torch.SymInt) -> int:
     """How many of ``val``'s innermost memory dimensions (``order``: memory_order's) make up ``width``, the last
     dimension of a view of it: their sizes, all static, multiply to it (an attention output stored per head and
     read as (tokens, heads x head dim)). 1 where the innermost alone does, or no run of them does."""

@@ -72,7 +72,7 @@ class CoverageResult:
     fidelity: Fidelity  # at PEFT's initialisation
     kept: dict[str, dict[str, int]]  # Report.kept_by_reason
     steps: int = 0
-    trained: Fidelity | None = None  # after ``steps`` steps trained under fxmem, on the first batch
+    trained_fidelity: Fidelity | None = None  # after ``steps`` steps trained under fxmem, on the first batch
 
     @property
     def reduction(self) -> float:
@@ -82,7 +82,7 @@ class CoverageResult:
         return {"family": self.family, "preset": self.preset, "eager_bytes": self.eager_bytes,
                 "saved_bytes": self.saved_bytes, "planned_bytes": self.planned_bytes,
                 "reduction": self.reduction, "fidelity": self.fidelity.to_dict(), "kept_by_reason": self.kept,
-                "steps": self.steps, "trained_fidelity": self.trained.to_dict() if self.trained else None}
+                "steps": self.steps, "trained_fidelity": self.trained_fidelity.to_dict() if self.trained_fidelity else None}
 
 
 def get_family(name: str) -> Family:
@@ -92,8 +92,8 @@ def get_family(name: str) -> Family:
     raise ValueError(f"unknown family {name!r}; valid families: {', '.join(f.name for f in FAMILIES)}")
 
 
-def build(family: Family, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """The family's tiny model with LoRA on every linear, and its batch (the batch seeded by ``seed``)."""
+def build(family: Family) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The family's tiny model with LoRA on every linear, and its first batch (seeded)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
@@ -110,10 +110,11 @@ def build(family: Family, seed: int = 0) -> tuple[torch.nn.Module, dict[str, tor
     model = get_peft_model(model_class.from_config(config),
                            LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0,
                                       target_modules="all-linear"))
-    return model, batch_of(seed)
+    return model, batch_of(0)
 
 
 def batch_of(seed: int) -> dict[str, torch.Tensor]:
+    """A batch of random tokens, the model's targets its inputs."""
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "labels": ids}
 

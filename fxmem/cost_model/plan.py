@@ -19,7 +19,7 @@ class Plan:
     reason: str
     bits: int | None = None  # quantize
     channels: int = 0  # quantize: channels with their own scale (the innermost memory dimension, or ``merged``)
-    merged: int = 1  # quantize: innermost memory dimensions flattened into the channels
+    merged: int = 0  # quantize: innermost memory dimensions flattened into the channels (0: the innermost alone)
     outliers: int = 0  # quantize: channels kept in full precision
     chunk: int = 0  # quantize: each row keeps one value exact per chunk of this many channels (0: none)
     rotation: int = 0  # quantize: rows rotated in Hadamard blocks of this many channels (0: none)

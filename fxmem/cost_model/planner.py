@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxmem.analysis import Analysis, Role, SavedTensor
 from fxmem.analysis.graph import (
@@ -275,13 +276,16 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     # channel of the view, not shared across heads.
     view = tensor_val(owner.node)
     merged = (merged_channels(val, order, view.shape[-1])
-              if replay is None and view.dim() > 0 and view.stride(-1) == 1 else 1)
+              if replay is None and view.dim() > 0 and statically_known_true(view.stride(-1) == 1) else 1)
     channels = math.prod(val.shape[d] for d in order[-merged:])
+    if merged > 1:
+        reason += f", a scale per channel of the {channels}-wide view backward reads"
     outliers = 0
     if owner.role is Role.NORM_INPUT and config.outlier_ratio > 0:
         outliers = min(channels, max(1, round(config.outlier_ratio * channels)))
         reason += f", {outliers} outlier channel{'s' if outliers > 1 else ''} exact"
-    # The fused LoRA epilogue kernels read a rebuilt X W's codes alone: its outlier values would be lost there.
+    # The fused LoRA epilogue kernels (Config.fused_epilogue) read a rebuilt X W's codes alone: its outlier values
+    # would be lost there. Without them X W could keep outlier values; not measured yet, so the presets' bytes stay.
     chunk = (outlier_chunk(config.outlier_values)
              if bits <= OUTLIER_VALUE_BITS and owner.role is not Role.LORA_BASE_OUTPUT else 0)
     if chunk:
@@ -296,7 +300,7 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
                    "divides them)")
     if config.stochastic_rounding:
         reason += ", rounded stochastically"
-    keep_positive = not rotation and any(c in POSITIVE_MASK_BACKWARDS for c in owner.backward_consumers)
+    keep_positive = _keeps_positive(owner, analysis, config, bits, rotation)
     if keep_positive:
         reason += ", positive values kept positive (its backward reads which are)"
     nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(), chunk) + tables_bytes
@@ -304,10 +308,22 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
         return Plan("keep", f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
     seconds = quantize_seconds(numel_hint(val), val.element_size(), bits, chunk, str(val.device), rotation=rotation,
                                stochastic=config.stochastic_rounding)
-    return Plan("quantize", reason, bits=bits, channels=channels, merged=merged, outliers=outliers, chunk=chunk,
+    return Plan("quantize", reason, bits=bits, channels=channels, merged=merged if merged > 1 else 0,
+                outliers=outliers, chunk=chunk,
                 rotation=rotation,
                 stochastic=config.stochastic_rounding, keep_positive=keep_positive, replay=replay, nbytes=nbytes,
                 seconds=seconds)
+
+
+def _keeps_positive(owner: SavedTensor, analysis: Analysis, config: Config, bits: int, rotation: int) -> bool:
+    """Whether the storage's positive values must stay positive: a backward reads which are (POSITIVE_MASK_BACKWARDS).
+    Not at 1 bit (every positive value would come back as the channel's top), nor rotated or stochastically
+    rounded codes, nor under static calibration, whose frozen range for a channel that was all zero while it
+    calibrated would bring a later small value back as 1."""
+    if bits < 2 or rotation or config.stochastic_rounding or config.calibration != "dynamic":
+        return False
+    members = (s for s in analysis.saved if s.storage == owner.storage)
+    return any(c in POSITIVE_MASK_BACKWARDS for s in members for c in s.backward_consumers)
 
 
 def _refused_layout(val: torch.Tensor, inner: str, layout: str) -> Plan | None:

@@ -119,6 +119,8 @@ class QuantSpec:
         check_bits(self.bits)
         if self.chunk and (not _power_of_two(self.chunk) or self.chunk > 256):
             raise ValueError(f"chunk must be a power of two up to 256 (its index is a byte); got {self.chunk}")
+        if self.keep_positive and (self.rotation or self.stochastic):
+            raise ValueError("keep_positive reads the values' own signs: not with rotation or stochastic rounding")
         if self.rotation and (not _power_of_two(self.rotation) or self.channels % self.rotation):
             raise ValueError(f"rotation must be a power of two that divides the channels ({self.channels}); "
                              f"got {self.rotation}")
@@ -303,8 +305,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, slot: int | None = None) -> tuple
     else:
         scale, zero, ids = torch.ops.fxmem.calibrated_params(low, high, square_norm, slot)
     channel_values = x.index_select(-1, ids)
-    return (pack(x, scale, zero, spec.bits, spec.stochastic, spec.keep_positive), scale, zero, ids, channel_values, index,
-            values)
+    packed = pack(x, scale, zero, spec.bits, spec.stochastic, spec.keep_positive)
+    return packed, scale, zero, ids, channel_values, index, values
 
 
 def dequantize(parts: tuple[torch.Tensor, ...], spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:

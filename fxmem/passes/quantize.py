@@ -61,19 +61,19 @@ def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, state: 
                          calibration_steps=config.calibration_steps)
     slot_id = register(slot) if slot is not None else None
 
-    split = [val.shape[d] for d in order[len(order) - plan.merged:]]  # the merged dims' sizes, all static
+    split = [val.shape[d] for d in order[len(order) - plan.merged:]] if plan.merged else []  # static sizes
 
     def compress(graph: torch.fx.Graph, node: Node) -> list[Node]:
         if permuted:
             node = call(graph, aten.permute.default, (node, order))
-        if plan.merged > 1:
+        if plan.merged:
             node = call(graph, aten.flatten.using_ints, (node, -plan.merged, -1))
         return trace_into(graph, lambda x: kernel.quantize(x, spec, slot_id), [node])
 
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
         [restored] = trace_into(graph, lambda *saved: kernel.dequantize(saved, spec, val.dtype), parts)
         state.dequantized[restored] = (*parts[:3], spec)
-        if plan.merged > 1:
+        if plan.merged:
             restored = call(graph, aten.unflatten.int, (restored, -1, split))
         if permuted:
             restored = permute_back(graph, restored, order)

@@ -32,6 +32,24 @@ def test_a_relu_output_is_saved_with_its_positive_values_kept_so_its_gradient_ma
         assert result.fidelity.min_cosine > 0.99, (preset, before, result.fidelity)
 
 
+def test_a_relu_output_keeps_its_positive_values_only_where_that_is_safe():
+    import torch
+
+    from fxmem.backend import Backend
+    from fxmem.bench.coverage import build
+    from fxmem.config import Config
+
+    # static calibration: a channel all zero while calibrating would bring a later small value back as 1
+    for overrides, kept in (({}, True), ({"calibration": "static"}, False), ({"stochastic_rounding": True}, False)):
+        model, batch = build(get_family("opt"))
+        backend = Backend(Config.from_preset("hyclora-4bit", **overrides), lowering="eager")
+        torch.compile(model, backend=backend)(**batch).loss.backward()
+        plans = [plan for _, saved, plan in backend.report().rows() if saved.producer == "relu"]
+        assert len(plans) == 2 and all(p.keep_positive is kept for p in plans), overrides
+        assert all(("positive values kept positive" in p.reason) is kept for p in plans)
+        torch._dynamo.reset()
+
+
 def test_an_attention_output_stored_per_head_gets_a_scale_per_channel_of_the_view_backward_reads():
     # GPT-NeoX's dense input is a (tokens, heads, head dim) clone read as (tokens, hidden): quantized with the
     # head dim as its channels, one scale served every head (worst gradient cosine after 50 steps 0.9875; 0.9951).
@@ -56,6 +74,12 @@ def test_an_attention_output_stored_per_head_gets_a_scale_per_channel_of_the_vie
 def test_an_unknown_family_names_the_valid_ones():
     with pytest.raises(ValueError, match="unknown family 'mamba'; valid families: llama, qwen2"):
         get_family("mamba")
+
+
+def test_negative_steps_are_refused(capsys):
+    from fxmem import cli
+    assert cli.main(["bench", "coverage", "--families", "gpt2", "--steps", "-1"]) == 2
+    assert "--steps must be 0 (no training) or more; got -1" in capsys.readouterr().out
 
 
 def test_the_command_tables_each_family_against_llama(monkeypatch, capsys, tmp_path):

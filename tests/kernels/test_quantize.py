@@ -287,6 +287,13 @@ def test_positive_values_stay_positive_and_zero_exact_each_within_a_step(bits):
     assert (error[relu > step] <= step[relu > step] / 2 + 1e-6).all()
 
 
+def test_keeping_positive_values_is_refused_with_rotated_or_stochastic_codes():
+    for options in ({"rotation": 8}, {"stochastic": True}):
+        with pytest.raises(ValueError, match="keep_positive reads the values' own signs: not with rotation or "
+                                             "stochastic rounding"):
+            q.QuantSpec(32, 4, keep_positive=True, **options)
+
+
 def test_inductor_keeps_positive_values_as_eager_does():
     spec = q.QuantSpec(64, 2, keep_positive=True)
     x = torch.relu(torch.randn(128, 64, generator=torch.Generator().manual_seed(7)))

@@ -46,6 +46,9 @@ def _kept(result: CoverageResult, top: int = 2) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.steps < 0:
+        console.print(f"[red]--steps must be 0 (no training) or more; got {args.steps}[/red]")
+        return 2
     families = [get_family(name) for name in dict.fromkeys([REFERENCE, *args.families])]
     results: list[CoverageResult] = []
     with console.status("") as status:
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         columns.insert(columns.index("min grad cos") + 1, f"after {args.steps} steps")
     rows = [[r.family, r.preset, format_bytes(r.eager_bytes), format_bytes(r.saved_bytes), f"{r.reduction:.2f}x",
              f"{r.reduction / reference[r.preset]:.0%}", f"{r.fidelity.min_cosine:.4f}",
-             *([f"{r.trained.min_cosine:.4f}"] if r.trained else []), _kept(r)]
+             *([f"{r.trained_fidelity.min_cosine:.4f}"] if r.trained_fidelity else []), _kept(r)]
             for r in results if r.family in args.families]
     patterns = "; ".join(f"{f.name}: {f.patterns}" for f in families)
     legend = (f"Tiny configs: {LAYERS} layers, hidden {HIDDEN}, LoRA r={LORA_RANK} on every linear, dropout off, "
