@@ -82,7 +82,8 @@ class CoverageResult:
         return {"family": self.family, "preset": self.preset, "eager_bytes": self.eager_bytes,
                 "saved_bytes": self.saved_bytes, "planned_bytes": self.planned_bytes,
                 "reduction": self.reduction, "fidelity": self.fidelity.to_dict(), "kept_by_reason": self.kept,
-                "steps": self.steps, "trained_fidelity": self.trained_fidelity.to_dict() if self.trained_fidelity else None}
+                "steps": self.steps,
+                "trained_fidelity": self.trained_fidelity.to_dict() if self.trained_fidelity else None}
 
 
 def get_family(name: str) -> Family:
