@@ -178,10 +178,12 @@ def merged_channels(val: torch.Tensor, order: list[int], width: int | torch.SymI
     """How many of ``val``'s innermost memory dimensions (``order``: memory_order's) make up ``width``, the last
     dimension of a view of it: their sizes, all static, multiply to it (an attention output stored per head and
     read as (tokens, heads x head dim)). 1 where the innermost alone does, or no run of them does."""
+    if not isinstance(width, int):
+        return 1
     product = 1
     for count, d in enumerate(reversed(order), start=1):
         size = val.shape[d]
-        if not isinstance(size, int) or not isinstance(width, int):
+        if not isinstance(size, int):
             return 1
         product *= size
         if product >= width:

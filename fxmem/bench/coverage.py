@@ -23,13 +23,7 @@ import torch
 
 from fxmem.backend import Backend
 from fxmem.config import Config
-from fxmem.measure import (
-    Fidelity,
-    gradient_fidelity,
-    model_tensors,
-    saved_bytes_and_gradients,
-    trainable_gradients,
-)
+from fxmem.measure import Fidelity, gradient_fidelity, model_tensors, saved_bytes_and_gradients
 
 HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB = 128, 2, 4, 256, 256
 BATCH, SEQ, LORA_RANK = 2, 64, 8
@@ -155,11 +149,7 @@ def _trained_fidelity(family: Family, preset: str, lowering: str, steps: int) ->
         compiled(**batch_of(step + 1)).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
-    def gradients(forward: Callable[..., Any]) -> dict[str, torch.Tensor]:
-        forward(**first).loss.backward()
-        grads = trainable_gradients(model)
-        model.zero_grad(set_to_none=True)
-        return grads
-
-    return gradient_fidelity(gradients(model), gradients(compiled))
+    exclude = model_tensors(model) + list(first.values())
+    _, reference = saved_bytes_and_gradients(model, lambda: model(**first).loss, exclude)
+    _, grads = saved_bytes_and_gradients(model, lambda: compiled(**first).loss, exclude)
+    return gradient_fidelity(reference, grads)

@@ -175,7 +175,7 @@ def propose_quantized(owner: SavedTensor, group: list[SavedTensor], analysis: An
         return None
     if not _quantizable(group, config):  # intra=False: the paper's inter-only ablation row
         return Plan("keep", "intra-operator quantization off (intra=False)")
-    return _quantize(owner, analysis, config, tables, _configured_bits(owner, config))
+    return _quantize(owner, group, analysis, config, tables, _configured_bits(owner, config))
 
 
 def propose_lowrank(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
@@ -262,7 +262,8 @@ def _configured_bits(owner: SavedTensor, config: Config) -> int:
     return config.bits
 
 
-def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_saved: set[str], bits: int) -> Plan:
+def _quantize(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
+              tables_saved: set[str], bits: int) -> Plan:
     node, replay, tables_bytes, replay_reason = _replay_source(owner, analysis, tables_saved)
     reason = f"{bits}-bit per channel{replay_reason}"
     val = tensor_val(node)
@@ -300,7 +301,7 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
                    "divides them)")
     if config.stochastic_rounding:
         reason += ", rounded stochastically"
-    keep_positive = _keeps_positive(owner, analysis, config, bits, rotation)
+    keep_positive = _keeps_positive(group, config, bits, rotation)
     if keep_positive:
         reason += ", positive values kept positive (its backward reads which are)"
     nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(), chunk) + tables_bytes
@@ -309,21 +310,19 @@ def _quantize(owner: SavedTensor, analysis: Analysis, config: Config, tables_sav
     seconds = quantize_seconds(numel_hint(val), val.element_size(), bits, chunk, str(val.device), rotation=rotation,
                                stochastic=config.stochastic_rounding)
     return Plan("quantize", reason, bits=bits, channels=channels, merged=merged if merged > 1 else 0,
-                outliers=outliers, chunk=chunk,
-                rotation=rotation,
-                stochastic=config.stochastic_rounding, keep_positive=keep_positive, replay=replay, nbytes=nbytes,
-                seconds=seconds)
+                outliers=outliers, chunk=chunk, rotation=rotation, stochastic=config.stochastic_rounding,
+                keep_positive=keep_positive, replay=replay, nbytes=nbytes, seconds=seconds)
 
 
-def _keeps_positive(owner: SavedTensor, analysis: Analysis, config: Config, bits: int, rotation: int) -> bool:
-    """Whether the storage's positive values must stay positive: a backward reads which are (POSITIVE_MASK_BACKWARDS).
+def _keeps_positive(group: list[SavedTensor], config: Config, bits: int, rotation: int) -> bool:
+    """Whether a storage's positive values must stay positive: a backward of one of the tensors viewing it
+    (``group``) reads which are (POSITIVE_MASK_BACKWARDS).
     Not at 1 bit (every positive value would come back as the channel's top), nor rotated or stochastically
     rounded codes, nor under static calibration, whose frozen range for a channel that was all zero while it
     calibrated would bring a later small value back as 1."""
     if bits < 2 or rotation or config.stochastic_rounding or config.calibration != "dynamic":
         return False
-    members = (s for s in analysis.saved if s.storage == owner.storage)
-    return any(c in POSITIVE_MASK_BACKWARDS for s in members for c in s.backward_consumers)
+    return any(c in POSITIVE_MASK_BACKWARDS for s in group for c in s.backward_consumers)
 
 
 def _refused_layout(val: torch.Tensor, inner: str, layout: str) -> Plan | None:
@@ -456,12 +455,12 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
                     or bits < _lowest_bits(owner):
                 continue
             if plan.action == "keep":
-                lowered = _quantize(owner, analysis, config, tables_saved, bits)
+                lowered = _quantize(owner, by_storage[storage], analysis, config, tables_saved, bits)
             else:  # the RoPE tables the plan pays for stay in its bytes: price both widths without them
                 known = set(tables_saved)
-                lowered = _quantize(owner, analysis, config, set(known), bits)
+                lowered = _quantize(owner, by_storage[storage], analysis, config, set(known), bits)
                 lowered = dataclasses.replace(lowered, nbytes=plan.nbytes + lowered.nbytes - _quantize(
-                    owner, analysis, config, known, plan.bits).nbytes)
+                    owner, by_storage[storage], analysis, config, known, plan.bits).nbytes)
             if lowered.action != "quantize":
                 continue
             total += lowered.nbytes - planned_bytes(owner, plan)
