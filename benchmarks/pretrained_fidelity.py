@@ -1,7 +1,7 @@
 """Where a quantized plan loses the gradient on a pretrained decoder: options and roles, at the same weights.
 
     python benchmarks/pretrained_fidelity.py options [WORKLOAD]   # each quantization option, 4 and 2 bits
-    python benchmarks/pretrained_fidelity.py roles BITS [WORKLOAD]  # the preset at BITS, one role raised to 8 bits
+    python benchmarks/pretrained_fidelity.py roles BITS [WORKLOAD]  # the paper's plan at BITS, one role at 8 bits
 
 One model (llama-pretrained by default), its LoRA B drawn at std 0.02 (an adapter past PEFT's zero start, as
 mid-way through a fine-tune), three batches of its fine-tuning text. For each plan: the bytes saved for backward,
@@ -23,16 +23,21 @@ from fxmem.config import Config
 from fxmem.cost_model import planner
 from fxmem.measure import gradient_fidelity, model_tensors, saved_bytes_and_gradients
 
+PAPER = {"rebuild_from_x": False}  # the presets before rebuild_from_x: X W and norm inputs stored at bits
 OPTIONS = [
-    ("4-bit", "hyclora-4bit", {}), ("4-bit, rotated 64", "hyclora-4bit", {"rotation": 64}),
-    ("4-bit, stochastic", "hyclora-4bit", {"stochastic_rounding": True}),
-    ("4-bit, lora_reorder off", "hyclora-4bit", {"lora_reorder": False}),
-    ("4-bit, inter only", "hyclora-4bit", {"intra": False}), ("hyclora at 8 bits", "hyclora-4bit", {"bits": 8}),
-    ("2-bit", "hyclora-2bit", {}), ("2-bit, rotated 64", "hyclora-2bit", {"rotation": 64}),
-    ("2-bit, rotated 256", "hyclora-2bit", {"rotation": 256}),
-    ("2-bit, stochastic", "hyclora-2bit", {"stochastic_rounding": True}),
-    ("2-bit, linear inputs 2-bit", "hyclora-2bit", {"linear_input_bits": None}),
-    ("2-bit, no outlier values", "hyclora-2bit", {"outlier_values": 0.0}),
+    ("4-bit", "hyclora-4bit", PAPER), ("4-bit, rotated 64", "hyclora-4bit", {**PAPER, "rotation": 64}),
+    ("4-bit, stochastic", "hyclora-4bit", {**PAPER, "stochastic_rounding": True}),
+    ("4-bit, lora_reorder off", "hyclora-4bit", {**PAPER, "lora_reorder": False}),
+    ("4-bit, inter only", "hyclora-4bit", {**PAPER, "intra": False}),
+    ("hyclora at 8 bits", "hyclora-4bit", {**PAPER, "bits": 8}),
+    ("4-bit, rebuilt from x (the preset)", "hyclora-4bit", {}),
+    ("2-bit", "hyclora-2bit", PAPER), ("2-bit, rotated 64", "hyclora-2bit", {**PAPER, "rotation": 64}),
+    ("2-bit, rotated 256", "hyclora-2bit", {**PAPER, "rotation": 256}),
+    ("2-bit, stochastic", "hyclora-2bit", {**PAPER, "stochastic_rounding": True}),
+    ("2-bit, linear inputs 2-bit", "hyclora-2bit", {**PAPER, "linear_input_bits": None}),
+    ("2-bit, no outlier values", "hyclora-2bit", {**PAPER, "outlier_values": 0.0}),
+    ("2-bit, rebuilt from x (the preset)", "hyclora-2bit", {}),
+    ("2-bit, rebuilt from x, linear inputs 8-bit", "hyclora-2bit", {"linear_input_bits": 8}),
 ]
 RAISED = [None, Role.LORA_BASE_OUTPUT, Role.LINEAR_INPUT, Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT]
 
@@ -61,7 +66,7 @@ def main() -> None:
         planner._configured_bits = lambda owner, config, role=role: (
             8 if role is not None and role in (owner.role, *owner.also) else configured(owner, config))
         measure(setup, batches, references, exclude, f"{bits}-bit, {role.value if role else 'no role'} at 8 bits",
-                Config.from_preset(f"hyclora-{bits}bit"))
+                Config.from_preset(f"hyclora-{bits}bit", **PAPER))
     planner._configured_bits = configured
 
 

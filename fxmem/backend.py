@@ -27,6 +27,7 @@ from torch.fx import GraphModule
 
 from fxmem.analysis import Analysis, SavedTensor, analyze
 from fxmem.analysis.pinned import Pinned, pinned
+from fxmem.analysis.recompute import rebuild_inputs
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.planner import budget_bytes, budget_note, plan_region
@@ -135,7 +136,10 @@ class _Partitioner(CustomPartitionerFn):
                 names = {node.name for _, plan in recomputed for node in plan.chain}
                 tag_must_recompute(n for n in joint_for_recompute.graph.nodes if n.name in names)
                 state.fw, state.bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)
-                state.analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=False)
+                sources = frozenset(n.name for saved, plan in recomputed if plan.chain == saved.rebuild_product
+                                    for n in rebuild_inputs(plan.chain))
+                state.analysis = dataclasses.replace(
+                    self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=False), rebuild_sources=sources)
                 state.plans = plan_region(state.analysis, config, enabled_techniques(config))
         except Exception as error:  # reported, and the region compiles as plain inductor
             return _Partition(state, records, failure=f"{type(error).__name__}: {error}")

@@ -24,6 +24,7 @@ def test_defaults_are_the_exact_preset():
     ("calibration_steps", 2.5, "calibration_steps must be an integer >= 1"),
     ("lora_reorder", 1, "lora_reorder must be True or False"),
     ("lora_reorder", True, "lora_reorder stores X W quantized: set bits (one of 1, 2, 4, 8) too"),
+    ("rebuild_from_x", 1, "rebuild_from_x must be True or False"),
     ("fused_epilogue", 1, "fused_epilogue must be True or False"),
     ("fused_epilogue", True, "fused_epilogue fuses the outputs lora_reorder rebuilds: set lora_reorder=True too"),
     ("intra", 0, "intra must be True or False"),

@@ -4,13 +4,19 @@ A norm's output is its input (saved for the norm's own backward) times the per-r
 the weight; torch's min-cut still saves it when the next linear's backward reads it. Backward can rebuild such a
 tensor from the saved tensors and parameters it already has, with a few element-wise ops fused into whatever reads
 it: no saved byte more, no matmul. This module finds those chains; the planner prices them against compression.
+
+It also finds the one matmul that rebuilds a LoRA linear's frozen product x W^T from the saved x and the frozen
+weight: not free, but exact up to x's own storage (cost_model.planner.rebuild_from_x prices it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch.fx import Node
 
 from fxmem.analysis.graph import is_replayable_pointwise, is_view, tensor_val
+from fxmem.analysis.lora import MATMULS
 
 # Element-wise ops a free recomputation may replay: past this the chain is not the cheap kind.
 MAX_CHAIN = 16
@@ -22,13 +28,26 @@ def pointwise_rebuild(base: Node, saved_bases: frozenset[Node]) -> tuple[Node, .
     numbers, a forward value that is not saved) or is itself a graph input."""
     if base.op != "call_function":
         return None
+    return _chain(base, saved_bases, lambda node: is_replayable_pointwise(node) or is_view(node))
+
+
+def product_rebuild(base: Node, saved_bases: frozenset[Node]) -> tuple[Node, ...] | None:
+    """The matmul ``base`` and the views it reads, when they rebuild it from saved storages and graph inputs (a
+    LoRA linear's x W^T from the saved x and the frozen weight), in graph order; None otherwise."""
+    if base.op != "call_function" or base.target not in MATMULS:
+        return None
+    return _chain(base, saved_bases, lambda node: node is base or is_view(node))
+
+
+def _chain(base: Node, saved_bases: frozenset[Node], replayable: Callable[[Node], bool]) -> tuple[Node, ...] | None:
+    """The nodes from ``base`` back to saved storages and graph inputs, each ``replayable``; None if one is not."""
     chain: set[Node] = set()
     stack = [base]
     while stack:
         node = stack.pop()
         if node in chain or (node is not base and (node in saved_bases or node.op == "placeholder")):
             continue
-        if node.op != "call_function" or not (is_replayable_pointwise(node) or is_view(node)):
+        if node.op != "call_function" or not replayable(node):
             return None
         if len(chain) == MAX_CHAIN:
             return None

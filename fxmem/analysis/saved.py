@@ -22,7 +22,7 @@ from fxmem.analysis.graph import (
 from fxmem.analysis.lora import LoraLinear, find_lora_linears
 from fxmem.analysis.meta import LORA_REORDERED
 from fxmem.analysis.norm import NormUnit, norm_unit
-from fxmem.analysis.recompute import pointwise_rebuild
+from fxmem.analysis.recompute import pointwise_rebuild, product_rebuild
 from fxmem.analysis.roles import FREES_NOTHING, Role, TensorFacts, classify
 from fxmem.analysis.rope import Replay, attention_input_replay
 
@@ -57,6 +57,8 @@ class SavedTensor:
     norm: NormUnit | None = field(default=None, metadata=_GRAPH)  # the norm whose backward saves it (norm inputs)
     # the element-wise ops that rebuild its storage from other saved storages and graph inputs, if there are any
     recompute: tuple[Node, ...] | None = field(default=None, metadata=_GRAPH)
+    # an X W lora_reorder rebuilds from: the matmul (and the views it reads) that rebuilds it from the saved x
+    rebuild_product: tuple[Node, ...] | None = field(default=None, metadata=_GRAPH)
     rebuilt_for: str | None = None  # lora_reorder's consumer ('silu', 'q', ...) when backward rebuilds from it
     feeds_attention: str | None = None  # 'q', 'k' or 'v': attention's input, saved as it is or rebuilt from it
 
@@ -79,6 +81,9 @@ class Analysis:
     loras: list[LoraLinear]
     output_storages: frozenset[str] = frozenset()  # storages of the forward's user outputs (the caller holds them)
     exact_bytes: int | None = None  # what torch.compile's own partition of the region saves, where it was measured
+    # storages backward rebuilds a recomputed X W from (the planner's first partition chose it): quantized at no
+    # fewer than cost_model.planner.REBUILD_SOURCE_BITS
+    rebuild_sources: frozenset[str] = frozenset()
 
     @property
     def saved_storages(self) -> frozenset[str]:
@@ -139,6 +144,7 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             replay=attention_input_replay(base) if role is Role.ATTN_QKV else None,
             norm=norm_unit(base) if role is Role.NORM_INPUT else None, rebuilt_for=rebuilt_for,
             recompute=pointwise_rebuild(base, saved_bases) if frees else None,
+            rebuild_product=product_rebuild(base, saved_bases) if frees and role is Role.LORA_BASE_OUTPUT else None,
             feeds_attention=_attention_operand(role, detail, rebuilt_for)))
     outputs = fw.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]
     output_storages = frozenset(storage_base(n).name for n in outputs if isinstance(n, Node))

@@ -35,23 +35,25 @@ DEFAULT_RATIOS = (0.5, 0.25, 0.125, 0.0625)  # the issue's ratios; the paper's T
 
 
 def hyclora_settings(bits: Sequence[int] = DEFAULT_BITS) -> list[Setting]:
-    """The baselines, then per bit width the paper's Table 1 rows: intra + inter (the preset), intra-operator
-    only with and without outliers (channels and values), inter-operator only, and the preset with each of our
-    options (Hadamard rotation in blocks of ROTATION, stochastic rounding); and for the first bit width two
+    """The baselines, then per bit width the paper's Table 1 rows: intra + inter, intra-operator only with and
+    without outliers (channels and values), inter-operator only, intra + inter with each of our options (Hadamard
+    rotation in blocks of ROTATION, stochastic rounding, and rebuilt from x: the preset); and for the first bit
+    width two
     of the paper's choices we depart from: q/k/v at that bit width too (we keep them at 8), and static
     calibration (scales frozen, values outside clamped; we recompute them every batch)."""
     _check_unique("bits", bits)
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
     for b in bits:
-        preset = Config(bits=b, attn_sparsity=0.05, lora_reorder=True)
-        intra = preset.replace(lora_reorder=False)
-        settings += [Setting(f"{b}-bit intra + inter", "fxmem", preset),
+        paper = Config(bits=b, attn_sparsity=0.05, lora_reorder=True)
+        intra = paper.replace(lora_reorder=False)
+        settings += [Setting(f"{b}-bit intra + inter", "fxmem", paper),
                      Setting(f"{b}-bit intra", "fxmem", intra),
                      Setting(f"{b}-bit intra, no outliers", "fxmem",
                              intra.replace(outlier_ratio=0.0, outlier_values=0.0)),
                      Setting(f"{b}-bit inter", "fxmem", Config(bits=b, lora_reorder=True, intra=False)),
-                     Setting(f"{b}-bit intra + inter, rotated", "fxmem", preset.replace(rotation=ROTATION)),
-                     Setting(f"{b}-bit intra + inter, stochastic", "fxmem", preset.replace(stochastic_rounding=True))]
+                     Setting(f"{b}-bit intra + inter, rotated", "fxmem", paper.replace(rotation=ROTATION)),
+                     Setting(f"{b}-bit intra + inter, stochastic", "fxmem", paper.replace(stochastic_rounding=True)),
+                     Setting(f"{b}-bit intra + inter, rebuilt from x", "fxmem", paper.replace(rebuild_from_x=True))]
     first = Config(bits=bits[0], attn_sparsity=0.05, lora_reorder=True)
     settings.append(Setting(f"{bits[0]}-bit intra + inter, q/k/v {bits[0]}-bit", "fxmem",
                             first.replace(qkv_bits=None)))

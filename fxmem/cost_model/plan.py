@@ -17,7 +17,7 @@ Action = Literal["keep", "recompute", "quantize", "sparsify", "lowrank", "prenor
 class Plan:
     action: Action
     reason: str
-    bits: int | None = None  # quantize
+    bits: int | None = None  # quantize; prenorm: the output's, when its codes rebuild the input
     channels: int = 0  # quantize: channels with their own scale (the innermost memory dimension, or ``merged``)
     merged: int = 0  # quantize: innermost memory dimensions flattened into the channels (0: the innermost alone)
     outliers: int = 0  # quantize: channels kept in full precision
@@ -26,13 +26,13 @@ class Plan:
     stochastic: bool = False  # quantize: codes rounded stochastically
     keep_positive: bool = False  # quantize: positive values stay positive, zero zero (its backward reads which are)
     keep: int = 0  # sparsify: values kept per row
-    rank: int = 0  # lowrank: rank of the factors of the (rows, last dimension) matrix
+    rank: int = 0  # lowrank: rank of the factors of the (rows, last dimension) matrix; prenorm: the output's
     exact_channels: int = 0  # prenorm: input channels (smallest |gamma|) saved exactly
     nbytes: int | None = None  # bytes after the plan (cost model), None for keep
     seconds: float = 0.0  # what the plan adds to a step (cost model): its price against the bytes it saves
     # Graph references (left out of comparisons: plans of two compilations of one model compare equal)
     replay: Replay | None = field(default=None, compare=False)  # quantize, lowrank: compress its source instead
-    norm: NormUnit | None = field(default=None, compare=False)  # prenorm: whose output's factors rebuild the input
+    norm: NormUnit | None = field(default=None, compare=False)  # prenorm: whose output rebuilds the input
     chain: tuple[Node, ...] = field(default=(), compare=False)  # recompute: the forward ops backward replays
 
     @property

@@ -21,12 +21,13 @@ from fxmem.analysis.graph import (
     storage_bytes,
     tensor_val,
 )
+from fxmem.analysis.lora import matmul_operands
 from fxmem.analysis.recompute import rebuild_inputs
 from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.memory import lowrank_bytes, planned_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
 from fxmem.cost_model.plan import Plan
-from fxmem.cost_model.prices import lowrank_seconds, quantize_seconds, recompute_seconds
+from fxmem.cost_model.prices import lowrank_seconds, product_seconds, quantize_seconds, recompute_seconds
 from fxmem.kernels.lowrank import DEFAULT_NITER, resolve_rank
 from fxmem.kernels.quantize import MIN_ROTATION_BLOCK, fits_range, outlier_chunk, rotation_block
 
@@ -62,6 +63,11 @@ REBUILD_ALL_ACTIVATIONS_BITS = 8
 # LoRA-gradient cosine 0.960 at 4 bits and 0.959 at 2 rounded to nearest, 0.9999 and 0.9986 kept positive
 # (fxmem bench coverage, docs/benchmarks.md).
 POSITIVE_MASK_BACKWARDS = frozenset({"threshold_backward"})
+# An X W that backward rebuilds by replaying its matmul (Config.rebuild_from_x) reads its x, which is then
+# stored at no fewer bits than this. On llama-pretrained at hyclora-4bit (benchmarks/pretrained_fidelity.py), x at 4
+# bits carried its error into both the rebuilt X W and LoRA A's gradient: worst LoRA-gradient cosine 0.969, against
+# 0.983 with X W stored at 4 bits and 0.9989 with x at 8 (docs/quantization.md).
+REBUILD_SOURCE_BITS = 8
 # memory_budget's ladder: (bits, sensitivity) stages, taken in order until the region fits. Sensitivity 0 is
 # activation and product inputs and X W; 1 norm inputs; 2 linear inputs; 3 attention's q, k, v. The least
 # sensitive go first, and q, k, v drop below 8 bits last, after everything else is at 2 (docs/quantization.md
@@ -72,8 +78,10 @@ BUDGET_STAGES = ((8, 0), (8, 1), (8, 2), (8, 3), (4, 0), (4, 1), (4, 2), (2, 0),
 
 def rebuild_refusal(consumer: str, config: Config) -> str | None:
     """Why lora_reorder should leave a LoRA output feeding ``consumer`` as is, or None to rebuild it.
-    ``config`` has ``bits`` (Config refuses lora_reorder without them)."""
-    if consumer in DERIVATIVE_SAVED_ACTIVATIONS and config.bits < REBUILD_ALL_ACTIVATIONS_BITS:
+    ``config`` has ``bits`` (Config refuses lora_reorder without them). With ``rebuild_from_x`` the X W is replayed
+    from x at REBUILD_SOURCE_BITS, or else stored at that width (_configured_bits): never rounded coarser."""
+    if consumer in DERIVATIVE_SAVED_ACTIVATIONS and config.bits < REBUILD_ALL_ACTIVATIONS_BITS \
+            and not config.rebuild_from_x:
         return (f"feeding {consumer} left as is: at {config.bits} bits the saved {consumer} derivative is more "
                 "faithful than a rebuilt input")
     return None
@@ -175,7 +183,10 @@ def propose_quantized(owner: SavedTensor, group: list[SavedTensor], analysis: An
         return None
     if not _quantizable(group, config):  # intra=False: the paper's inter-only ablation row
         return Plan("keep", "intra-operator quantization off (intra=False)")
-    return _quantize(owner, group, analysis, config, tables, _configured_bits(owner, config))
+    bits = _configured_bits(owner, config)
+    if owner.storage in analysis.rebuild_sources and bits < REBUILD_SOURCE_BITS:
+        return _rebuild_source(owner, group, analysis, config, tables, "an X W")
+    return _quantize(owner, group, analysis, config, tables, bits)
 
 
 def propose_lowrank(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
@@ -255,6 +266,8 @@ def _quantizable(group: list[SavedTensor], config: Config) -> bool:
 
 
 def _configured_bits(owner: SavedTensor, config: Config) -> int:
+    if owner.role is Role.LORA_BASE_OUTPUT and owner.rebuilt_for in DERIVATIVE_SAVED_ACTIVATIONS:
+        return max(config.bits, REBUILD_ALL_ACTIVATIONS_BITS)  # rebuild_refusal: unless replayed from x
     if config.qkv_bits is not None and owner.feeds_attention is not None:
         return config.qkv_bits
     if config.linear_input_bits is not None and Role.LINEAR_INPUT in (owner.role, *owner.also):
@@ -394,8 +407,15 @@ def share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], 
     """``prenorm_sharing``, LoRAct's pre-norm sharing: what a norm's backward saves (RMSNorm's input, LayerNorm's
     x_hat), planned lossy, whose norm output is stored as factors, is rebuilt from those factors instead of being
     stored itself, when that costs fewer bytes."""
-    if not config.prenorm_sharing:
-        return
+    if config.prenorm_sharing:
+        _share_norm_outputs(analysis, by_storage, owner_plans,
+                            lambda output, plan: plan if plan.action == "lowrank" else None)
+
+
+def _share_norm_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
+                        output_plan_for: Callable[[str, Plan], Plan | None]) -> None:
+    """Plan a norm's saved input ``prenorm``, rebuilt from its output as ``output_plan_for(output storage, its
+    plan)`` stores it (None: it cannot), where that saves bytes; the output then takes that plan."""
     for storage, group in by_storage.items():
         plan, owner = owner_plans[storage], group[0]
         if owner.role is not Role.NORM_INPUT or plan.action not in ("lowrank", "quantize"):
@@ -403,8 +423,8 @@ def share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], 
         unit = owner.norm
         if unit is None or unit.output.name not in owner_plans:
             continue
-        output_plan = owner_plans[unit.output.name]
-        if output_plan.action != "lowrank":
+        output_plan = output_plan_for(unit.output.name, owner_plans[unit.output.name])
+        if output_plan is None:
             continue
         val = tensor_val(unit.x)
         width = val.shape[-1]
@@ -416,10 +436,14 @@ def share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], 
             continue
         formula = "(output - beta) / gamma" if unit.beta is not None else "output / gamma"
         formula += " / rstd" if unit.rstd is not None else ""
+        stored = (f"rank-{output_plan.rank} factors" if output_plan.action == "lowrank"
+                  else f"{output_plan.bits}-bit codes")
+        owner_plans[unit.output.name] = output_plan
         owner_plans[storage] = Plan(
-            "prenorm", f"rebuilt as {formula} from {unit.output.name}'s rank-{output_plan.rank} factors; "
+            "prenorm", f"rebuilt as {formula} from {unit.output.name}'s {stored}; "
             f"{exact} smallest-|gamma| channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
-            exact_channels=exact, norm=unit, nbytes=nbytes)
+            bits=output_plan.bits if output_plan.action == "quantize" else None, exact_channels=exact, norm=unit,
+            nbytes=nbytes)
 
 
 def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
@@ -465,6 +489,78 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
                 continue
             total += lowered.nbytes - planned_bytes(owner, plan)
             owner_plans[storage] = dataclasses.replace(lowered, reason=f"{lowered.reason} (memory_budget)")
+
+
+def rebuild_from_x(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
+                   config: Config, tables_saved: set[str]) -> None:
+    """``rebuild_from_x``: a LoRA linear's input x stored at REBUILD_SOURCE_BITS, and what backward can rebuild
+    from it not stored below that: the X W of _replay_base_outputs, then a norm's input where x is the norm's
+    output (rebuilt as output / gamma / rstd, whose rounding is then the output's, channel by channel: a
+    channel's scale divides out), where that saves the input's bytes."""
+    if not config.rebuild_from_x:
+        return
+    _replay_base_outputs(analysis, by_storage, owner_plans, config, tables_saved)
+
+    def output_plan_for(output: str, plan: Plan) -> Plan | None:
+        if plan.action != "quantize":
+            return None
+        if plan.bits >= REBUILD_SOURCE_BITS:
+            return plan
+        group = by_storage[output]
+        if not any(Role.LINEAR_INPUT in (s.role, *s.also) for s in group):
+            return None
+        raised = _rebuild_source(group[0], group, analysis, config, set(tables_saved), "its norm's input")
+        return raised if raised.action == "quantize" else None
+
+    _share_norm_outputs(analysis, by_storage, owner_plans, output_plan_for)
+
+
+def _replay_base_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
+                         owner_plans: dict[str, Plan], config: Config, tables_saved: set[str]) -> None:
+    """An X W lora_reorder rebuilds from, planned below REBUILD_SOURCE_BITS (or feeding an activation whose
+    derivative torch would save, below ``bits`` that wide), is not saved: backward replays its
+    matmul from the saved x and the frozen weight, x then stored at REBUILD_SOURCE_BITS or more. Done for the X W
+    of one x together when their codes outweigh what x's wider codes add. Priced by the matmul's flops (the step's
+    time against the quantized plan: the report shows both)."""
+    by_source: dict[str, list[str]] = {}
+    for storage, group in by_storage.items():
+        owner, plan = group[0], owner_plans[storage]
+        # below 8 bits, or at 8 only because it feeds GELU, tanh or ReLU (rebuild_refusal)
+        coarse = plan.action == "quantize" and (plan.bits < REBUILD_SOURCE_BITS or (
+            owner.rebuilt_for in DERIVATIVE_SAVED_ACTIVATIONS and config.bits < REBUILD_ALL_ACTIVATIONS_BITS))
+        if owner.rebuild_product is None or not coarse:
+            continue
+        leaves = [n.name for n in rebuild_inputs(owner.rebuild_product)  # x; the weight frees nothing
+                  if n.name in by_storage and by_storage[n.name][0].frees_memory]
+        if len(leaves) == 1 and owner_plans[leaves[0]].action in ("keep", "quantize"):
+            by_source.setdefault(leaves[0], []).append(storage)
+    for source, products in by_source.items():
+        group, before = by_storage[source], owner_plans[source]
+        after = before if before.action == "keep" else _rebuild_source(group[0], group, analysis, config,
+                                                                         set(tables_saved), "an X W")
+        added = planned_bytes(group[0], after) - planned_bytes(group[0], before)
+        if sum(owner_plans[p].nbytes for p in products) <= added:
+            continue
+        owner_plans[source] = after
+        for storage in products:
+            owner, quantized = by_storage[storage][0], owner_plans[storage]
+            product = owner.rebuild_product[-1]
+            rows, cols = tensor_val(product).shape
+            inner = tensor_val(matmul_operands(product)[0]).shape[-1]
+            seconds = product_seconds(hint(rows), hint(inner), hint(cols), str(tensor_val(product).device))
+            owner_plans[storage] = Plan(
+                "recompute", f"rebuilt in backward as x W^T from {source} and the frozen weight: a matmul, "
+                f"{seconds * 1e3:.3g} ms against {quantized.seconds * 1e3:.3g} ms for its {quantized.bits}-bit codes",
+                nbytes=0, seconds=seconds, chain=owner.rebuild_product)
+
+
+def _rebuild_source(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
+                    tables: set[str], rebuilt: str) -> Plan:
+    """The plan of an x that backward rebuilds ``rebuilt`` from: REBUILD_SOURCE_BITS."""
+    plan = _quantize(owner, group, analysis, config, tables, REBUILD_SOURCE_BITS)
+    if plan.action != "quantize":
+        return plan
+    return dataclasses.replace(plan, reason=f"{plan.reason}; {rebuilt} rebuilt from it in backward")
 
 
 def budget_bytes(analysis: Analysis, config: Config) -> float:

@@ -3,8 +3,8 @@
 Compressing and decompressing are memory-bound (fxmem/kernels/quantize.py's formulas, fused by inductor into
 the kernels around them): priced by the bytes they move, at the device's memory bandwidth, measured once per
 process. A free recomputation (fxmem/analysis/recompute.py) replays element-wise ops fused into whatever reads
-the tensor in backward: priced by the bytes of its inputs read once more. Low-rank factors are priced by the
-flops of their decomposition and rebuild at the device's measured matmul rate.
+the tensor in backward: priced by the bytes of its inputs read once more. Low-rank factors, and a LoRA linear's
+frozen product replayed in backward, are priced by their flops at the device's measured matmul rate.
 """
 
 from __future__ import annotations
@@ -59,6 +59,11 @@ def quantize_seconds(numel: int, element_size: int, bits: int, chunk: int, devic
 def recompute_seconds(input_bytes: int, device: str = "cpu") -> float:
     """A free recomputation: its inputs read once more in backward."""
     return input_bytes / memory_bandwidth(device)
+
+
+def product_seconds(rows: int, inner: int, cols: int, device: str = "cpu") -> float:
+    """A (rows x inner) by (inner x cols) matmul replayed in backward, at the device's measured matmul rate."""
+    return 2 * rows * inner * cols / matmul_rate(device)
 
 
 def lowrank_seconds(rows: int, width: int, rank: int, niter: int, device: str = "cpu") -> float:

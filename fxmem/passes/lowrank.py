@@ -33,16 +33,15 @@ from fxmem.kernels.lowrank import DEFAULT_NITER
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import (
     SavedTensorEditor,
-    Unmappable,
     call,
     compress_storage,
     compressed_source,
     permute_back,
+    rebuild_norm_input,
     rewrite_planned,
 )
 
 aten = torch.ops.aten
-prims = torch.ops.prims
 
 # LoRAct's sampling-based decomposition (Algorithm 1): as accurate as a randomized SVD at equal rank here
 # (docs/loract.md), without the Gaussian draw.
@@ -57,8 +56,8 @@ class LowRankSaved(GraphPass):
         rebuilt: dict[Node, list[Node]] = {}  # forward storage -> the backward nodes that rebuild it, last = value
         factored = rewrite_planned(state, "lowrank", lambda editor, members, plan: _factor(
             editor, members, plan, rebuilt))
-        shared = rewrite_planned(state, "prenorm", lambda editor, members, plan: _share_prenorm(
-            editor, members, plan, rebuilt))
+        shared = rewrite_planned(state, "prenorm", lambda editor, members, plan: rebuild_norm_input(
+            editor, members, plan, rebuilt), where=lambda plan: plan.rank > 0)
         parts = [f"{len(factored)} storage(s) stored as low-rank factors" if factored else "",
                  f"{len(shared)} norm input(s) rebuilt from their output's factors" if shared else ""]
         return "; ".join(p for p in parts if p)
@@ -86,52 +85,3 @@ def _factor(editor: SavedTensorEditor, members: list[Node], plan: Plan, rebuilt:
 
     compress_storage(editor, members, compress, restore, replay)
     return storage_base(members[0])
-
-
-def _share_prenorm(editor: SavedTensorEditor, members: list[Node], plan: Plan,
-                   rebuilt: dict[Node, list[Node]]) -> Node:
-    unit = plan.norm
-    if unit.output not in rebuilt:
-        raise Unmappable(f"its norm output {unit.output.name} was not stored as factors")
-    output_nodes = rebuilt[unit.output]
-    first_use = editor.first_backward_use([editor.placeholder_of[m] for m in members])
-    position = {n: i for i, n in enumerate(editor.bw.graph.nodes)}
-    if position[output_nodes[-1]] > position[first_use]:
-        for node in output_nodes:  # they read only U and V (placeholders): safe to move earlier
-            first_use.prepend(node)
-    compute_dtype = unit.normalized.meta["val"].dtype
-    x_dtype = unit.x.meta["val"].dtype
-
-    # Index the last dimension with aten.index / index_put: index_select and index_copy are decomposed away
-    # before partitioning, and inductor refuses them in the rewritten graph.
-    leading = [None] * (unit.x.meta["val"].dim() - 1)
-
-    def compress(graph: torch.fx.Graph, x: Node) -> list[Node]:
-        magnitude = call(graph, aten.abs.default, (unit.gamma,))
-        _, ids = call(graph, aten.topk.default, (magnitude, plan.exact_channels, -1, False), outputs=2)
-        return [call(graph, aten.index.Tensor, (x, [*leading, ids])), ids]
-
-    def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
-        exact, ids = parts
-        # Saved only now, once compress_storage has checked that backward can rebuild the members: parameters
-        # cost nothing to keep, and rstd only what the plan priced.
-        output = _cast(graph, output_nodes[-1], compute_dtype)
-        if unit.beta is not None:
-            output = call(graph, aten.sub.Tensor, (output, _cast(graph, editor.save(unit.beta), compute_dtype)))
-        weight = _cast(graph, editor.save(unit.gamma), compute_dtype)
-        # gamma == 0 divides by 1 instead: those channels are written back from the exact copy below
-        nonzero = call(graph, aten.add.Tensor, (weight, call(graph, aten.eq.Scalar, (weight, 0))))
-        x = call(graph, aten.div.Tensor, (output, nonzero))
-        if unit.rstd is not None:
-            x = call(graph, aten.div.Tensor, (x, editor.save(unit.rstd)))
-        x = _cast(graph, x, x_dtype)
-        return call(graph, aten.index_put.default, (x, [*leading, ids], exact))
-
-    compress_storage(editor, members, compress, restore)
-    return unit.x
-
-
-def _cast(graph: torch.fx.Graph, node: Node, dtype: torch.dtype) -> Node:
-    if node.meta["val"].dtype == dtype:
-        return node
-    return call(graph, prims.convert_element_type.default, (node, dtype))

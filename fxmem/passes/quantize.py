@@ -7,6 +7,9 @@ first use and replays the views its saved tensors took of the storage. Both are 
 ops: inductor generates the statistics, codes and packing inside the producer's kernel and the unpacking,
 scaling and outlier merge inside the consumer's, with no host synchronisation and no data-dependent shape.
 
+A norm input planned ``prenorm`` on an output quantized here (cost_model.planner.rebuild_from_x) is rebuilt
+from the output's restored value, as the lowrank pass does from factors (saved_rewrite.rebuild_norm_input).
+
 For q and k after RoPE the plan names the tensor before rotation as the source: that is what gets quantized,
 and the rotation (with its small cos/sin tables saved as they are) is replayed in backward; likewise for k and
 v repeated per head by grouped-query attention, whose tensor before the repeat is quantized.
@@ -28,6 +31,7 @@ from fxmem.passes.saved_rewrite import (
     compress_storage,
     compressed_source,
     permute_back,
+    rebuild_norm_input,
     rewrite_planned,
     trace_into,
 )
@@ -40,14 +44,21 @@ class QuantizeSaved(GraphPass):
     stage = "partitioned"
 
     def run(self, state: PipelineState) -> str:
+        restored: dict[Node, list[Node]] = {}  # forward storage -> the backward nodes that restore it, last = value
         done = rewrite_planned(state, "quantize", lambda editor, members, plan: _rewrite(
-            editor, members, plan, state))
+            editor, members, plan, state, restored))
         state.slots += [slot for slot in done if slot is not None]
-        return f"{len(done)} storage(s) quantized" if done else ""
+        shared = rewrite_planned(state, "prenorm", lambda editor, members, plan: rebuild_norm_input(
+            editor, members, plan, restored), where=lambda plan: plan.bits is not None)
+        parts = [f"{len(done)} storage(s) quantized" if done else "",
+                 f"{len(shared)} norm input(s) rebuilt from their output's codes" if shared else ""]
+        return "; ".join(p for p in parts if p)
 
 
-def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, state: PipelineState) -> QuantSlot | None:
-    """Quantize one storage; its calibration slot under static calibration."""
+def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, state: PipelineState,
+             restored: dict[Node, list[Node]]) -> QuantSlot | None:
+    """Quantize one storage, recording the backward nodes that restore it; its calibration slot under static
+    calibration."""
     config = state.config
     source, replay = compressed_source(members, plan)
     val = source.meta["val"]
@@ -71,13 +82,15 @@ def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, state: 
         return trace_into(graph, lambda x: kernel.quantize(x, spec, slot_id), [node])
 
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
-        [restored] = trace_into(graph, lambda *saved: kernel.dequantize(saved, spec, val.dtype), parts)
-        state.dequantized[restored] = (*parts[:3], spec)
+        existing = set(graph.nodes)
+        [value] = trace_into(graph, lambda *saved: kernel.dequantize(saved, spec, val.dtype), parts)
+        state.dequantized[value] = (*parts[:3], spec)
         if plan.merged:
-            restored = call(graph, aten.unflatten.int, (restored, -1, split))
+            value = call(graph, aten.unflatten.int, (value, -1, split))
         if permuted:
-            restored = permute_back(graph, restored, order)
-        return restored
+            value = permute_back(graph, value, order)
+        restored[source] = [n for n in graph.nodes if n not in existing and n is not value] + [value]
+        return value
 
     compress_storage(editor, members, compress, restore, replay)
     return slot

@@ -24,6 +24,8 @@ from fxmem.analysis.rope import Replay
 from fxmem.cost_model.plan import Plan
 from fxmem.passes.manager import PipelineState
 
+aten = torch.ops.aten
+prims = torch.ops.prims
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
@@ -124,8 +126,10 @@ class SavedTensorEditor:
 
 
 def rewrite_planned(state: PipelineState, action: str,
-                    rewrite: Callable[[SavedTensorEditor, list[Node], Plan], object]) -> list[object]:
-    """Call ``rewrite(editor, members, owner_plan)`` for every storage planned ``action``; what they return.
+                    rewrite: Callable[[SavedTensorEditor, list[Node], Plan], object],
+                    where: Callable[[Plan], bool] = lambda plan: True) -> list[object]:
+    """Call ``rewrite(editor, members, owner_plan)`` for every storage planned ``action`` whose owner's plan is
+    ``where``; what they return.
 
     A storage whose tensors backward could not rebuild is left saved as it was, and its plans say why.
     """
@@ -138,6 +142,8 @@ def rewrite_planned(state: PipelineState, action: str,
     for indices in groups.values():
         members = [state.analysis.saved[i].node for i in indices]
         owner_plan = next(state.plans[i] for i in indices if state.plans[i].nbytes is not None)
+        if not where(owner_plan):
+            continue
         try:
             done.append(rewrite(editor, members, owner_plan))
         except Unmappable as error:
@@ -184,7 +190,7 @@ def compress_storage(editor: SavedTensorEditor, members: list[Node],
 
 def permute_back(graph: torch.fx.Graph, node: Node, order: list[int]) -> Node:
     """Undo ``permute(x, order)``: a tensor permuted into memory order, back to its logical dimension order."""
-    return call(graph, torch.ops.aten.permute.default, (node, sorted(range(len(order)), key=order.__getitem__)))
+    return call(graph, aten.permute.default, (node, sorted(range(len(order)), key=order.__getitem__)))
 
 
 def call(graph: torch.fx.Graph, target: Callable, args: tuple, outputs: int = 0,
@@ -227,3 +233,55 @@ def trace_into(graph: Graph, function: Callable[..., Any], inputs: Sequence[Node
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs, strict=True)))
     return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
+def rebuild_norm_input(editor: SavedTensorEditor, members: list[Node], plan: Plan,
+                       rebuilt: dict[Node, list[Node]]) -> Node:
+    """A ``prenorm`` plan: save only the norm input's exact channels (the smallest |gamma|) and their ids, plus
+    rstd if backward did not keep it, and rebuild the input in backward from its output as restored there
+    (``rebuilt``: forward storage -> the backward nodes that restore it, which read only saved tensors)."""
+    unit = plan.norm
+    if unit.output not in rebuilt:
+        raise Unmappable(f"its norm output {unit.output.name} was not stored as planned")
+    output_nodes = rebuilt[unit.output]
+    first_use = editor.first_backward_use([editor.placeholder_of[m] for m in members])
+    position = {n: i for i, n in enumerate(editor.bw.graph.nodes)}
+    if position[output_nodes[-1]] > position[first_use]:
+        for node in output_nodes:  # they read only saved tensors (placeholders): safe to move earlier
+            first_use.prepend(node)
+    compute_dtype = unit.normalized.meta["val"].dtype
+    x_dtype = unit.x.meta["val"].dtype
+
+    # Index the last dimension with aten.index / index_put: index_select and index_copy are decomposed away
+    # before partitioning, and inductor refuses them in the rewritten graph.
+    leading = [None] * (unit.x.meta["val"].dim() - 1)
+
+    def compress(graph: torch.fx.Graph, x: Node) -> list[Node]:
+        magnitude = call(graph, aten.abs.default, (unit.gamma,))
+        _, ids = call(graph, aten.topk.default, (magnitude, plan.exact_channels, -1, False), outputs=2)
+        return [call(graph, aten.index.Tensor, (x, [*leading, ids])), ids]
+
+    def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
+        exact, ids = parts
+        # Saved only now, once compress_storage has checked that backward can rebuild the members: parameters
+        # cost nothing to keep, and rstd only what the plan priced.
+        output = _cast(graph, output_nodes[-1], compute_dtype)
+        if unit.beta is not None:
+            output = call(graph, aten.sub.Tensor, (output, _cast(graph, editor.save(unit.beta), compute_dtype)))
+        weight = _cast(graph, editor.save(unit.gamma), compute_dtype)
+        # gamma == 0 divides by 1 instead: those channels are written back from the exact copy below
+        nonzero = call(graph, aten.add.Tensor, (weight, call(graph, aten.eq.Scalar, (weight, 0))))
+        x = call(graph, aten.div.Tensor, (output, nonzero))
+        if unit.rstd is not None:
+            x = call(graph, aten.div.Tensor, (x, editor.save(unit.rstd)))
+        x = _cast(graph, x, x_dtype)
+        return call(graph, aten.index_put.default, (x, [*leading, ids], exact))
+
+    compress_storage(editor, members, compress, restore)
+    return unit.x
+
+
+def _cast(graph: torch.fx.Graph, node: Node, dtype: torch.dtype) -> Node:
+    if node.meta["val"].dtype == dtype:
+        return node
+    return call(graph, prims.convert_element_type.default, (node, dtype))

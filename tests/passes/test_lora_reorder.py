@@ -18,7 +18,7 @@ def _summary(backend, name="lora_reorder"):
 
 def test_llama_saves_x_w_quantized_and_x_a_exact_instead_of_the_mlp_and_qkv_outputs():
     model, batch = tiny_model("llama", lora=True)
-    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit"), lowering="eager")
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", rebuild_from_x=False), lowering="eager")
     saved, _, _ = compiled_step(model, batch, backend)
     assert saved == backend.report().planned_bytes
     assert _summary(backend).startswith("10 LoRA output(s) rebuilt in backward from x W and x A "
@@ -93,7 +93,7 @@ def test_runlora_leaves_the_rebuilt_layers_to_lora_reorder_and_gradients_still_m
 
 def test_below_8_bits_gelu_and_tanh_outputs_keep_torchs_saved_derivative():
     model, batch = tiny_model("bert", lora=True, layers=1)
-    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit"), lowering="eager")
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", rebuild_from_x=False), lowering="eager")
     compiled_step(model, batch, backend)
     summary = _summary(backend)
     assert summary.startswith("3 LoRA output(s) rebuilt in backward from x W and x A (1x k, 1x q, 1x v)"), summary
@@ -105,6 +105,33 @@ def test_below_8_bits_gelu_and_tanh_outputs_keep_torchs_saved_derivative():
     assert "gelu derivative" in {s.detail for s, _ in _saved_rows(backend) if s.role is Role.ACT_INPUT}
 
 
+def test_rebuild_from_x_rebuilds_gelu_from_a_replayed_x_w_never_a_coarse_one():
+    model, batch = tiny_model("bert", lora=True, layers=1)
+    randomize_lora_b(model)
+    _, _, exact = compiled_step(model, batch, fxmem.Backend(lowering="eager"))
+    torch._dynamo.reset()
+    # attention's probabilities kept whole: at 16 tokens the preset's pruning keeps 1 per row, and would be all
+    # that the gradient shows
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", attn_sparsity=None), lowering="eager")
+    saved, _, grads = compiled_step(model, batch, backend)
+    assert saved == backend.report().planned_bytes
+    assert _summary(backend).startswith("5 LoRA output(s) rebuilt in backward from x W and x A "
+                                        "(1x gelu, 1x k, 1x q, 1x tanh, 1x v)")
+    plans = {s.detail.removeprefix("output rebuilt for "): p for s, p in _saved_rows(backend)
+             if s.role is Role.LORA_BASE_OUTPUT}
+    # GELU's X W is replayed from the 8-bit x; the pooler's tanh X W (one token per sequence) is too small to shrink
+    assert plans["gelu"].action == "recompute" and plans["gelu"].reason.startswith("rebuilt in backward as x W^T")
+    assert plans["tanh"].action == "keep"
+    assert not [s for s, _ in _saved_rows(backend) if s.role is Role.ACT_INPUT]  # no GELU derivative saved
+    torch._dynamo.reset()
+    paper = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", attn_sparsity=None, rebuild_from_x=False),
+                          lowering="eager")
+    paper_saved, _, paper_grads = compiled_step(model, batch, paper)
+    assert saved < paper_saved
+    # the worst: the embeddings' output, at linear_input_bits (4), read by q/k/v's LoRA A
+    assert gradient_fidelity(exact, grads).min_cosine > max(0.995, gradient_fidelity(exact, paper_grads).min_cosine)
+
+
 def test_rebuild_refusal_depends_on_the_activation_and_the_bits():
     from fxmem.cost_model.planner import rebuild_refusal
     for bits in (2, 4):
@@ -114,3 +141,41 @@ def test_rebuild_refusal_depends_on_the_activation_and_the_bits():
         for kind in ("silu", "product", "q", "v"):
             assert rebuild_refusal(kind, fxmem.Config(bits=bits)) is None
     assert rebuild_refusal("gelu", fxmem.Config(bits=8)) is None
+    assert rebuild_refusal("gelu", fxmem.Config(bits=2, lora_reorder=True, rebuild_from_x=True)) is None
+
+
+def test_rebuild_from_x_replays_x_w_below_8_bits_and_norm_inputs_from_x_at_8_bits():
+    model, batch = tiny_model("llama", lora=True)
+    randomize_lora_b(model)
+    _, _, exact = compiled_step(model, batch, fxmem.Backend(lowering="eager"))
+    results = {}
+    for replay in (False, True):
+        torch._dynamo.reset()
+        backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", rebuild_from_x=replay),
+                                lowering="eager")
+        saved, _, grads = compiled_step(model, batch, backend)
+        assert saved == backend.report().planned_bytes
+        results[replay] = saved, gradient_fidelity(exact, grads).min_cosine
+    rows = _saved_rows(backend)
+    plans = {s.detail.removeprefix("output rebuilt for "): p for s, p in rows if s.role is Role.LORA_BASE_OUTPUT}
+    # SwiGLU's X W (2 bits) are replayed from their layer's x; q, k and v's (qkv_bits: 8) stay quantized
+    assert sorted(plans) == ["k", "product", "q", "silu", "v"]
+    assert all(plans[kind].action == "quantize" and plans[kind].bits == 8 for kind in "qkv")
+    replayed = [p for s, p in rows if s.role is Role.LORA_BASE_OUTPUT and p.action == "recompute"]
+    assert len(replayed) == 4 and all(p.nbytes == 0 and p.seconds > 0 for p in replayed)
+    assert all(p.reason.startswith("rebuilt in backward as x W^T from ") and "a matmul" in p.reason
+               for p in replayed)
+    inputs = {s.module.split("layers.")[1]: p for s, p in rows if s.role is Role.LINEAR_INPUT}
+    for layer in "01":
+        assert inputs[f"{layer}.post_attention_layernorm"].bits == 8
+        assert inputs[f"{layer}.post_attention_layernorm"].reason.endswith("; an X W rebuilt from it in backward")
+    # layer 1's attention input: no X W replayed from it, but its norm's input is rebuilt from it; layer 0's norm
+    # input (the embedding's output) is not saved: nothing to rebuild, and linear_input_bits holds
+    assert inputs["1.input_layernorm"].bits == 8
+    assert inputs["1.input_layernorm"].reason.endswith("; its norm's input rebuilt from it in backward")
+    assert inputs["0.input_layernorm"].bits == 4
+    # the final norm's input stays exact: it is the logits' (loss input)
+    norms = [p for s, p in rows if s.role is Role.NORM_INPUT]
+    assert [p.action for p in norms] == ["prenorm"] * 3 + ["keep"]
+    assert all(p.bits == 8 and "8-bit codes" in p.reason and p.nbytes < 200 for p in norms[:3])
+    assert results[True][0] < results[False][0] and results[True][1] > results[False][1] + 0.01, results
