@@ -64,9 +64,10 @@ REBUILD_ALL_ACTIVATIONS_BITS = 8
 # (fxmem bench coverage, docs/benchmarks.md).
 POSITIVE_MASK_BACKWARDS = frozenset({"threshold_backward"})
 # An X W that backward rebuilds by replaying its matmul (Config.rebuild_from_x) reads its x, which is then
-# stored at no fewer bits than this. On llama-pretrained at hyclora-4bit (benchmarks/pretrained_fidelity.py), x at 4
-# bits carried its error into both the rebuilt X W and LoRA A's gradient: worst LoRA-gradient cosine 0.969, against
-# 0.983 with X W stored at 4 bits and 0.9989 with x at 8 (docs/quantization.md).
+# stored at no fewer bits than this. On llama-pretrained at hyclora-4bit, x left at 4 bits carried its error into
+# both the replayed X W and LoRA A's gradient: worst LoRA-gradient cosine 0.969 (a prototype probe,
+# benchmarks/pretrained_fidelity.py's three batches), against 0.983 with X W stored at 4 bits; x at 8 gives 0.995
+# over 200 steps (fxmem bench ablate, docs/quantization.md).
 REBUILD_SOURCE_BITS = 8
 # memory_budget's ladder: (bits, sensitivity) stages, taken in order until the region fits. Sensitivity 0 is
 # activation and product inputs and X W; 1 norm inputs; 2 linear inputs; 3 attention's q, k, v. The least
