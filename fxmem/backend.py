@@ -148,10 +148,11 @@ class _Partitioner(CustomPartitionerFn):
     @staticmethod
     def _analyze(fw: GraphModule, bw: GraphModule, kwargs: dict[str, Any], exact_bytes: int | None = None, *,
                  recompute: bool = True) -> Analysis:
-        """The saved tensors of a partition; ``recompute=False``: none offered for recomputation (the planner's
-        recomputations are already in the partition)."""
+        """The saved tensors of a partition; ``recompute=False``: none offered for recomputation, element-wise or by
+        a replayed matmul (the planner's recomputations are already in the partition)."""
         analysis = analyze(fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices"))
-        saved = analysis.saved if recompute else [dataclasses.replace(s, recompute=None) for s in analysis.saved]
+        saved = analysis.saved if recompute else [dataclasses.replace(s, recompute=None, rebuild_product=None)
+                                                  for s in analysis.saved]
         return dataclasses.replace(analysis, saved=saved, exact_bytes=exact_bytes)
 
     # Inductor deep-copies its config patches, and pickles them into its cache key. A copy would record into a

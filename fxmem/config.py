@@ -42,15 +42,15 @@ class Config:
         them after calibration_steps (the paper; values outside the calibrated range are clamped).
     lora_reorder: for a LoRA linear feeding SiLU/GELU, a Hadamard product or attention, save X W (quantized
         to ``bits``) and X A (exact) and rebuild the output and its element-wise epilogue in backward
-        (HyC-LoRA's inter-operator compression). Needs ``bits``. GELU, tanh and ReLU consumers only at 8 bits
-        (cost_model.planner.rebuild_refusal says why).
-    rebuild_from_x: with ``lora_reorder``, store a LoRA linear's input x at 8 bits and rebuild from it in
-        backward what would be saved below 8 bits: an X W, by replaying its matmul with the frozen weight (one
-        matmul per such layer), and, where x is a norm's output, the norm's input, by dividing out gamma and rstd
-        (cost_model.planner.rebuild_from_x). Fewer bytes and a far closer gradient on a pretrained model (SwiGLU's
-        backward multiplies the two rebuilt values, so each one's rounding reached the other's gradient whole),
-        for the matmuls' time. Without lora_reorder nothing is rebuilt, and under ``memory_budget``, whose plan
-        starts from nothing compressed, it is not used.
+        (HyC-LoRA's inter-operator compression). Needs ``bits``. GELU, tanh and ReLU consumers only at 8 bits or
+        with ``rebuild_from_x`` (cost_model.planner.rebuild_refusal says why).
+    rebuild_from_x: with ``lora_reorder``, rebuild in backward from a LoRA linear's input x, stored at 8 bits
+        for it, what would be saved below 8 bits: an X W, by replaying its matmul with the frozen weight (one
+        matmul per such layer; an aten mm or addmm, not a QLoRA 4-bit base), and, where x is a norm's output, the
+        norm's input, by dividing out gamma and rstd (cost_model.planner.rebuild_from_x). Fewer bytes and a far
+        closer gradient on a pretrained model (SwiGLU's backward multiplies the two rebuilt values, so each one's
+        rounding reached the other's gradient whole), for the matmuls' time. Without lora_reorder nothing is
+        rebuilt, and under ``memory_budget``, whose plan starts from nothing compressed, it is not used.
     fused_epilogue: with ``lora_reorder``, on CUDA, run each rebuilt LoRA output's SwiGLU or GELU (forward and
         backward) in fxmem's hand-written Triton kernel (kernels/lora_epilogue.py) instead of inductor's code. Off by
         default: on an H200 (llama-small, bf16, hyclora-4bit) the step took 1.76x torch.compile's with the kernels
@@ -118,8 +118,7 @@ class Config:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
         for name in ("lora_reorder", "rebuild_from_x", "fused_epilogue", "intra", "prenorm_sharing", "chunk_loss",
-                     "return_logits",
-                     "stochastic_rounding"):
+                     "return_logits", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
         for name in ("rotation", "stochastic_rounding"):

@@ -38,8 +38,7 @@ def hyclora_settings(bits: Sequence[int] = DEFAULT_BITS) -> list[Setting]:
     """The baselines, then per bit width the paper's Table 1 rows: intra + inter, intra-operator only with and
     without outliers (channels and values), inter-operator only, intra + inter with each of our options (Hadamard
     rotation in blocks of ROTATION, stochastic rounding, and rebuilt from x: the preset); and for the first bit
-    width two
-    of the paper's choices we depart from: q/k/v at that bit width too (we keep them at 8), and static
+    width two of the paper's choices we depart from: q/k/v at that bit width too (we keep them at 8), and static
     calibration (scales frozen, values outside clamped; we recompute them every batch)."""
     _check_unique("bits", bits)
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]

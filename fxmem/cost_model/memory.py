@@ -47,9 +47,9 @@ def lowrank_bytes(shape: tuple[int, ...], rank: int, element_size: int) -> int:
 
 
 def prenorm_bytes(rows: int, exact_channels: int, element_size: int) -> int:
-    """A norm input rebuilt from its output's factors: the exactly saved input channels and their ids.
+    """A norm input rebuilt from its output (as factors or codes): the exactly saved input channels and their ids.
 
-    The output's factors are priced on the output; the per-row rstd is priced where the backward did not
+    The output's factors or codes are priced on the output; the per-row rstd is priced where the backward did not
     save it already."""
     return rows * exact_channels * element_size + exact_channels * CHANNEL_ID_BYTES
 

@@ -79,10 +79,11 @@ BUDGET_STAGES = ((8, 0), (8, 1), (8, 2), (8, 3), (4, 0), (4, 1), (4, 2), (2, 0),
 
 def rebuild_refusal(consumer: str, config: Config) -> str | None:
     """Why lora_reorder should leave a LoRA output feeding ``consumer`` as is, or None to rebuild it.
-    ``config`` has ``bits`` (Config refuses lora_reorder without them). With ``rebuild_from_x`` the X W is replayed
-    from x at REBUILD_SOURCE_BITS, or else stored at that width (_configured_bits): never rounded coarser."""
+    ``config`` has ``bits`` (Config refuses lora_reorder without them). With ``rebuild_from_x`` (not used under
+    memory_budget) the X W is replayed from x at REBUILD_SOURCE_BITS, or else stored at that width
+    (_configured_bits): never rounded coarser."""
     if consumer in DERIVATIVE_SAVED_ACTIVATIONS and config.bits < REBUILD_ALL_ACTIVATIONS_BITS \
-            and not config.rebuild_from_x:
+            and not (config.rebuild_from_x and config.memory_budget is None):
         return (f"feeding {consumer} left as is: at {config.bits} bits the saved {consumer} derivative is more "
                 "faithful than a rebuilt input")
     return None
@@ -193,8 +194,8 @@ def propose_quantized(owner: SavedTensor, group: list[SavedTensor], analysis: An
 def propose_lowrank(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
                     tables: set[str]) -> Plan | None:
     """``lowrank``: LoRAct's low-rank factors, for the roles whose backward needs only the value."""
-    if not all(s.role in LOWRANK_ROLES for s in group):
-        return None
+    if not all(s.role in LOWRANK_ROLES for s in group) or owner.storage in analysis.rebuild_sources:
+        return None  # an x that an X W is replayed from stays quantized at REBUILD_SOURCE_BITS
     # q, k and v quantized at qkv_bits are protected from the softmax's amplification of their error: not factored
     if (config.bits is not None and config.qkv_bits is not None and _quantizable(group, config)
             and any(map(_attention_input, group))):
@@ -494,10 +495,13 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
 
 def rebuild_from_x(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
                    config: Config, tables_saved: set[str]) -> None:
-    """``rebuild_from_x``: a LoRA linear's input x stored at REBUILD_SOURCE_BITS, and what backward can rebuild
-    from it not stored below that: the X W of _replay_base_outputs, then a norm's input where x is the norm's
-    output (rebuilt as output / gamma / rstd, whose rounding is then the output's, channel by channel: a
-    channel's scale divides out), where that saves the input's bytes."""
+    """``rebuild_from_x``: what backward can rebuild from a LoRA linear's input x is not stored below
+    REBUILD_SOURCE_BITS, x being stored at that width instead: the X W of _replay_base_outputs, then a norm's input
+    where x is the norm's output (rebuilt as output / gamma / rstd, whose rounding is then the output's, channel by
+    channel: a channel's scale divides out). The norm's input is rebuilt where its own bytes shrink; raising x
+    for it is a fidelity decision, not a byte one: at 2 bits it costs more than the 2-bit input it replaces
+    (llama-pretrained, hyclora-2bit: worst LoRA-gradient cosine 0.93 with the input at 2 bits, 0.995 rebuilt;
+    docs/quantization.md)."""
     if not config.rebuild_from_x:
         return
     _replay_base_outputs(analysis, by_storage, owner_plans, config, tables_saved)
@@ -518,8 +522,8 @@ def rebuild_from_x(analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
 
 def _replay_base_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
                          owner_plans: dict[str, Plan], config: Config, tables_saved: set[str]) -> None:
-    """An X W lora_reorder rebuilds from, planned below REBUILD_SOURCE_BITS (or feeding an activation whose
-    derivative torch would save, below ``bits`` that wide), is not saved: backward replays its
+    """An X W lora_reorder rebuilds from, planned below REBUILD_SOURCE_BITS (or at it only because it feeds an
+    activation whose derivative torch would save, rebuild_refusal), is not saved: backward replays its
     matmul from the saved x and the frozen weight, x then stored at REBUILD_SOURCE_BITS or more. Done for the X W
     of one x together when their codes outweigh what x's wider codes add. Priced by the matmul's flops (the step's
     time against the quantized plan: the report shows both)."""
@@ -556,12 +560,12 @@ def _replay_base_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTen
 
 
 def _rebuild_source(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
-                    tables: set[str], rebuilt: str) -> Plan:
-    """The plan of an x that backward rebuilds ``rebuilt`` from: REBUILD_SOURCE_BITS."""
+                    tables: set[str], purpose: str) -> Plan:
+    """The plan of an x that backward rebuilds another tensor from (``purpose`` names it): REBUILD_SOURCE_BITS."""
     plan = _quantize(owner, group, analysis, config, tables, REBUILD_SOURCE_BITS)
     if plan.action != "quantize":
         return plan
-    return dataclasses.replace(plan, reason=f"{plan.reason}; {rebuilt} rebuilt from it in backward")
+    return dataclasses.replace(plan, reason=f"{plan.reason}; {purpose} rebuilt from it in backward")
 
 
 def budget_bytes(analysis: Analysis, config: Config) -> float:

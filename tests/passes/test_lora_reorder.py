@@ -132,6 +132,23 @@ def test_rebuild_from_x_rebuilds_gelu_from_a_replayed_x_w_never_a_coarse_one():
     assert gradient_fidelity(exact, grads).min_cosine > max(0.995, gradient_fidelity(exact, paper_grads).min_cosine)
 
 
+def test_an_x_that_x_w_is_replayed_from_stays_quantized_beside_lowrank():
+    # With lowrank on too, the second partition's planning would factor x (fewer bytes than 8-bit codes), and the
+    # replayed matmul would read factors: a replay source is quantized at 8 bits in both partitions.
+    # 128 rows of 64 channels: x's 4-bit codes (the first planning) are fewer bytes than rank-8 factors, its 8-bit
+    # codes more
+    model, _ = tiny_model("llama", lora=True, layers=1)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", lowrank=0.125), lowering="eager")
+    saved, _, _ = compiled_step(model, batch, backend)
+    assert saved == backend.report().planned_bytes
+    rows = _saved_rows(backend)
+    assert sum(p.action == "recompute" for s, p in rows if s.role is Role.LORA_BASE_OUTPUT) == 2
+    source = next(p for s, p in rows if s.module.endswith("post_attention_layernorm") and s.role is Role.LINEAR_INPUT)
+    assert (source.action, source.bits) == ("quantize", 8), source
+
+
 def test_rebuild_refusal_depends_on_the_activation_and_the_bits():
     from fxmem.cost_model.planner import rebuild_refusal
     for bits in (2, 4):
@@ -142,6 +159,9 @@ def test_rebuild_refusal_depends_on_the_activation_and_the_bits():
             assert rebuild_refusal(kind, fxmem.Config(bits=bits)) is None
     assert rebuild_refusal("gelu", fxmem.Config(bits=8)) is None
     assert rebuild_refusal("gelu", fxmem.Config(bits=2, lora_reorder=True, rebuild_from_x=True)) is None
+    # memory_budget plans from nothing compressed: no x is raised for a replay, so GELU keeps its derivative
+    assert rebuild_refusal("gelu", fxmem.Config(bits=2, lora_reorder=True, rebuild_from_x=True,
+                                                memory_budget=0.5)) is not None
 
 
 def test_rebuild_from_x_replays_x_w_below_8_bits_and_norm_inputs_from_x_at_8_bits():
