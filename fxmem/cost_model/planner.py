@@ -268,8 +268,8 @@ def _quantizable(group: list[SavedTensor], config: Config) -> bool:
 
 
 def _configured_bits(owner: SavedTensor, config: Config) -> int:
-    if owner.role is Role.LORA_BASE_OUTPUT and owner.rebuilt_for in DERIVATIVE_SAVED_ACTIVATIONS:
-        return max(config.bits, REBUILD_ALL_ACTIVATIONS_BITS)  # rebuild_refusal: unless replayed from x
+    if _lowest_bits(owner) > config.bits:
+        return _lowest_bits(owner)  # rebuild_refusal's width, unless replayed from x
     if config.qkv_bits is not None and owner.feeds_attention is not None:
         return config.qkv_bits
     if config.linear_input_bits is not None and Role.LINEAR_INPUT in (owner.role, *owner.also):
@@ -531,8 +531,7 @@ def _replay_base_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTen
     for storage, group in by_storage.items():
         owner, plan = group[0], owner_plans[storage]
         # below 8 bits, or at 8 only because it feeds GELU, tanh or ReLU (rebuild_refusal)
-        coarse = plan.action == "quantize" and (plan.bits < REBUILD_SOURCE_BITS or (
-            owner.rebuilt_for in DERIVATIVE_SAVED_ACTIVATIONS and config.bits < REBUILD_ALL_ACTIVATIONS_BITS))
+        coarse = plan.action == "quantize" and (plan.bits < REBUILD_SOURCE_BITS or _lowest_bits(owner) > config.bits)
         if owner.rebuild_product is None or not coarse:
             continue
         leaves = [n.name for n in rebuild_inputs(owner.rebuild_product)  # x; the weight frees nothing
@@ -578,8 +577,8 @@ def budget_bytes(analysis: Analysis, config: Config) -> float:
 
 
 def _lowest_bits(owner: SavedTensor) -> int:
-    """An X W that lora_reorder rebuilds a GELU or tanh input from stays at the width that decision assumed
-    (rebuild_refusal)."""
+    """An X W that lora_reorder rebuilds a GELU, tanh or ReLU input from stays at the width that decision assumed
+    (rebuild_refusal), unless rebuild_from_x replays it."""
     if owner.role is Role.LORA_BASE_OUTPUT and owner.rebuilt_for in DERIVATIVE_SAVED_ACTIVATIONS:
         return REBUILD_ALL_ACTIVATIONS_BITS
     return min(BITS_CHOICES)
