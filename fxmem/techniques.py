@@ -19,6 +19,7 @@ from fxmem.passes import (
     LowRankSaved,
     OnednnMatmul,
     QuantizeSaved,
+    RecomputeAdapterCast,
     RecomputeAttention,
     RecomputeLogits,
     RunLora,
@@ -54,19 +55,23 @@ TECHNIQUES: tuple[Technique, ...] = (
               lambda config: config.lora_reorder, ("lora_reorder", "fuse_epilogue"),
               refine=planner.rebuild_from_x),
     Technique("runlora", ("runlora",), lambda config: config.runlora != "off", ("runlora", "onednn_matmul")),
+    # PEFT's fp32 adapters on a half-precision model: x saved rather than its cast, in every preset (exact: the
+    # cast is lossless, so the gradients are torch.compile's).
+    Technique("adapter_cast", (), lambda config: True, ("recompute_adapter_cast",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
     Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
               (*_COMPRESSION_RECOMPUTES, "quantize"), refine=planner.fit_budget),
 )
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    ChunkLoss, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved,
-    FuseEpilogue, OnednnMatmul)}
-# The dynamo pass first (it changes what AOTAutograd traces), then the joint passes (lora_reorder tags what runlora must leave alone), then the partitioned ones: sparsify,
-# quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses, and onednn_matmul swaps the
-# products of the finished graphs.
-PASS_ORDER = ("chunk_loss", "lora_reorder", "runlora", "recompute_logits", "recompute_attention", "sparsify_attention", "quantize",
-              "lowrank", "fuse_epilogue", "onednn_matmul")
+    ChunkLoss, RecomputeAdapterCast, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention,
+    QuantizeSaved, LowRankSaved, FuseEpilogue, OnednnMatmul)}
+# The dynamo pass first (it changes what AOTAutograd traces), then the joint passes (recompute_adapter_cast first:
+# its must-save of x is a default the later ones may override; lora_reorder tags what runlora must leave alone),
+# then the partitioned ones: sparsify, quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses,
+# and onednn_matmul swaps the products of the finished graphs.
+PASS_ORDER = ("chunk_loss", "recompute_adapter_cast", "lora_reorder", "runlora", "recompute_logits",
+              "recompute_attention", "sparsify_attention", "quantize", "lowrank", "fuse_epilogue", "onednn_matmul")
 
 
 # A pass runs when one of the techniques it serves is on, wherever it is built.

@@ -18,12 +18,14 @@ def test_every_pass_is_declared_once_in_the_order_and_served_by_a_technique():
 
 
 @pytest.mark.parametrize("preset, names, passes", [
-    ("exact", ["chunk_loss"], ["chunk_loss"]),
-    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", "chunk_loss"],
-     ["chunk_loss", "lora_reorder", "recompute_logits", "recompute_attention", "sparsify_attention", "quantize",
-      "fuse_epilogue"]),
-    ("loract", ["lowrank", "chunk_loss"], ["chunk_loss", "recompute_logits", "recompute_attention", "lowrank"]),
-    ("runlora", ["runlora", "chunk_loss"], ["chunk_loss", "runlora", "onednn_matmul"]),
+    ("exact", ["adapter_cast", "chunk_loss"], ["chunk_loss", "recompute_adapter_cast"]),
+    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", "adapter_cast", "chunk_loss"],
+     ["chunk_loss", "recompute_adapter_cast", "lora_reorder", "recompute_logits", "recompute_attention",
+      "sparsify_attention", "quantize", "fuse_epilogue"]),
+    ("loract", ["lowrank", "adapter_cast", "chunk_loss"],
+     ["chunk_loss", "recompute_adapter_cast", "recompute_logits", "recompute_attention", "lowrank"]),
+    ("runlora", ["runlora", "adapter_cast", "chunk_loss"], ["chunk_loss", "recompute_adapter_cast", "runlora",
+                                                            "onednn_matmul"]),
 ])
 def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order(preset, names, passes):
     config = PRESETS[preset]
@@ -33,5 +35,5 @@ def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order
 
 def test_a_memory_budget_alone_runs_the_quantize_pass_and_its_refinement():
     config = Config(memory_budget=0.5)
-    assert [t.name for t in techniques.enabled_techniques(config)] == ["chunk_loss", "memory_budget"]
+    assert [t.name for t in techniques.enabled_techniques(config)] == ["adapter_cast", "chunk_loss", "memory_budget"]
     assert "quantize" in [p.name for p in techniques.default_passes() if p.enabled(config)]

@@ -134,8 +134,7 @@ def plan_region(analysis: Analysis, config: Config, techniques: Sequence[Techniq
     return plans
 
 
-def _held_as_is(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, any_technique: bool
-                ) -> Plan | None:
+def _held_as_is(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis) -> Plan | None:
     """The plan of a storage no technique may compress, or None."""
     if not owner.frees_memory:
         return Plan("keep", "frees nothing: not an activation")
@@ -144,8 +143,6 @@ def _held_as_is(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis
             return Plan("keep", "also a forward output, the caller holds it anyway: a KV cache (use_cache=False "
                                 "in training frees it)")
         return Plan("keep", "also a forward output: the caller holds it anyway")
-    if not any_technique:
-        return Plan("keep", "no technique enabled")
     exact = sorted({r.value for s in group for r in (s.role, *s.also) if r in EXACT_ROLES})
     if exact:
         return Plan("keep", f"kept exact: {', '.join(exact)}")
@@ -154,7 +151,7 @@ def _held_as_is(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis
 
 def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
                   tables_saved: set[str], techniques: Sequence[TechniqueHooks]) -> Plan:
-    held = _held_as_is(owner, group, analysis, bool(techniques))
+    held = _held_as_is(owner, group, analysis)
     if held is not None:
         return held
     if config.memory_budget is not None:  # the budget's planner starts from the fastest plan and spends from there
@@ -457,7 +454,7 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
     target = budget_bytes(analysis, config)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
     free = {storage for storage, group in by_storage.items()
-            if _held_as_is(group[0], group, analysis, any_technique=True) is None}
+            if _held_as_is(group[0], group, analysis) is None}
     chosen: set[str] = set()
     recomputes = [(plan.seconds / by_storage[storage][0].nbytes, storage) for storage in free
                   if (plan := _recompute_plan(by_storage[storage][0], by_storage, owner_plans, chosen)) is not None]

@@ -1,6 +1,7 @@
 """Graph rewrites, one file per pass family, run in order by the pass manager (fxmem.techniques declares the
 order and which technique enables each)."""
 
+from fxmem.passes.adapter_cast import RecomputeAdapterCast
 from fxmem.passes.chunk_loss import ChunkLoss
 from fxmem.passes.fuse_epilogue import FuseEpilogue
 from fxmem.passes.lora_reorder import LoraReorder
@@ -13,5 +14,6 @@ from fxmem.passes.recompute_logits import RecomputeLogits
 from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
-__all__ = ["ChunkLoss", "FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord",
-           "PipelineState", "QuantizeSaved", "RecomputeAttention", "RecomputeLogits", "RunLora", "SparsifyAttention"]
+__all__ = ["ChunkLoss", "FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager",
+           "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention",
+           "RecomputeLogits", "RunLora", "SparsifyAttention"]

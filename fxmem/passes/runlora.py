@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch.fx import Graph, Node
 
-from fxmem.analysis.graph import DTYPE_CASTS, aten, hint, is_view, storage_base, strip, tensor_val, users_through_views
+from fxmem.analysis.graph import aten, hint, is_view, storage_base, strip, tensor_val, users_through_views
 from fxmem.analysis.lora import LoraLinear, find_lora_linears, matmul_operands
 from fxmem.analysis.meta import LORA_REORDERED
 from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, LoraShape, OrderChoice, choose_by_flops
@@ -155,7 +155,6 @@ def _rewrite(graph: Graph, lora: LoraLinear, backward: LoraBackward, choice: Ord
     lora_b_t = matmul_operands(lora.xab)[1]
 
     tag_must_recompute([lora.xa, *[u for u in lora.xa.users if is_view(u)]])
-    tag_must_recompute(_cast_for_adapters(x_lora))
     if choice.forward == "forward2":
         with graph.inserting_before(lora.output):
             merged = _merged_weight_t(graph, lora)
@@ -184,17 +183,6 @@ def _rewrite(graph: Graph, lora: LoraLinear, backward: LoraBackward, choice: Ord
             new = call(graph, MM, (backward.grad_y, call(graph, aten.permute.default, (merged, [1, 0]))))
         backward.grad_x_base.replace_all_uses_with(new)
         add.replace_all_uses_with(other)
-
-
-def _cast_for_adapters(x_lora: Node) -> list[Node]:
-    """The cast (and views) that make x_lora from x where the adapters have another dtype than x, else [].
-
-    Recomputed in backward, so that min-cut saves x rather than a copy twice its size (bf16 x cast to fp32)."""
-    chain, current = [], x_lora
-    while isinstance(current, Node) and (is_view(current) or current.target in DTYPE_CASTS):
-        chain.append(current)
-        current = current.args[0]
-    return chain if any(node.target in DTYPE_CASTS for node in chain) else []
 
 
 def _views_between(base: Node, output: Node) -> list[Node]:

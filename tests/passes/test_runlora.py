@@ -146,10 +146,10 @@ def test_fp32_adapters_on_a_bf16_model_save_neither_x_a_nor_an_fp32_copy_of_x():
 
     exact_bytes, exact_fp32_inputs, exact_x_a = saved(Config())
     runlora_bytes, runlora_fp32_inputs, runlora_x_a = saved(Config(runlora="flops"))
-    assert len(exact_x_a) == 14 and exact_fp32_inputs  # autograd's order keeps x A^T and x cast to fp32
-    assert not runlora_x_a and not runlora_fp32_inputs  # runlora rebuilds both from the bf16 x in backward
-    # 14 x A^T (32 tokens x rank 8, fp32) and the fp32 copies of x, less the little min-cut keeps instead.
-    assert exact_bytes - runlora_bytes > 14 * 32 * 8 * 4 + sum(s.nbytes for s in exact_fp32_inputs) // 2
+    # every preset saves x, not its fp32 copy (passes/adapter_cast.py); autograd's order keeps x A^T
+    assert len(exact_x_a) == 14 and not exact_fp32_inputs
+    assert not runlora_x_a and not runlora_fp32_inputs  # runlora rebuilds x A^T from the bf16 x in backward
+    assert exact_bytes - runlora_bytes >= 14 * 32 * 8 * 4  # 14 x A^T (32 tokens x rank 8, fp32)
 
 
 def test_a_layer_the_pass_cannot_follow_is_left_as_traced_and_named():
