@@ -144,14 +144,20 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per channel (last dimension) over every other, in float32, non-finite values as 0: (min, max, mean,
-    standard deviation, squared L2 norm). One pass: inductor computes the five in one loop."""
+    standard deviation, squared L2 norm). One pass: inductor computes the five in one loop.
+
+    The variance is taken about a shift, each channel's first value, not as E[x^2] - mean^2: that difference of
+    two large numbers cancels whole for a channel whose mean is large against its spread (mean 1000, std 0.05:
+    std 0 in fp32), and a bf16 activation's channels often are. About a value of the channel, the sums stay of
+    the spread's size (the shifted-data algorithm)."""
     finite = _finite(x)
     dims = tuple(range(x.dim() - 1))
     count = finite.numel() // x.shape[-1]
-    mean = finite.sum(dims) / count
-    square_norm = (finite * finite).sum(dims)
-    std = (square_norm / count - mean * mean).clamp_min(0).sqrt()
-    return finite.amin(dims), finite.amax(dims), mean, std, square_norm
+    shift = finite[(0,) * len(dims)]
+    centred = finite - shift
+    offset = centred.sum(dims) / count
+    std = ((centred * centred).sum(dims) / count - offset * offset).clamp_min(0).sqrt()
+    return finite.amin(dims), finite.amax(dims), shift + offset, std, (finite * finite).sum(dims)
 
 
 def fits_range(bits: int) -> bool:

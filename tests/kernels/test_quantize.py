@@ -86,6 +86,22 @@ def test_a_fitted_range_is_the_candidate_grid_with_the_least_squared_error(bits)
         assert best[1] == 0 and best[2] == 0  # a uniform channel, and far spikes: the whole range
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channel_statistics_keep_a_small_spread_about_a_large_mean(dtype):
+    """E[x^2] - mean^2 in fp32 gives std 0 for a channel of mean 1000 and std 0.05 (the sums' rounding is 0.06);
+    the shifted sums keep it, whatever the activation's dtype."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.stack([1000 + 0.05 * torch.randn(4096, generator=g), torch.randn(4096, generator=g)], 1)
+    x = x.to(dtype)
+    exact = x.double()
+    _, _, mean, std, square_norm = q.channel_stats(x)
+    torch.testing.assert_close(std.double(), exact.std(0, unbiased=False), rtol=1e-3, atol=0)
+    torch.testing.assert_close(mean.double(), exact.mean(0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(square_norm.double(), exact.square().sum(0), rtol=1e-5, atol=0)
+    naive = (x.float().square().mean(0) - x.float().mean(0).square()).clamp_min(0).sqrt()
+    assert naive[0] == 0 or abs(naive[0] / exact[:, 0].std(unbiased=False) - 1) > 0.1  # what the shift fixes
+
+
 def test_a_constant_channel_comes_back_exactly_and_bits_are_checked():
     x = torch.tensor([[2.5, 0.0, -1.0], [2.5, 0.0, 3.0]])
     spec = q.QuantSpec(3, 2)
