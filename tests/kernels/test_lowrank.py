@@ -82,21 +82,45 @@ def test_power_iterations_do_not_make_the_error_worse_on_average(method):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
-def test_half_inputs_give_half_factors_and_the_qr_runs_in_fp32(method, dtype, tolerance, monkeypatch):
-    qr_dtypes = []
-    qr = torch.linalg.qr
+def test_half_inputs_give_half_factors_and_the_basis_is_found_in_fp32_without_qr(method, dtype, tolerance,
+                                                                                   monkeypatch):
+    factored = []
+    cholesky_ex = torch.linalg.cholesky_ex
 
-    def recording_qr(y, *args, **kwargs):
-        qr_dtypes.append(y.dtype)
-        return qr(y, *args, **kwargs)
+    def recording_cholesky(gram, *args, **kwargs):
+        factored.append(gram.dtype)
+        return cholesky_ex(gram, *args, **kwargs)
 
-    monkeypatch.setattr(torch.linalg, "qr", recording_qr)
+    def no_qr(*args, **kwargs):
+        raise AssertionError("linalg.qr synchronizes with the host on CUDA")
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", recording_cholesky)
+    monkeypatch.setattr(torch.linalg, "qr", no_qr)
     torch.manual_seed(0)
     a = _rank_k((40, 96), 4).to(dtype)
     u, v = lowrank.decompose(a, 4, method=method, niter=1)
     assert u.dtype == v.dtype == dtype
-    assert qr_dtypes == [torch.float32, torch.float32]  # one per power iteration, one final
+    # one basis per power iteration and one final, each CholeskyQR3's three passes
+    assert factored == [torch.float32] * 2 * len(lowrank.CHOLESKY_QR_SHIFTS)
     assert _relative_error(a, u, v) < tolerance
+
+
+def test_an_ill_conditioned_sketch_gives_the_reconstruction_householder_qr_gives(monkeypatch):
+    """A sketch of a low-rank-plus-small-noise matrix is nearly rank-deficient (its Gram matrix is not positive
+    definite in fp32): the shifted first pass must still give a basis as good as QR's."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(384, 40, generator=g) * torch.logspace(2, 0, 40) @ torch.randn(40, 512, generator=g)
+    a = a + 0.01 * torch.randn(384, 512, generator=g)
+    sketch = a @ a[:64].mT
+    assert torch.linalg.cholesky_ex(sketch.mT @ sketch)[1] > 0  # plain CholeskyQR fails here
+    errors = []
+    for basis in (lowrank._orthonormal_basis, lambda y: torch.linalg.qr(y.float())[0]):
+        monkeypatch.setattr(lowrank, "_orthonormal_basis", basis)
+        torch.manual_seed(0)
+        u, v = lowrank.decompose(a, 64)
+        assert torch.isfinite(u).all() and torch.isfinite(v).all()
+        errors.append(_relative_error(a, u, v))
+    assert errors[0] <= 1.01 * errors[1] + 1e-6, errors
 
 
 @pytest.mark.parametrize("method", METHODS)
