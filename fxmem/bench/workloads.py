@@ -22,6 +22,7 @@ class LlamaShape:
     layers: int
     heads: int
     vocab: int
+    kv_heads: int | None = None  # grouped-query attention's key/value heads; None: as many as heads
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,13 @@ class Workload:
     gpu_only: bool = False
     nf4: bool = False  # QLoRA: every LoRA-targeted linear a bitsandbytes NF4 Linear4bit, loaded as users load one
     pretrained: bool = False  # llama: the weights fxmem.bench.pretrained builds, fine-tuned on held-out prose
+    dtype: torch.dtype | None = None  # the dtype it trains in on every device; None: default_dtype's choice
+    lora_alpha: int | None = None  # None: the rank (scaling 1)
+    lora_b_std: float = 0.0  # LoRA B drawn from N(0, std^2) instead of PEFT's zeros: gradients reach A from step 0
 
     def default_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is not None:
+            return self.dtype
         return torch.bfloat16 if device.type == "cuda" and self.family == "llama" else torch.float32
 
     def build(self, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, lora_rank: int = 16,
@@ -52,11 +58,15 @@ class Workload:
             model = pretrained.load_pretrained(pretrained.RECIPE)
         else:
             model = _build_llama(self.llama) if self.family == "llama" else _load_minilm()
-        model = model.to(device=device, dtype=dtype)
+        # Parameters only, as from_pretrained(dtype=...) loads them: buffers keep their dtype (RoPE's inverse
+        # frequencies stay fp32; rounded to bf16 they would move every rotation angle at long positions).
+        model = model.to(device=device)
+        for parameter in model.parameters():
+            parameter.data = parameter.data.to(dtype)
         if self.nf4:
             model = _as_qlora_base(model, device, dtype)
-        if lora_rank:
-            model = _with_lora(model, self.family, lora_rank)
+        if lora_rank:  # on the model in its training dtype: PEFT keeps the adapters in fp32 on a bf16 model
+            model = _with_lora(model, self.family, lora_rank, self.lora_alpha or lora_rank, self.lora_b_std)
         model.train()
         if self.pretrained:
             return Setup(workload=self, model=model, batches=_docstring_batches(self, device), loss=_causal_lm_loss,
@@ -103,6 +113,14 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              "(`fxmem bench pretrain`), fine-tuned on its docstrings", pretrained=True),
     Workload("llama-7b-shape", "llama", 4, 512, "LlamaForCausalLM with Llama-2-7B's shape (4096/11008/32/32)",
              LlamaShape(4096, 11008, 32, 32, 32000), gpu_only=True),
+    Workload("llama3-bf16-small", "llama", 2, 512,
+             "LlamaForCausalLM 512/1792, 2 layers, 8 heads, 2 KV heads, vocab 4096, bf16 with PEFT's fp32 adapters "
+             "(r=16, alpha 32, B drawn past init): the bf16 fidelity workload",
+             LlamaShape(512, 1792, 2, 8, 4096, kv_heads=2), dtype=torch.bfloat16, lora_alpha=32, lora_b_std=0.02),
+    Workload("llama3-8b-shape", "llama", 2, 2048,
+             "LlamaForCausalLM with Llama-3-8B's layer shape (4096/14336, 32 heads, 8 KV heads, vocab 128256), 4 "
+             "layers, bf16, LoRA as llama3-bf16-small", LlamaShape(4096, 14336, 4, 32, 128256, kv_heads=8),
+             gpu_only=True, dtype=torch.bfloat16, lora_alpha=32, lora_b_std=0.02),
     Workload("minilm-real", "bert", 16, 128,
              "pretrained all-MiniLM-L6-v2 (BERT, 6 layers, 384 hidden), docstring/code contrastive loss"),
 )}
@@ -118,8 +136,8 @@ def llama_config(shape: LlamaShape) -> Any:
     """The transformers LlamaConfig of ``shape`` (SDPA attention, no KV cache)."""
     from transformers import LlamaConfig
     return LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
-                       num_attention_heads=shape.heads, num_key_value_heads=shape.heads, vocab_size=shape.vocab,
-                       attn_implementation="sdpa", use_cache=False)
+                       num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads or shape.heads,
+                       vocab_size=shape.vocab, attn_implementation="sdpa", use_cache=False)
 
 
 def _build_llama(shape: LlamaShape) -> torch.nn.Module:
@@ -164,10 +182,16 @@ def _load_minilm() -> torch.nn.Module:
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-def _with_lora(model: torch.nn.Module, family: str, rank: int) -> torch.nn.Module:
+def _with_lora(model: torch.nn.Module, family: str, rank: int, alpha: int, b_std: float) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
-                                            target_modules=LORA_TARGETS[family]))
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
+                                             target_modules=LORA_TARGETS[family]))
+    if b_std:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0.0, b_std)
+    return model
 
 
 def _llama_batches(workload: Workload, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:

@@ -13,6 +13,7 @@ from fxmem.cli.bench import (
     compare,
     coverage,
     distributed,
+    fidelity,
     finetune,
     hift,
     loqt,
@@ -27,7 +28,7 @@ from fxmem.cli.bench import (
 
 EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
                                                   lowrank_error, lowrank_saved, ptxas, distributed,
-                                                  coverage, pretrain)}
+                                                  coverage, pretrain, fidelity)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
