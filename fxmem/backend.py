@@ -63,9 +63,10 @@ class _Partition:
 
 
 class _Partitioner(CustomPartitionerFn):
-    def __init__(self, region: Region, passes: PassManager) -> None:
+    def __init__(self, region: Region, passes: PassManager, fidelity_probes: bool = False) -> None:
         self.region = region
         self.passes = passes
+        self.fidelity_probes = fidelity_probes
 
     def __call__(self, joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
                  ) -> tuple[GraphModule, GraphModule]:
@@ -105,6 +106,7 @@ class _Partitioner(CustomPartitionerFn):
         region.saved += state.analysis.saved + [saved for saved, _ in chosen.recomputed]
         region.plans += state.plans + [plan for _, plan in chosen.recomputed]
         region.slots += state.slots
+        region.probes += state.probes or []
         return state.fw, state.bw
 
     def _unplanned(self, failure: str, fw: GraphModule, bw: GraphModule) -> tuple[GraphModule, GraphModule]:
@@ -121,7 +123,7 @@ class _Partitioner(CustomPartitionerFn):
         for the planner's recomputations)."""
         config = self.region.config
         state = PipelineState(config=config, joint=joint, joint_inputs=joint_inputs,
-                              num_fwd_outputs=kwargs["num_fwd_outputs"])
+                              num_fwd_outputs=kwargs["num_fwd_outputs"], probes=[] if self.fidelity_probes else None)
         records = self.passes.run("joint", state, skip=deferred)
         compresses = config.bits is not None or config.lowrank is not None or config.memory_budget is not None
         # min-cut marks the graph it partitions: a copy to partition again with the planner's recomputations
@@ -166,7 +168,7 @@ class _Partitioner(CustomPartitionerFn):
 
     def uuid(self) -> str:
         # Enters inductor's cache key: fxmem's code and this region's config decide the graphs.
-        return f"{_source_hash()}:{self.region.config!r}"
+        return f"{_source_hash()}:{self.region.config!r}:probes={self.fidelity_probes}"
 
 
 @functools.cache
@@ -232,15 +234,20 @@ def _lower_or_run_as_is(region: Region) -> Callable:
 
 
 class Backend:
-    """A torch.compile backend with its own configuration; ``regions`` holds one record per compiled graph."""
+    """A torch.compile backend with its own configuration; ``regions`` holds one record per compiled graph.
+
+    ``fidelity_probes``: also save every compressed tensor exactly, and read it back in backward through a switch
+    between the two (fxmem.kernels.probe), so that ``fxmem.check_fidelity`` measures each one's error alone. A
+    diagnostic: it saves more than no compression at all."""
 
     def __init__(self, config: Config | None = None, *, lowering: Lowering = "inductor",
-                 passes: PassManager | None = None) -> None:
+                 passes: PassManager | None = None, fidelity_probes: bool = False) -> None:
         if lowering not in LOWERINGS:
             raise ValueError(f"lowering must be one of {', '.join(LOWERINGS)}; got {lowering!r}")
         self.config = config or Config()
         self.lowering = lowering
         self.passes = passes or PassManager(default_passes())
+        self.fidelity_probes = fidelity_probes
         self.regions: list[Region] = []
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], *,
@@ -252,7 +259,7 @@ class Backend:
         state = PipelineState(config=config, dynamo=gm)
         region.passes += self.passes.run("dynamo", state)
         gm = state.dynamo
-        patches: dict[str, Any] = {"custom_partitioner_fn": _Partitioner(region, self.passes)}
+        patches: dict[str, Any] = {"custom_partitioner_fn": _Partitioner(region, self.passes, self.fidelity_probes)}
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
         patches.update(inductor_options)

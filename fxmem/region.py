@@ -24,5 +24,6 @@ class Region:
     passes: list[PassRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     slots: list[QuantSlot] = field(default_factory=list)  # quantization state of the saved tensors
+    probes: list[tuple[int, str]] = field(default_factory=list)  # fidelity probes: (id, saved tensor name)
     compile_seconds: float = 0.0
     budget_bytes: float | None = None  # memory_budget's target in bytes, where one is set

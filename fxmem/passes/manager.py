@@ -47,6 +47,8 @@ class PipelineState:
     slots: list[QuantSlot] = field(default_factory=list)  # runtime state the rewritten graphs use
     # backward node restoring a quantized storage -> (packed codes, scale, zero, QuantSpec) it reads (quantize)
     dequantized: dict[Node, tuple] = field(default_factory=dict)
+    # fidelity probes (fxmem.kernels.probe) inserted, as (probe id, saved tensor name); None: insert none
+    probes: list[tuple[int, str]] | None = None
 
     def graphs(self, stage: Stage) -> dict[str, GraphModule]:
         if stage == "dynamo":
@@ -123,6 +125,7 @@ class PassManager:
             return skipped
         snapshot = {key: copy_graph_module(gm) for key, gm in state.graphs(stage).items()}
         plans, slots, dequantized = list(state.plans), list(state.slots), dict(state.dequantized)
+        probes = None if state.probes is None else list(state.probes)
         records: list[PassRecord] = []
         for position, graph_pass in enumerate(active):
             start = time.perf_counter()
@@ -134,7 +137,7 @@ class PassManager:
             except Exception as error:  # roll the stage back: the region compiles as if fxmem did nothing here
                 for key, gm in snapshot.items():
                     setattr(state, key, gm)
-                state.slots, state.dequantized = slots, dequantized
+                state.slots, state.dequantized, state.probes = slots, dequantized, probes
                 state.plans = [p if p.action == "keep" else Plan("keep", f"pass {graph_pass.name} failed: rolled back")
                                for p in plans]
                 records.append(PassRecord(graph_pass.name, stage, "", time.perf_counter() - start,

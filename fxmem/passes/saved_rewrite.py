@@ -22,6 +22,7 @@ from fxmem.analysis.graph import storage_base, tensor_val, view_chain
 from fxmem.analysis.meta import VALUE
 from fxmem.analysis.rope import Replay
 from fxmem.cost_model.plan import Plan
+from fxmem.kernels import probe as probe_kernel
 from fxmem.passes.manager import PipelineState
 
 aten = torch.ops.aten
@@ -38,6 +39,7 @@ class SavedTensorEditor:
         self.fw: GraphModule = state.fw
         self.bw: GraphModule = state.bw
         self.num_fwd_outputs = state.num_fwd_outputs
+        self.probes = state.probes
         self.fw_output = self.fw.graph.find_nodes(op="output")[0]
         self.bw_nodes = {n.name: n for n in self.bw.graph.nodes}
         # AOTAutograd's contract: the forward returns user outputs, saved tensors, opaque objects, SymInts;
@@ -180,10 +182,20 @@ def compress_storage(editor: SavedTensorEditor, members: list[Node],
         parts = compress(editor.fw.graph, source)
     saved_parts = [editor.save(part) for part in parts]
     values = {t: editor.save(t) for t in tables}
+    exact = probe_node = None
     with editor.bw.graph.inserting_before(first_use):
         values[source] = restore(editor.bw.graph, saved_parts)
+        if editor.probes is not None:  # the exact value saved too, and a switch between the two (kernels/probe.py)
+            probe = probe_kernel.register()
+            editor.probes.append((probe, members[0].name))
+            exact = editor.save(source)  # the member's own placeholder where the source is saved already
+            probe_node = call(editor.bw.graph, torch.ops.fxmem.fidelity_probe.default, (values[source], exact, probe))
+            values[source] = probe_node
         editor.copy_to_backward(replayed, values)
     for member, placeholder in zip(members, placeholders, strict=True):
+        if placeholder is exact:  # stays saved, read by the probe alone
+            placeholder.replace_all_uses_with(values[member], delete_user_cb=lambda user: user is not probe_node)
+            continue
         placeholder.replace_all_uses_with(values[member])
         editor.unsave(member)
 
