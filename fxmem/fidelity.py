@@ -23,7 +23,7 @@ from fxmem.backend import Backend
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.kernels import probe as probe_kernel
-from fxmem.measure import Fidelity, gradient_fidelity, trainable_gradients
+from fxmem.measure import gradient_fidelity, trainable_gradients
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
 def _output_loss(output: Any) -> torch.Tensor:
     value = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if not isinstance(value, torch.Tensor):
-        raise ValueError("the model's output has no loss: pass labels in the batch, or loss=<a function of the "
+        raise TypeError("the model's output has no loss: pass labels in the batch, or loss=<a function of the "
                          "model's output that returns the scalar to differentiate>")
     return value
 

@@ -12,7 +12,7 @@ eager at the weights it reached.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,42 +65,66 @@ def check_methods(methods: Sequence[str]) -> None:
         raise ValueError(f"unknown method {', '.join(map(repr, unknown))}; valid methods: {', '.join(valid)}")
 
 
+TOKENS = ("text", "random")
+
+
 def measure(workload: Workload, methods: Sequence[str], *, steps: int = 0, device: torch.device | str = "cpu",
             lowering: str = "inductor", options: Mapping[str, Any] | None = None, timed_steps: int = 0,
-            on_result: Callable[[FidelityResult], None] = lambda result: None) -> list[FidelityResult]:
+            tokens: str = "text", on_result: Callable[[FidelityResult], None] = lambda result: None
+            ) -> list[FidelityResult]:
     """Each method's gradients against eager's and fp32 eager's, before and after ``steps`` training steps; with
     ``timed_steps``, each method's median forward + backward over that many steps (after one warm-up).
-    ``options`` are fxmem Config overrides for every preset."""
+    ``options`` are fxmem Config overrides for every preset. ``tokens``: the workload's real text, or token ids
+    drawn uniformly from the whole vocabulary (seeded)."""
     check_methods(methods)
     if steps < 0 or timed_steps < 0:
         raise ValueError(f"steps and timed_steps must be >= 0; got {steps} and {timed_steps}")
+    if tokens not in TOKENS:
+        raise ValueError(f"tokens must be one of {', '.join(TOKENS)}; got {tokens!r}")
     device = torch.device(device)
     setup = workload.build(device=device)
     reference = workload.build(device=device, dtype=torch.float32)
     model = setup.model
-    probe = next(setup.batches)
-    training = [next(setup.batches) for _ in range(steps)]
+    batches = setup.batches if tokens == "text" else _random_batches(workload, model, device)
+    probe = next(batches)
+    training = [next(batches) for _ in range(steps)]
     initial = _trainable_copy(model)
     results = []
     for method in methods:
         torch._dynamo.reset()
         _load_trainable(model, initial)
         forward = _forward(method, model, options or {}, lowering)
-        exclude = model_tensors(model) + list(probe.values())
-        saved, grads = saved_bytes_and_gradients(model, lambda: setup.loss(forward, probe), exclude)
-        comparisons = [_compare(setup, reference, probe, grads, 0)]
-        seconds = _step_seconds(setup, forward, probe, timed_steps, device) if timed_steps else None
-        if steps:
-            _train(setup, forward, training)
-            _, grads = saved_bytes_and_gradients(model, lambda: setup.loss(forward, probe))
-            comparisons.append(_compare(setup, reference, probe, grads, steps))
-        result = FidelityResult(method, str(next(model.parameters()).dtype).removeprefix("torch."), saved,
-                                comparisons, seconds)
+        result = _measure_method(method, forward, setup, reference, probe, training, timed_steps, device)
         on_result(result)
         results.append(result)
     torch._dynamo.reset()
     _load_trainable(model, initial)
     return results
+
+
+def _measure_method(method: str, forward: Callable[..., Any], setup: Setup, reference: Setup,
+                    probe: dict[str, torch.Tensor], training: Sequence[dict[str, torch.Tensor]], timed_steps: int,
+                    device: torch.device) -> FidelityResult:
+    model = setup.model
+    exclude = model_tensors(model) + list(probe.values())
+    saved, grads = saved_bytes_and_gradients(model, lambda: setup.loss(forward, probe), exclude)
+    comparisons = [_compare(setup, reference, probe, grads, 0)]
+    seconds = _step_seconds(setup, forward, probe, timed_steps, device) if timed_steps else None
+    if training:
+        _train(setup, forward, training)
+        _, grads = saved_bytes_and_gradients(model, lambda: setup.loss(forward, probe))
+        comparisons.append(_compare(setup, reference, probe, grads, len(training)))
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return FidelityResult(method, dtype, saved, comparisons, seconds)
+
+
+def _random_batches(workload: Workload, model: torch.nn.Module, device: torch.device
+                    ) -> Iterator[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().num_embeddings
+    while True:
+        ids = torch.randint(0, vocab, (workload.batch, workload.seq), generator=generator).to(device)
+        yield {"input_ids": ids, "labels": ids}
 
 
 def _forward(method: str, model: torch.nn.Module, options: Mapping[str, Any], lowering: str) -> Callable[..., Any]:

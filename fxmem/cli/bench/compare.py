@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 
 import torch
 
 from fxmem.bench.compare import METHOD_DESCRIPTIONS, METHODS, run_workload
 from fxmem.bench.frontier import DEFAULT_TARGETS, plot, run_frontier, wins
+from fxmem.bench.workloads import Workload
 from fxmem.cli.common import (
     add_outputs,
     add_preset,
@@ -45,6 +47,7 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
                         help="default: fxmem and all four baselines")
     parser.add_argument("--device", default=default_device())
+    parser.add_argument("--dtype", choices=list(DTYPES), help="train in this dtype instead of the workload's own")
     parser.add_argument("--drop-logits", action="store_true",
                         help="fxmem returns an empty tensor in place of the model's logits (return_logits=False), "
                              "so that it chunks the loss; the step reads only the loss")
@@ -68,15 +71,23 @@ def run(args: argparse.Namespace) -> int:
     results = []
     with console.status("benchmarking") as status:
         for name in names:
-            results += run_workload(get_workload(name), preset=args.preset, device=device, steps=args.steps,
+            results += run_workload(_in_dtype(get_workload(name), args.dtype), preset=args.preset, device=device, steps=args.steps,
                                     methods=args.methods, return_logits=not args.drop_logits,
                                     progress=lambda message: status.update(message))
     logits = "; fxmem returns no logits (--drop-logits)" if args.drop_logits else ""
-    legend = f"preset {args.preset}{logits}; {args.steps} timed steps\n" + "\n".join(
+    dtype = f"; in {args.dtype}" if args.dtype else ""
+    legend = f"preset {args.preset}{logits}{dtype}; {args.steps} timed steps\n" + "\n".join(
         f"- {name}: {meaning}" for name, meaning in {**METHOD_DESCRIPTIONS, **LEGEND}.items())
     print_table("fxmem bench compare", COLUMNS, rows(results), legend, args, device)
     write_json(results, args, device, preset=args.preset, return_logits=not args.drop_logits)
     return 0
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _in_dtype(workload: Workload, dtype: str | None) -> Workload:
+    return workload if dtype is None else dataclasses.replace(workload, dtype=DTYPES[dtype])
 
 
 def rows(results: list) -> list[list[str]]:

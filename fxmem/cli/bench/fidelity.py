@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fxmem.bench.fidelity import BASELINES, LEARNING_RATE, FidelityResult, measure
+from fxmem.bench.fidelity import BASELINES, LEARNING_RATE, TOKENS, FidelityResult, measure
 from fxmem.cli.common import (
     add_device,
     add_outputs,
@@ -33,6 +33,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
                         help="also time each method: median forward + backward of N steps, on the probe batch")
     parser.add_argument("--no-logits", action="store_true",
                         help="fxmem presets with return_logits=False (the loss chunked; the gradients the same)")
+    parser.add_argument("--tokens", choices=TOKENS, default="text",
+                        help="the batches: the workload's real text, or token ids drawn uniformly from the vocabulary")
     parser.add_argument("--lowering", choices=["inductor", "eager"], default="inductor")
     add_device(parser)
     add_outputs(parser)
@@ -49,11 +51,12 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"{result.method}: min cosine {first.same_dtype.min_cosine:.4f} "
                       f"({first.same_dtype.worst_parameter}), against fp32 {first.fp32.min_cosine:.4f}")
         done.append(result)
-        write_json(done, args, args.device, workload=workload.name, steps=args.steps, options=options)
+        write_json(done, args, args.device, workload=workload.name, steps=args.steps, options=options,
+                   tokens=args.tokens)
 
     try:
         results = measure(workload, args.methods, steps=args.steps, device=args.device, lowering=args.lowering,
-                          options=options, timed_steps=args.time, on_result=show)
+                          options=options, timed_steps=args.time, tokens=args.tokens, on_result=show)
     except ValueError as error:
         console.print(f"[red]{error}[/red]")
         return 2
@@ -80,7 +83,9 @@ def _table(results: list[FidelityResult], args: argparse.Namespace) -> tuple[lis
         if args.time and compile_seconds:
             row.append(f"{r.step_seconds / compile_seconds:.2f}x")
         rows.append(row)
-    legend = (f"{args.workload}, {args.lowering} lowering{', return_logits=False' if args.no_logits else ''}. "
+    tokens = "real text" if args.tokens == "text" else "random token ids"
+    legend = (f"{args.workload} on {tokens}, {args.lowering} lowering"
+              f"{', return_logits=False' if args.no_logits else ''}. "
               "min cos: the lowest cosine similarity of any trainable gradient against eager PEFT's in the "
               "workload's dtype on the same batch and weights (median err: the median relative L2 error); vs fp32: "
               "against eager PEFT in fp32 at the same weights (eager's own row is the floor of the dtype). "
