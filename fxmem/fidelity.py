@@ -71,7 +71,7 @@ class FidelityReport:
         for column in ("parameter", "cosine", "relative error"):
             parameters.add_column(column, justify="left" if column == "parameter" else "right")
         for p in self.parameters[:top]:
-            parameters.add_row(p.name, f"{p.cosine:.4f}", f"{p.relative_error:.4f}")
+            parameters.add_row(short_name(p.name), f"{p.cosine:.4f}", f"{p.relative_error:.4f}")
         parts: list[RenderableType] = [parameters]
         if self.tensors:
             tensors = Table(title="Each compressed tensor alone (the rest exact), worst first", title_justify="left")
@@ -79,11 +79,11 @@ class FidelityReport:
                            "median error"):
                 tensors.add_column(column, justify="right" if column in ("min cosine", "median error") else "left")
             for t in self.tensors[:top]:
-                tensors.add_row(str(t.region), t.tensor, t.role, t.layer, t.plan, f"{t.min_cosine:.4f}",
-                                t.worst_parameter, f"{t.median_relative_error:.4f}")
+                tensors.add_row(str(t.region), t.tensor, t.role, short_name(t.layer), t.plan, f"{t.min_cosine:.4f}",
+                                short_name(t.worst_parameter), f"{t.median_relative_error:.4f}")
             parts.append(tensors)
         parts.append(f"{len(self.parameters)} trainable parameters, min cosine {self.min_cosine:.4f} "
-                     f"({self.worst_parameter}); {len(self.tensors)} compressed tensors probed")
+                     f"({short_name(self.worst_parameter)}); {len(self.tensors)} compressed tensors probed")
         return parts
 
     def table(self, width: int = 160, top: int = 10) -> str:
@@ -126,6 +126,11 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
     parameters = [ParameterFidelity(name, *_cosine_and_error(reference[name], compressed[name])) for name in reference]
     return FidelityReport(preset, config, sorted(parameters, key=lambda p: p.cosine),
                           sorted(tensors, key=lambda t: t.min_cosine))
+
+
+def short_name(name: str) -> str:
+    """A parameter or module path without PEFT's wrapping: 'layers.0.self_attn.o_proj.lora_A'."""
+    return name.removeprefix("base_model.model.").removeprefix("model.").removesuffix(".default.weight")
 
 
 def _output_loss(output: Any) -> torch.Tensor:

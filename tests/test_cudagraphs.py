@@ -49,10 +49,10 @@ def test_dynamic_compression_and_the_chunked_loss_can_be_captured_whole(monkeypa
 
 @pytest.mark.parametrize("preset, overrides, op", [
     ("hyclora-4bit", {"calibration": "static"}, torch.ops.fxmem.calibrated_params.default),
-    ("loract", {}, torch.ops.fxmem.lowrank_decompose_rows.default),
+    ("loract", {"bits": None}, torch.ops.fxmem.lowrank_decompose_rows.default),  # factors even at this size
 ])
 def test_ops_a_capture_cannot_hold_are_left_out_of_it(monkeypatch, preset, overrides, op):
-    # Static calibration's state is Python, which a replay would skip; the low-rank factors call torch.linalg,
-    # which synchronizes with the host. Inductor keeps tagged ops out of its CUDA graphs (a partition of their own).
+    # Static calibration's state is Python, which a replay would skip; the low-rank factors' randomized SVD calls
+    # torch.linalg.svd, which synchronizes with the host. Inductor keeps tagged ops out of its CUDA graphs (a partition of their own).
     forward, _ = graphs_for_inductor(monkeypatch, preset, **overrides)
     assert set(uncapturable(forward)) == {op}

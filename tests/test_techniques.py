@@ -22,8 +22,8 @@ def test_every_pass_is_declared_once_in_the_order_and_served_by_a_technique():
     ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", "adapter_cast", "chunk_loss"],
      ["chunk_loss", "recompute_adapter_cast", "lora_reorder", "recompute_logits", "recompute_attention",
       "sparsify_attention", "quantize", "fuse_epilogue"]),
-    ("loract", ["lowrank", "adapter_cast", "chunk_loss"],
-     ["chunk_loss", "recompute_adapter_cast", "recompute_logits", "recompute_attention", "lowrank"]),
+    ("loract", ["quantize", "lowrank", "adapter_cast", "chunk_loss"],
+     ["chunk_loss", "recompute_adapter_cast", "recompute_logits", "recompute_attention", "quantize", "lowrank"]),
     ("runlora", ["runlora", "adapter_cast", "chunk_loss"], ["chunk_loss", "recompute_adapter_cast", "runlora",
                                                             "onednn_matmul"]),
 ])

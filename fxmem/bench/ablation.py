@@ -61,14 +61,16 @@ def hyclora_settings(bits: Sequence[int] = DEFAULT_BITS) -> list[Setting]:
 
 
 def loract_settings(ratios: Sequence[float | int] = DEFAULT_RATIOS) -> list[Setting]:
-    """The baselines, then per rank ratio LoRAct with pre-norm sharing (the preset) and layer-wise (every saved
-    tensor factored on its own), the comparison of the paper's Tables 3-4."""
+    """The baselines, then per rank ratio the preset (pre-norm sharing, attention's q, k, v at 8 bits), LoRAct
+    layer-wise (every saved tensor factored on its own) and with q, k, v factored too: the comparison of the
+    paper's Tables 3-4, and the departure the preset makes."""
     _check_unique("ratios", ratios)
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
     for ratio in ratios:
-        shared = Config(lowrank=ratio)
-        settings += [Setting(f"lowrank {ratio}, pre-norm", "fxmem", shared),
-                     Setting(f"lowrank {ratio}, layer-wise", "fxmem", shared.replace(prenorm_sharing=False))]
+        preset = Config.from_preset("loract", lowrank=ratio)
+        settings += [Setting(f"lowrank {ratio}, pre-norm", "fxmem", preset),
+                     Setting(f"lowrank {ratio}, layer-wise", "fxmem", preset.replace(prenorm_sharing=False)),
+                     Setting(f"lowrank {ratio}, q/k/v factored", "fxmem", preset.replace(bits=None))]
     return settings
 
 

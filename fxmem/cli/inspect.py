@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import json
 import pathlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from fxmem.cli.common import add_preset, console, get_workload, int_at_least, workload_names
-from fxmem.config import Config
+from fxmem.config import PRESETS, Config
+from fxmem.fidelity import check_fidelity
 from fxmem.inspection import inspect as inspect_model
 from fxmem.models import build_lora_model, example_batch, hf_config
 
@@ -28,7 +33,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--all", action="store_true", help="also list parameters and inputs (they free nothing)")
+    parser.add_argument("--fidelity", action="store_true",
+                        help="also run the batch exactly and under --preset: every trainable gradient's cosine, and "
+                             "what each compressed saved tensor alone does to the gradients (fxmem.check_fidelity)")
     parser.set_defaults(run=run)
+
+
+def _loss_of_output(loss: Callable[..., torch.Tensor], batch: dict[str, torch.Tensor], output: Any) -> torch.Tensor:
+    """A workload's loss (which runs its forward on the batch) of an output already computed."""
+    return loss(lambda **_: output, batch)
 
 
 def _budget(text: str) -> float | int:
@@ -45,11 +58,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         console.print(f"[red]{error}[/red]")
         return 2
+    loss = None  # the output's own loss
     if args.model in workload_names():
         workload = get_workload(args.model)
         workload = dataclasses.replace(workload, batch=args.batch or workload.batch, seq=args.seq or workload.seq)
         setup = workload.build(device=args.device, lora_rank=args.lora_rank)
         model, batch = setup.model, next(setup.batches)
+        loss = functools.partial(_loss_of_output, setup.loss, batch)  # MiniLM's is contrastive
     else:
         if not pathlib.Path(args.model).exists():
             raise SystemExit(f"{args.model}: neither a workload ({', '.join(workload_names())}) nor an existing "
@@ -60,7 +75,15 @@ def run(args: argparse.Namespace) -> int:
         batch = example_batch(model_config, args.batch or 4, args.seq or 512, args.device)
     report = inspect_model(model, config=config, **batch)
     console.print(*report.renderables(include_all=args.all))
+    data = report.to_dict()
+    if args.fidelity:
+        if config.bits is None and config.lowrank is None and config.memory_budget is None:
+            console.print(f"[yellow]--fidelity: preset {args.preset} compresses nothing; name a lossy one "
+                          f"({', '.join(p for p in PRESETS if p not in ('exact', 'runlora'))})[/yellow]")
+        fidelity = check_fidelity(model, batch, args.preset, loss=loss, memory_budget=args.memory_budget)
+        console.print(*fidelity.renderables())
+        data["fidelity"] = fidelity.to_dict()
     if args.json:
-        args.json.write_text(report.to_json())
+        args.json.write_text(json.dumps(data, indent=2))
         console.print(f"wrote {args.json}")
     return 0

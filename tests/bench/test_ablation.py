@@ -34,13 +34,14 @@ def test_settings_cover_bits_intra_inter_outliers_and_the_papers_static_calibrat
     assert probe_steps(200, 5) == [6, 100, 200]
 
 
-def test_loract_settings_pair_pre_norm_sharing_with_layer_wise_per_ratio():
+def test_loract_settings_pair_pre_norm_sharing_with_layer_wise_and_factored_qkv_per_ratio():
     settings = loract_settings([0.25, 8])
     assert [s.name for s in settings] == ["eager PEFT", "torch.compile", "lowrank 0.25, pre-norm",
-                                          "lowrank 0.25, layer-wise", "lowrank 8, pre-norm", "lowrank 8, layer-wise"]
+                                          "lowrank 0.25, layer-wise", "lowrank 0.25, q/k/v factored",
+                                          "lowrank 8, pre-norm", "lowrank 8, layer-wise", "lowrank 8, q/k/v factored"]
     assert settings[2].config == Config.from_preset("loract", lowrank=0.25)
-    assert [(s.config.lowrank, s.config.prenorm_sharing) for s in settings[3:]] == [(0.25, False), (8, True),
-                                                                                    (8, False)]
+    assert [(s.config.lowrank, s.config.prenorm_sharing, s.config.bits) for s in settings[3:]] == [
+        (0.25, False, 8), (0.25, True, None), (8, True, 8), (8, False, 8), (8, True, None)]
 
 
 @pytest.mark.parametrize("argv, message", [

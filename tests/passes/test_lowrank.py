@@ -38,7 +38,7 @@ def test_loract_saves_what_the_plan_says_and_gradients_stay_close():
     model, batch = _llama()
     exact_saved, exact_loss, exact_grads = _exact(model, batch)
     torch._dynamo.reset()
-    backend = fxmem.Backend(fxmem.Config.from_preset("loract", lowrank=0.25), lowering="eager")
+    backend = fxmem.Backend(fxmem.Config(lowrank=0.25), lowering="eager")  # the technique alone: q, k, v factored
     saved, loss, grads = compiled_step(model, batch, backend)
     report = backend.report()
     assert saved == report.planned_bytes  # U and V at the planned rank, exact channel columns and ids
@@ -242,6 +242,17 @@ def test_with_bits_and_lowrank_each_tensor_gets_the_plan_with_fewer_bytes():
             assert plan.nbytes == min(p.nbytes for p in options), name
         elif plan.action == "keep":  # the final norm's input: the logits are recomputed from it
             assert not options or plan.reason == "kept exact: loss_input", name
+
+
+def test_the_loract_preset_stores_attention_inputs_at_8_bits_and_factors_the_rest():
+    model, batch = _llama()
+    backend = fxmem.Backend(fxmem.Config.from_preset("loract"), lowering="eager")  # rank 8 of 64: factors win
+    compiled_step(model, batch, backend)
+    rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
+    qkv = [p for s, p in rows if s.role is Role.ATTN_QKV]
+    assert qkv and {(p.action, p.bits) for p in qkv} == {("quantize", 8)}
+    # the rest: whichever of factors and 8-bit codes is smaller (the 64-wide linear inputs: factors)
+    assert {p.action for s, p in rows if s.role is Role.LINEAR_INPUT and s.shape[-1] == 64} == {"lowrank"}
 
 
 def test_varying_sequence_lengths_train_with_rows_fewer_than_the_rank():

@@ -16,6 +16,7 @@ from fxmem.cli.common import (
     write_json,
 )
 from fxmem.config import PRESETS
+from fxmem.fidelity import short_name
 from fxmem.measure import format_bytes
 
 NAME = "fidelity"
@@ -75,7 +76,7 @@ def _table(results: list[FidelityResult], args: argparse.Namespace) -> tuple[lis
     for r in results:
         first = r.comparisons[0]
         row = [r.method, format_bytes(r.saved_bytes), f"{first.same_dtype.min_cosine:.4f}",
-               _short(first.same_dtype.worst_parameter), f"{first.same_dtype.median_relative_error:.4f}",
+               short_name(first.same_dtype.worst_parameter), f"{first.same_dtype.median_relative_error:.4f}",
                f"{first.fp32.min_cosine:.4f}"]
         if args.steps:
             trained = r.comparisons[-1]
@@ -94,8 +95,3 @@ def _table(results: list[FidelityResult], args: argparse.Namespace) -> tuple[lis
               + (" step: median forward + backward on the first batch, in this process, one after another."
                  if args.time else ""))
     return columns, rows, legend
-
-
-def _short(parameter: str) -> str:
-    """'layers.0.self_attn.o_proj.lora_A' for PEFT's long name."""
-    return parameter.removeprefix("base_model.model.model.").removesuffix(".default.weight")

@@ -1,0 +1,29 @@
+"""Every preset in bf16 (PEFT's fp32 adapters on a bf16 GQA Llama), through inductor's lowering: gradients against
+eager bf16 within the bounds docs/quantization.md publishes, and against fp32 eager no worse than eager bf16's
+own figure less 0.01 (issue 42's bar)."""
+
+import pytest
+
+from fxmem.bench.fidelity import measure
+from tests.bench.test_fidelity import TINY_BF16
+
+# The published floors (README, docs/quantization.md: llama3-bf16-small, 0.992 and above at the hyclora presets;
+# this model measures 0.998). loract's rank-1/8 factors of random-weight activations lose what random activations
+# hold outside any 1/8 of their dimensions (docs/loract.md): its bar is its own figure here, 0.83 (0.53 while q, k
+# and v were factored too).
+BOUNDS = {"exact": 0.9995, "runlora": 0.9995, "hyclora-4bit": 0.99, "hyclora-2bit": 0.99, "loract": 0.8}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {r.method: r for r in measure(TINY_BF16, ["eager", *BOUNDS], lowering="inductor",
+                                         options={"return_logits": False})}
+
+
+@pytest.mark.parametrize("preset", list(BOUNDS))
+def test_a_preset_keeps_its_published_bf16_fidelity_through_inductor(results, preset):
+    [comparison] = results[preset].comparisons
+    floor = results["eager"].comparisons[0].fp32.min_cosine
+    assert comparison.same_dtype.min_cosine >= BOUNDS[preset], comparison.same_dtype
+    assert comparison.fp32.min_cosine >= floor - 0.01, (comparison.fp32, floor)
+    assert results[preset].dtype == "bfloat16"

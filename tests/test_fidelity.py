@@ -1,0 +1,56 @@
+"""fxmem.check_fidelity: gradients under a preset against eager's, and each compressed tensor's share of the error."""
+
+import pytest
+import torch
+
+from fxmem import check_fidelity
+from fxmem.kernels import probe
+from tests.bench.test_fidelity import TINY_BF16
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    setup = TINY_BF16.build()
+    return setup.model, next(setup.batches)
+
+
+def test_every_parameter_is_compared_and_every_compressed_tensor_probed(bf16_model):
+    model, batch = bf16_model
+    before = set(probe.COMPRESSED)
+    report = check_fidelity(model, batch, "hyclora-4bit")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert sorted(p.name for p in report.parameters) == sorted(trainable)
+    assert [p.cosine for p in report.parameters] == sorted(p.cosine for p in report.parameters)
+    assert 0.98 < report.min_cosine < 1.0 and report.worst_parameter == report.parameters[0].name
+    assert report.tensors and [t.min_cosine for t in report.tensors] == sorted(t.min_cosine for t in report.tensors)
+    assert {t.plan.split(",")[0] for t in report.tensors} <= {"4-bit codes", "8-bit codes",
+                                                             "rebuilt from its norm output's 8-bit codes"}
+    # the worst alone is a linear input at 4 bits: the one tensor whose error reaches LoRA A's gradient whole
+    assert (report.tensors[0].role, report.tensors[0].plan) == ("linear_input", "4-bit codes")
+    assert report.tensors[0].min_cosine < report.tensors[-1].min_cosine
+    assert set(probe.COMPRESSED) == before  # the check's probes are released
+    assert all(p.grad is None for p in model.parameters())
+    assert "Each compressed tensor alone" in report.table() and report.to_dict()["tensors"]
+
+
+def test_probes_do_not_change_what_the_compressed_run_computes(bf16_model):
+    model, batch = bf16_model
+    probed = check_fidelity(model, batch, "hyclora-4bit")
+    plain = check_fidelity(model, batch, "hyclora-4bit", per_tensor=False)
+    assert not plain.tensors
+    assert [(p.name, p.cosine, p.relative_error) for p in probed.parameters] == \
+        [(p.name, p.cosine, p.relative_error) for p in plain.parameters]
+
+
+def test_an_exact_preset_probes_nothing_and_matches_eager():
+    setup = TINY_BF16.build(dtype=torch.float32)
+    report = check_fidelity(setup.model, next(setup.batches), "exact")
+    assert not report.tensors and report.min_cosine > 0.99999
+
+
+def test_a_model_output_without_a_loss_is_refused_clearly(bf16_model):
+    model, batch = bf16_model
+    with pytest.raises(TypeError, match="the model's output has no loss: pass labels in the batch, or loss="):
+        check_fidelity(model, {"input_ids": batch["input_ids"]}, "hyclora-4bit")
+    with pytest.raises(ValueError, match="unknown preset 'fast'; valid presets: exact"):
+        check_fidelity(model, batch, "fast")
