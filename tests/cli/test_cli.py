@@ -28,6 +28,23 @@ def test_inspect_a_workload_with_overridden_shape(capsys):
     assert "lora_intermediate" not in printed  # --lora-rank 0: full fine-tuning
 
 
+def test_inspect_fidelity_ranks_the_gradients_and_each_compressed_tensor(monkeypatch, tmp_path, capsys):
+    from fxmem.bench import workloads
+    from tests.bench.test_fidelity import TINY_BF16
+    monkeypatch.setattr(workloads, "get_workload", lambda name: TINY_BF16)
+    out = tmp_path / "report.json"
+    assert cli.main(["inspect", "llama3-bf16-small", "--preset", "hyclora-4bit", "--fidelity", "--json",
+                     str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Gradients under hyclora-4bit against eager" in printed and "Each compressed tensor alone" in printed
+    fidelity = json.loads(out.read_text())["fidelity"]
+    assert fidelity["preset"] == "hyclora-4bit" and 0.98 < fidelity["min_cosine"] < 1
+    assert fidelity["tensors"][0]["plan"] == "4-bit codes"
+    assert cli.main(["inspect", "llama3-bf16-small", "--fidelity"]) == 0  # exact: nothing to probe, and it says so
+    assert "preset exact compresses nothing; name a lossy one (hyclora-4bit, hyclora-2bit, loract)" in \
+        capsys.readouterr().out
+
+
 def test_inspect_with_a_memory_budget_plans_within_it_and_says_so(tmp_path, capsys):
     out = tmp_path / "report.json"
     assert cli.main(["inspect", "llama-tiny", "--batch", "1", "--seq", "32", "--memory-budget", "0.5",
