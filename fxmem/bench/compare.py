@@ -3,7 +3,7 @@ process."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,16 +158,18 @@ def prepare_method(workload: Workload, method: str, *, config: Config, device: t
 
 def run_workload(workload: Workload, *, preset: str = "exact", device: torch.device | str = "cpu", steps: int = 5,
                  lora_rank: int = 16, methods: Sequence[str] = METHODS, return_logits: bool = True,
+                 options: Mapping[str, Any] | None = None,
                  progress: Callable[[str], None] = lambda message: None) -> list[MethodResult]:
     """Every method on one workload, all kept alive so that their steps are timed interleaved.
 
     Fidelity is measured against eager's gradients on the same batch and weights. ``return_logits=False``: fxmem
-    returns no logits (Config.return_logits), so it chunks the loss; the step reads only the loss.
+    returns no logits (Config.return_logits), so it chunks the loss; the step reads only the loss. ``options``:
+    further Config overrides of the preset.
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; valid methods: {', '.join(METHODS)}")
-    config = Config.from_preset(preset, return_logits=return_logits)
+    config = Config.from_preset(preset, **{"return_logits": return_logits, **(options or {})})
     device = torch.device(device)
     budget = None
     if "compile-budget" in methods:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import json
 import os
@@ -40,6 +41,17 @@ def lowrank_rank(text: str) -> float | int:
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return value
+
+
+def config_override(text: str) -> tuple[str, Any]:
+    """NAME=VALUE, VALUE a Python literal (None, 8, 0.125, True, "static"), for a Config field; Config checks both."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. bits=None); got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value  # a bare word: a string ("static")
 
 
 def get_workload(name: str) -> Any:

@@ -14,6 +14,7 @@ from fxmem.bench.workloads import Workload
 from fxmem.cli.common import (
     add_outputs,
     add_preset,
+    config_override,
     console,
     default_device,
     get_workload,
@@ -22,6 +23,7 @@ from fxmem.cli.common import (
     workload_names,
     write_json,
 )
+from fxmem.config import Config
 from fxmem.measure import format_bytes
 
 NAME = "compare"
@@ -48,6 +50,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
                         help="default: fxmem and all four baselines")
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--dtype", choices=list(DTYPES), help="train in this dtype instead of the workload's own")
+    parser.add_argument("--set", action="append", type=config_override, default=[], metavar="NAME=VALUE",
+                        help="override a Config field of the preset (a Python literal: --set bits=None); repeatable")
     parser.add_argument("--drop-logits", action="store_true",
                         help="fxmem returns an empty tensor in place of the model's logits (return_logits=False), "
                              "so that it chunks the loss; the step reads only the loss")
@@ -64,6 +68,11 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        Config.from_preset(args.preset, **dict(args.set))
+    except ValueError as error:
+        console.print(f"[red]{error}[/red]")
+        return 2
     device = torch.device(args.device)
     names = args.workloads or ["llama-tiny", "llama-small"] + (["llama-7b-shape"] if device.type == "cuda" else [])
     if args.frontier:
@@ -71,15 +80,17 @@ def run(args: argparse.Namespace) -> int:
     results = []
     with console.status("benchmarking") as status:
         for name in names:
-            results += run_workload(_in_dtype(get_workload(name), args.dtype), preset=args.preset, device=device, steps=args.steps,
-                                    methods=args.methods, return_logits=not args.drop_logits,
+            results += run_workload(_in_dtype(get_workload(name), args.dtype), preset=args.preset, device=device,
+                                    steps=args.steps, methods=args.methods, return_logits=not args.drop_logits,
+                                    options=dict(args.set),
                                     progress=lambda message: status.update(message))
     logits = "; fxmem returns no logits (--drop-logits)" if args.drop_logits else ""
     dtype = f"; in {args.dtype}" if args.dtype else ""
-    legend = f"preset {args.preset}{logits}{dtype}; {args.steps} timed steps\n" + "\n".join(
+    overrides = "".join(f", {name}={value!r}" for name, value in args.set)
+    legend = f"preset {args.preset}{overrides}{logits}{dtype}; {args.steps} timed steps\n" + "\n".join(
         f"- {name}: {meaning}" for name, meaning in {**METHOD_DESCRIPTIONS, **LEGEND}.items())
     print_table("fxmem bench compare", COLUMNS, rows(results), legend, args, device)
-    write_json(results, args, device, preset=args.preset, return_logits=not args.drop_logits)
+    write_json(results, args, device, preset=args.preset, return_logits=not args.drop_logits, options=dict(args.set))
     return 0
 
 
