@@ -8,7 +8,8 @@ from fxmem.backend import fxmem_backend
 
 def test_defaults_are_the_exact_preset():
     assert Config() == PRESETS["exact"] == Config.from_preset("exact")
-    assert [t.name for t in techniques.enabled_techniques(Config())] == ["chunk_loss"]  # exact: on everywhere
+    # exact: on everywhere, both lossless
+    assert [t.name for t in techniques.enabled_techniques(Config())] == ["adapter_cast", "chunk_loss"]
 
 
 @pytest.mark.parametrize("field, value, expected", [
