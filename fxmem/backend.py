@@ -125,9 +125,8 @@ class _Partitioner(CustomPartitionerFn):
         state = PipelineState(config=config, joint=joint, joint_inputs=joint_inputs,
                               num_fwd_outputs=kwargs["num_fwd_outputs"], probes=[] if self.fidelity_probes else None)
         records = self.passes.run("joint", state, skip=deferred)
-        compresses = config.bits is not None or config.lowrank is not None or config.memory_budget is not None
         # min-cut marks the graph it partitions: a copy to partition again with the planner's recomputations
-        joint_for_recompute = copy_graph_module(state.joint) if compresses else None
+        joint_for_recompute = copy_graph_module(state.joint) if config.compresses else None
         state.fw, state.bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
         try:
             state.analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes)

@@ -155,6 +155,11 @@ class Config:
                              f"{', '.join(valid)} (and 'preset')")
         return dataclasses.replace(self, **overrides)
 
+    @property
+    def compresses(self) -> bool:
+        """Some saved tensor may be stored lossily: quantized, factored, or under a memory budget."""
+        return self.bits is not None or self.lowrank is not None or self.memory_budget is not None
+
     def budget_in_bytes(self) -> bool:
         """memory_budget is a number of bytes rather than a fraction."""
         return _budget_in_bytes(self.memory_budget)
@@ -195,9 +200,11 @@ PRESETS: dict[str, Config] = {
     "exact": Config(),
     "hyclora-4bit": Config(bits=4, attn_sparsity=0.05, lora_reorder=True, rebuild_from_x=True),
     "hyclora-2bit": Config(bits=2, attn_sparsity=0.05, lora_reorder=True, rebuild_from_x=True),
-    # LoRAct's factors; bits=8 only for what factors would not hold: attention's q, k and v (propose_lowrank
-    # leaves them to qkv_bits). GQA's narrow k and v at rank 1/8 (16 of 128 channels) were the worst gradients on
-    # real text (llama3-bf16-small: worst LoRA-gradient cosine 0.940 -> 0.9995, saved bytes +3%; docs/loract.md).
+    # LoRAct's factors, and 8-bit codes beside them: attention's q, k and v are never factored then (propose_lowrank
+    # leaves them to qkv_bits), and every other tensor takes the smaller of its factors and its codes (factors for
+    # most bf16 activations; codes for fp32 ones with fewer rows than channels). GQA's narrow k and v at rank 1/8 (16
+    # of 128 channels) were the worst gradients on real text (llama3-bf16-small: worst LoRA-gradient cosine 0.940 ->
+    # 0.9995, saved bytes +8%; docs/loract.md).
     "loract": Config(lowrank=0.125, bits=8),
     "runlora": Config(runlora="flops"),
 }

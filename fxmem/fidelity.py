@@ -23,7 +23,7 @@ from fxmem.backend import Backend
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.kernels import probe as probe_kernel
-from fxmem.measure import gradient_fidelity, trainable_gradients
+from fxmem.measure import cosine_and_error, gradient_fidelity, trainable_gradients
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ class FidelityReport:
     config: Config
     parameters: list[ParameterFidelity]  # worst cosine first
     tensors: list[TensorFidelity]  # worst first; empty when nothing is compressed or per_tensor=False
+    # zero in the exact run, so nothing to compare: LoRA A while B is zero, as PEFT initialises it
+    zero_gradients: list[str]
 
     @property
     def min_cosine(self) -> float:
@@ -64,7 +66,8 @@ class FidelityReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"preset": self.preset, "config": self.config.to_dict(), "min_cosine": self.min_cosine,
-                "parameters": [vars(p) for p in self.parameters], "tensors": [vars(t) for t in self.tensors]}
+                "parameters": [vars(p) for p in self.parameters], "tensors": [vars(t) for t in self.tensors],
+                "zero_gradients": self.zero_gradients}
 
     def renderables(self, top: int = 10) -> list[RenderableType]:
         parameters = Table(title=f"Gradients under {self.preset} against eager, worst first", title_justify="left")
@@ -82,8 +85,12 @@ class FidelityReport:
                 tensors.add_row(str(t.region), t.tensor, t.role, short_name(t.layer), t.plan, f"{t.min_cosine:.4f}",
                                 short_name(t.worst_parameter), f"{t.median_relative_error:.4f}")
             parts.append(tensors)
-        parts.append(f"{len(self.parameters)} trainable parameters, min cosine {self.min_cosine:.4f} "
+        parts.append(f"{len(self.parameters)} trainable parameters compared, min cosine {self.min_cosine:.4f} "
                      f"({short_name(self.worst_parameter)}); {len(self.tensors)} compressed tensors probed")
+        if self.zero_gradients:
+            parts.append(f"{len(self.zero_gradients)} parameters not compared, their exact gradient is zero (e.g. "
+                         f"{short_name(self.zero_gradients[0])}): LoRA A has none while B is at its zero init; "
+                         "check a model trained a few steps, or with B drawn")
         return parts
 
     def table(self, width: int = 160, top: int = 10) -> str:
@@ -100,9 +107,15 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
 
     ``loss`` maps the model's output to the scalar to differentiate (default: its ``loss``, as HF models return
     when the batch has labels). ``lowering="eager"`` runs fxmem's rewritten graphs without code generation (the
-    same numbers in fp32, seconds to compile); "inductor" measures the generated code. The model's gradients are
-    left cleared; dynamo's caches are reset, before and after.
+    same numbers in fp32, seconds to compile); "inductor" measures the generated code (the CUDA-only Triton
+    kernels of ``fused_epilogue`` run only then). ``model`` is the plain module, not one already compiled. The
+    model's gradients are left cleared; dynamo's caches are reset, before and after; the global RNG is seeded
+    (``torch.manual_seed(0)``) before each run, so that random low-rank sketches draw the same in each.
+    Parameters whose exact gradient is zero are listed apart (``zero_gradients``), not compared.
     """
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or model._compiled_call_impl is not None:
+        raise ValueError("check_fidelity needs the model itself, not a compiled one (torch.compile(model) or "
+                         "model.compile()): its exact run would go through the compiled code")
     config = Config.from_preset(preset, **overrides)
     loss = loss or _output_loss
     torch._dynamo.reset()
@@ -123,9 +136,11 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
     finally:
         probe_kernel.release([probe for region in backend.regions for probe, _ in region.probes])
         torch._dynamo.reset()
-    parameters = [ParameterFidelity(name, *_cosine_and_error(reference[name], compressed[name])) for name in reference]
+    zero = [name for name, gradient in reference.items() if not gradient.any()]
+    parameters = [ParameterFidelity(name, *cosine_and_error(reference[name], compressed[name]))
+                  for name in reference if name not in zero]
     return FidelityReport(preset, config, sorted(parameters, key=lambda p: p.cosine),
-                          sorted(tensors, key=lambda t: t.min_cosine))
+                          sorted(tensors, key=lambda t: t.min_cosine), zero)
 
 
 def short_name(name: str) -> str:
@@ -152,13 +167,11 @@ def _gradients(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> dict
     return grads
 
 
-def _cosine_and_error(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, float]:
-    fidelity = gradient_fidelity({"p": reference}, {"p": candidate})
-    return fidelity.min_cosine, fidelity.median_relative_error
-
-
 def _saved_and_plan(region: Any, name: str) -> tuple[Any, Plan]:
-    return next((s, p) for s, p in zip(region.saved, region.plans, strict=True) if s.name == name)
+    for saved, plan in zip(region.saved, region.plans, strict=True):
+        if saved.name == name:
+            return saved, plan
+    raise RuntimeError(f"fidelity probe on {name!r}, which region {region.index}'s plan does not list")
 
 
 def _describe(plan: Plan) -> str:

@@ -215,3 +215,9 @@ def gradient_fidelity(reference: Mapping[str, torch.Tensor], candidate: Mapping[
     worst = min(cosines, key=cosines.get)
     return Fidelity(min_cosine=cosines[worst], median_relative_error=statistics.median(errors),
                     worst_parameter=worst)
+
+
+def cosine_and_error(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, float]:
+    """One gradient's cosine similarity and relative L2 error against its reference."""
+    fidelity = gradient_fidelity({"p": reference}, {"p": candidate})
+    return fidelity.min_cosine, fidelity.median_relative_error

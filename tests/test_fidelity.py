@@ -1,5 +1,7 @@
 """fxmem.check_fidelity: gradients under a preset against eager's, and each compressed tensor's share of the error."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -54,3 +56,19 @@ def test_a_model_output_without_a_loss_is_refused_clearly(bf16_model):
         check_fidelity(model, {"input_ids": batch["input_ids"]}, "hyclora-4bit")
     with pytest.raises(ValueError, match="unknown preset 'fast'; valid presets: exact"):
         check_fidelity(model, batch, "fast")
+
+
+def test_parameters_with_a_zero_exact_gradient_are_listed_apart_not_compared():
+    setup = dataclasses.replace(TINY_BF16, lora_b_std=0.0).build(dtype=torch.float32)  # PEFT's B = 0
+    report = check_fidelity(setup.model, next(setup.batches), "hyclora-4bit", per_tensor=False)
+    lora_a = sorted(n for n, p in setup.model.named_parameters() if "lora_A" in n)
+    assert sorted(report.zero_gradients) == lora_a
+    assert all("lora_B" in p.name for p in report.parameters) and len(report.parameters) == len(lora_a)
+    assert f"{len(lora_a)} parameters not compared, their exact gradient is zero" in report.table()
+    assert report.to_dict()["zero_gradients"] == report.zero_gradients
+
+
+def test_a_compiled_model_is_refused(bf16_model):
+    model, batch = bf16_model
+    with pytest.raises(ValueError, match="check_fidelity needs the model itself, not a compiled one"):
+        check_fidelity(torch.compile(model), batch, "hyclora-4bit")

@@ -61,9 +61,11 @@ def hyclora_settings(bits: Sequence[int] = DEFAULT_BITS) -> list[Setting]:
 
 
 def loract_settings(ratios: Sequence[float | int] = DEFAULT_RATIOS) -> list[Setting]:
-    """The baselines, then per rank ratio the preset (pre-norm sharing, attention's q, k, v at 8 bits), LoRAct
-    layer-wise (every saved tensor factored on its own) and with q, k, v factored too: the comparison of the
-    paper's Tables 3-4, and the departure the preset makes."""
+    """The baselines, then per rank ratio three settings: the preset at that ratio ("pre-norm": a norm's input
+    rebuilt from its output's factors; q, k, v at 8-bit codes, every other tensor the smaller of its factors
+    and its 8-bit codes); "layer-wise", the same without pre-norm sharing (each norm's input stored on its own,
+    the paper's layer-wise baseline of Tables 3-4); and "q/k/v factored", the preset without codes (bits=None:
+    every tensor factored, q, k and v too, as the paper does)."""
     _check_unique("ratios", ratios)
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
     for ratio in ratios:

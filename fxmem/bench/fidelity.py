@@ -5,8 +5,8 @@ A bf16 workload (llama3-bf16-small, llama3-8b-shape) is built as users build one
 adapters in fp32 on it. The fp32 reference is the same model built in fp32 (the same seeded weights, not
 rounded to bf16), its LoRA weights copied from the run compared, so that both are at the same point. Methods:
 eager (whose figure against fp32 is the floor any bf16 method starts from), torch.compile, and fxmem under each
-preset named. Every method starts from the same weights, is compared on the first batch (the probe), then
-trains ``steps`` AdamW steps on the next batches and is compared on the probe again, against eager and fp32
+preset named. Every method starts from the same weights, is compared on the first batch, then
+trains ``steps`` AdamW steps on the next batches and is compared on that batch again, against eager and fp32
 eager at the weights it reached.
 """
 
@@ -20,11 +20,12 @@ import torch
 
 from fxmem.backend import Backend
 from fxmem.bench.workloads import Setup, Workload
-from fxmem.config import Config
-from fxmem.measure import Fidelity, gradient_fidelity, model_tensors, saved_bytes_and_gradients
+from fxmem.config import PRESETS, Config
+from fxmem.measure import Fidelity, cosine_and_error, gradient_fidelity, model_tensors, saved_bytes_and_gradients
 from fxmem.timing import median, step_times
 
 BASELINES = ("eager", "compile")
+TOKENS = ("text", "random")  # the workload's real text, or ids drawn uniformly from the vocabulary
 LEARNING_RATE = 1e-3  # AdamW's: the adapters move measurably in a few steps
 
 
@@ -32,7 +33,7 @@ LEARNING_RATE = 1e-3  # AdamW's: the adapters move measurably in a few steps
 class Comparison:
     """One method's gradients at one point of training, against two references."""
 
-    steps: int  # trained before the probe
+    steps: int  # trained before the comparison
     same_dtype: Fidelity  # against eager in the workload's dtype, at the same weights
     fp32: Fidelity  # against eager fp32, at the same weights
     per_parameter: dict[str, tuple[float, float, float, float]]  # name -> cosine, error (same dtype), (fp32)
@@ -48,7 +49,7 @@ class Comparison:
 class FidelityResult:
     method: str  # eager, compile, or an fxmem preset
     dtype: str
-    saved_bytes: int  # measured on the probe batch
+    saved_bytes: int  # measured on the compared batch
     comparisons: list[Comparison]  # at step 0, then after the training steps
     step_seconds: float | None = None  # median forward + backward, where timed
 
@@ -58,14 +59,11 @@ class FidelityResult:
 
 
 def check_methods(methods: Sequence[str]) -> None:
-    from fxmem.config import PRESETS
     valid = (*BASELINES, *PRESETS)
     unknown = [m for m in methods if m not in valid]
     if unknown:
         raise ValueError(f"unknown method {', '.join(map(repr, unknown))}; valid methods: {', '.join(valid)}")
 
-
-TOKENS = ("text", "random")
 
 
 def measure(workload: Workload, methods: Sequence[str], *, steps: int = 0, device: torch.device | str = "cpu",
@@ -86,7 +84,7 @@ def measure(workload: Workload, methods: Sequence[str], *, steps: int = 0, devic
     reference = workload.build(device=device, dtype=torch.float32)
     model = setup.model
     batches = setup.batches if tokens == "text" else _random_batches(workload, model, device)
-    probe = next(batches)
+    compared = next(batches)
     training = [next(batches) for _ in range(steps)]
     initial = _trainable_copy(model)
     results = []
@@ -94,7 +92,7 @@ def measure(workload: Workload, methods: Sequence[str], *, steps: int = 0, devic
         torch._dynamo.reset()
         _load_trainable(model, initial)
         forward = _forward(method, model, options or {}, lowering)
-        result = _measure_method(method, forward, setup, reference, probe, training, timed_steps, device)
+        result = _measure_method(method, forward, setup, reference, compared, training, timed_steps, device)
         on_result(result)
         results.append(result)
     torch._dynamo.reset()
@@ -103,17 +101,17 @@ def measure(workload: Workload, methods: Sequence[str], *, steps: int = 0, devic
 
 
 def _measure_method(method: str, forward: Callable[..., Any], setup: Setup, reference: Setup,
-                    probe: dict[str, torch.Tensor], training: Sequence[dict[str, torch.Tensor]], timed_steps: int,
+                    compared: dict[str, torch.Tensor], training: Sequence[dict[str, torch.Tensor]], timed_steps: int,
                     device: torch.device) -> FidelityResult:
     model = setup.model
-    exclude = model_tensors(model) + list(probe.values())
-    saved, grads = saved_bytes_and_gradients(model, lambda: setup.loss(forward, probe), exclude)
-    comparisons = [_compare(setup, reference, probe, grads, 0)]
-    seconds = _step_seconds(setup, forward, probe, timed_steps, device) if timed_steps else None
+    exclude = model_tensors(model) + list(compared.values())
+    saved, grads = saved_bytes_and_gradients(model, lambda: setup.loss(forward, compared), exclude)
+    comparisons = [_compare(setup, reference, compared, grads, 0)]
+    seconds = _step_seconds(setup, forward, compared, timed_steps, device) if timed_steps else None
     if training:
         _train(setup, forward, training)
-        _, grads = saved_bytes_and_gradients(model, lambda: setup.loss(forward, probe))
-        comparisons.append(_compare(setup, reference, probe, grads, len(training)))
+        _, grads = saved_bytes_and_gradients(model, lambda: setup.loss(forward, compared))
+        comparisons.append(_compare(setup, reference, compared, grads, len(training)))
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return FidelityResult(method, dtype, saved, comparisons, seconds)
 
@@ -135,21 +133,16 @@ def _forward(method: str, model: torch.nn.Module, options: Mapping[str, Any], lo
     return torch.compile(model, backend=Backend(Config.from_preset(method, **options), lowering=lowering))
 
 
-def _compare(setup: Setup, reference: Setup, probe: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+def _compare(setup: Setup, reference: Setup, compared: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
              steps: int) -> Comparison:
     """``grads`` against eager's at the model's current weights, in its dtype and in fp32."""
     model = setup.model
-    _, same = saved_bytes_and_gradients(model, lambda: setup.loss(model, probe))
+    _, same = saved_bytes_and_gradients(model, lambda: setup.loss(model, compared))
     _load_trainable(reference.model, _trainable_copy(model))
-    _, fp32 = saved_bytes_and_gradients(reference.model, lambda: reference.loss(reference.model, probe))
-    per_parameter = {name: (*_cosine_and_error(same[name], grads[name]), *_cosine_and_error(fp32[name], grads[name]))
+    _, fp32 = saved_bytes_and_gradients(reference.model, lambda: reference.loss(reference.model, compared))
+    per_parameter = {name: (*cosine_and_error(same[name], grads[name]), *cosine_and_error(fp32[name], grads[name]))
                      for name in same}
     return Comparison(steps, gradient_fidelity(same, grads), gradient_fidelity(fp32, grads), per_parameter)
-
-
-def _cosine_and_error(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, float]:
-    fidelity = gradient_fidelity({"p": reference}, {"p": candidate})
-    return fidelity.min_cosine, fidelity.median_relative_error
 
 
 def _train(setup: Setup, forward: Callable[..., Any], batches: Sequence[dict[str, torch.Tensor]]) -> None:

@@ -60,9 +60,9 @@ class Workload:
             model = _build_llama(self.llama) if self.family == "llama" else _load_minilm()
         # Parameters only, as from_pretrained(dtype=...) loads them: buffers keep their dtype (RoPE's inverse
         # frequencies stay fp32; rounded to bf16 they would move every rotation angle at long positions).
+        for parameter in model.parameters():  # cast as moved: never the whole fp32 model on the device
+            parameter.data = parameter.data.to(device=device, dtype=dtype)
         model = model.to(device=device)
-        for parameter in model.parameters():
-            parameter.data = parameter.data.to(dtype)
         if self.nf4:
             model = _as_qlora_base(model, device, dtype)
         if lora_rank:  # on the model in its training dtype: PEFT keeps the adapters in fp32 on a bf16 model

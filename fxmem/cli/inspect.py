@@ -77,10 +77,15 @@ def run(args: argparse.Namespace) -> int:
     console.print(*report.renderables(include_all=args.all))
     data = report.to_dict()
     if args.fidelity:
-        if config.bits is None and config.lowrank is None and config.memory_budget is None:
+        if not config.compresses:
+            lossy = [name for name, preset in PRESETS.items() if preset.compresses]
             console.print(f"[yellow]--fidelity: preset {args.preset} compresses nothing; name a lossy one "
-                          f"({', '.join(p for p in PRESETS if p not in ('exact', 'runlora'))})[/yellow]")
-        fidelity = check_fidelity(model, batch, args.preset, loss=loss, memory_budget=args.memory_budget)
+                          f"({', '.join(lossy)})[/yellow]")
+        try:
+            fidelity = check_fidelity(model, batch, args.preset, loss=loss, memory_budget=args.memory_budget)
+        except TypeError as error:  # the model's output has no loss
+            console.print(f"[red]--fidelity: {error}[/red]")
+            return 2
         console.print(*fidelity.renderables())
         data["fidelity"] = fidelity.to_dict()
     if args.json:

@@ -113,7 +113,7 @@ def _orthonormal_basis(y: torch.Tensor) -> torch.Tensor:
     raising, so nothing waits for the GPU (linalg.qr, and linalg.cholesky's check, synchronize with the host on
     CUDA, and cuSOLVER's QR of a tall matrix is slow); a failed pass keeps the previous pass's Q."""
     y = _finite_fp32(y)
-    eye = torch.eye(y.shape[-1], device=y.device)
+    eye = torch.eye(y.shape[-1], device=y.device, dtype=torch.float32)
     for shift in CHOLESKY_QR_SHIFTS:
         gram = y.mT @ y
         size = torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1)[..., None, None]
@@ -125,7 +125,11 @@ def _orthonormal_basis(y: torch.Tensor) -> torch.Tensor:
 def _unit_columns(omega: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     omega = omega.float()
     norm = torch.linalg.vector_norm(omega, dim=-2, keepdim=True)
-    return (omega / norm.clamp_min(torch.finfo(torch.float32).tiny)).to(dtype)  # a zero column stays zero
+    # A zero column (a zero row of A sampled) would give a zero column of Y, which CholeskyQR keeps zero: the basis
+    # would be a direction short. A Gaussian column in its place samples the range like any other.
+    omega = torch.where(norm > 0, omega, torch.randn_like(omega))
+    norm = torch.linalg.vector_norm(omega, dim=-2, keepdim=True)
+    return (omega / norm.clamp_min(torch.finfo(torch.float32).tiny)).to(dtype)
 
 
 def _range_basis(a: torch.Tensor, omega: torch.Tensor, niter: int) -> torch.Tensor:
@@ -196,8 +200,8 @@ def _check_method(method: str) -> None:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}; got {method!r}")
 
 
-# The randomized SVD's linalg.svd synchronizes with the host on CUDA, which a CUDA graph capture forbids: the tag keeps
-# the decompositions out of what inductor captures (mode="reduce-overhead").
+# Kept out of what inductor captures in CUDA graphs (mode="reduce-overhead"): "rsvd"'s linalg.svd checks its
+# result on the host, and both methods draw random numbers inside the op; neither was verified under capture.
 @torch.library.custom_op("fxmem::lowrank_decompose", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def lowrank_decompose(x: torch.Tensor, rank: int, niter: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(U, V), ``x``'s dtype, with x ~= U @ V: U (*, m, rank), V (*, rank, n); ``rank`` is the resolved integer
@@ -228,7 +232,7 @@ def lowrank_decompose_rows(x: torch.Tensor, rank: int, niter: int, method: str) 
     code flattens (batch, seq, hidden): U (*x.shape[:-1], rank), V (rank, n). The op does the flattening so a
     compiled graph needs no (possibly symbolic) sizes to undo it."""
     u, v = lowrank_decompose(x.reshape(-1, x.shape[-1]), rank, niter, method)
-    # contiguous, as the fake says: LAPACK's Q (U on a wide matrix) is column-major
+    # contiguous, as the fake says: the triangular solve's basis (U on a wide matrix) can come out column-major
     return u.contiguous().reshape(*x.shape[:-1], rank), v.contiguous()
 
 

@@ -32,9 +32,10 @@ def release(probes: list[int]) -> None:
 # Its switch is Python state, which a CUDA graph replay would skip: the tag keeps it out of what inductor captures.
 @torch.library.custom_op("fxmem::fidelity_probe", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def fidelity_probe(restored: torch.Tensor, exact: torch.Tensor, probe: int) -> torch.Tensor:
-    """``restored`` while probe ``probe`` is switched to its compressed value, else ``exact`` (a copy: a custom
-    op's output may not alias its inputs)."""
-    return (restored if COMPRESSED.get(probe, True) else exact).clone()
+    """``restored`` while probe ``probe`` is switched to its compressed value, else ``exact``: a copy (a custom
+    op's output may not alias its inputs) laid out as ``restored``, as the fake says."""
+    chosen = restored if COMPRESSED.get(probe, True) else exact
+    return torch.empty_like(restored).copy_(chosen)
 
 
 @fidelity_probe.register_fake

@@ -150,14 +150,13 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     two large numbers cancels whole for a channel whose mean is large against its spread (mean 1000, std 0.05:
     std 0 in fp32), and a bf16 activation's channels often are. About a value of the channel, the sums stay of
     the spread's size (the shifted-data algorithm)."""
-    finite = _finite(x)
-    dims = tuple(range(x.dim() - 1))
-    count = finite.numel() // x.shape[-1]
-    shift = finite[(0,) * len(dims)]
+    finite = _finite(x).reshape(-1, x.shape[-1])  # (rows, channels), a 1-D x one row
+    count = finite.shape[0]
+    shift = finite[:1].sum(0)  # the first row
     centred = finite - shift
-    offset = centred.sum(dims) / count
-    std = ((centred * centred).sum(dims) / count - offset * offset).clamp_min(0).sqrt()
-    return finite.amin(dims), finite.amax(dims), shift + offset, std, (finite * finite).sum(dims)
+    offset = centred.sum(0) / count
+    std = ((centred * centred).sum(0) / count - offset * offset).clamp_min(0).sqrt()
+    return finite.amin(0), finite.amax(0), shift + offset, std, (finite * finite).sum(0)
 
 
 def fits_range(bits: int) -> bool:

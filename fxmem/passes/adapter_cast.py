@@ -6,12 +6,16 @@ so nothing the planner does for x reaches it. The copy of o_proj's input was qua
 the cast, x is recomputed with attention; X W was stored where it is replayed from x; the norm input was stored
 where it is rebuilt from x's codes.
 
-The cast (and the views around it) is tagged must-recompute, and x must-save: min-cut never recomputes a tensor
-that a backward matmul reads, but through the cast it no longer sees that matmul, and it recomputed x from the
-norm's input instead. The region is then partitioned as if the adapters had x's dtype. The cast is exact, so
-gradients are unchanged. On a bf16 Llama with fp32 adapters (llama3-bf16-small, hyclora-4bit) the worst LoRA
-gradient cosine went from 0.950 to 0.992, the figure of the same model with bf16 adapters; with the cast alone
-recomputed, 0.958.
+The widening cast to the adapters' dtype (and the views around it) is tagged must-recompute; the cast is exact, so
+gradients are unchanged. Where a lossy plan follows (``Config.compresses``), x is also tagged must-save: min-cut
+never recomputes a tensor that a backward matmul reads, but through the cast it no longer sees that matmul, and
+it recomputed x from the norm's input, which the plan then stored at 4 bits. The region is then partitioned as if
+the adapters had x's dtype: on a bf16 Llama with fp32 adapters (llama3-bf16-small, hyclora-4bit) the worst LoRA
+gradient cosine went from 0.950 to 0.992, the figure of the same model with bf16 adapters (0.958 with the cast
+alone recomputed). Under exact plans min-cut's choice stands: recomputing x from what it saves anyway costs no
+bytes (llama-7b at 4 x 1024, `fxmem whatif`: 516 MiB a layer with x must-save, 365 without).
+
+A narrowing cast (autocast running an fp32 model's LoRA in bf16) is left alone: there the copy is the smaller.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import operator
 from torch.fx import Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxmem.analysis.graph import DTYPE_CASTS, is_view, storage_bytes, tensor_val
+from fxmem.analysis.graph import DTYPE_CASTS, is_view, storage_base, storage_bytes, tensor_val
 from fxmem.analysis.lora import find_lora_linears, matmul_operands
 from fxmem.analysis.meta import RECOMPUTE
 from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
@@ -33,29 +37,39 @@ class RecomputeAdapterCast(GraphPass):
 
     def run(self, state: PipelineState) -> str:
         graph = state.joint.graph
-        casts: dict[Node, list[Node]] = {}  # the cast -> its chain, once for q/k/v reading one x
+        casts: dict[Node, list[Node]] = {}  # the cast -> its chain, once for LoRA linears reading one cast
         for lora in find_lora_linears(graph, joint_primals(graph)):
-            chain = cast_for_adapters(matmul_operands(lora.xa)[0])
-            if chain:
-                casts.setdefault(next(n for n in chain if n.target in DTYPE_CASTS), chain)
-        for chain in casts.values():
+            x_lora, lora_a_t = matmul_operands(lora.xa)
+            chain = widening_cast(x_lora)
+            if chain and tensor_val(chain[-1]).dtype == tensor_val(lora_a_t).dtype:
+                casts.setdefault(chain[-1], chain)
+        for cast, chain in casts.items():
             tag_must_recompute(chain)
-            x = chain[-1].args[0]
+            x = storage_base(cast.args[0])  # must-save has no effect on a view
             # A getitem of a multi-output op (fused attention's output) is not min-cut's to save or recompute:
             # its op is; a later pass may still tag x must-recompute (attention recomputed in backward).
-            if x.op == "call_function" and x.target is not operator.getitem and RECOMPUTE not in x.meta:
+            if state.config.compresses and x.op == "call_function" and x.target is not operator.getitem \
+                    and RECOMPUTE not in x.meta:
                 x.meta[RECOMPUTE] = CheckpointPolicy.MUST_SAVE
         if not casts:
             return ""
         copies = sum(storage_bytes(tensor_val(cast)) for cast in casts)
+        saved = "x saved" if state.config.compresses else "x saved or recomputed as min-cut chooses"
         return (f"{len(casts)} cast(s) of x to the adapters' dtype ({copies / 2**20:.1f} MiB of copies) recomputed "
-                "in backward from x")
+                f"in backward; {saved}")
 
 
-def cast_for_adapters(x_lora: Node) -> list[Node]:
-    """The cast (and views) that make x_lora from x where the adapters have another dtype than x, else []."""
+def widening_cast(x_lora: Node) -> list[Node]:
+    """The views from ``x_lora`` back to the one cast that made it from x, that cast last, where the cast widens
+    (bf16 x to fp32 adapters); else []. Stops at that cast: x is its input, whatever made it (a norm ending in a cast
+    of its own, as Gemma's does, is x's producer, not part of the chain)."""
     chain, current = [], x_lora
-    while isinstance(current, Node) and (is_view(current) or current.target in DTYPE_CASTS):
+    while isinstance(current, Node) and is_view(current):
         chain.append(current)
         current = current.args[0]
-    return chain if any(node.target in DTYPE_CASTS for node in chain) else []
+    if not (isinstance(current, Node) and current.target in DTYPE_CASTS and isinstance(current.args[0], Node)):
+        return []
+    wide, narrow = tensor_val(current), tensor_val(current.args[0])
+    if wide is None or narrow is None or wide.dtype.itemsize <= narrow.dtype.itemsize:
+        return []
+    return [*chain, current]

@@ -25,6 +25,7 @@ from fxmem.analysis import Analysis
 from fxmem.analysis.meta import RECOMPUTE
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
+from fxmem.kernels import probe as probe_kernel
 from fxmem.kernels.calibration import QuantSlot
 
 Stage = Literal["dynamo", "joint", "partitioned"]
@@ -137,6 +138,9 @@ class PassManager:
             except Exception as error:  # roll the stage back: the region compiles as if fxmem did nothing here
                 for key, gm in snapshot.items():
                     setattr(state, key, gm)
+                if state.probes is not None:  # the stage's probes are gone with its graphs: free their switches
+                    kept = {probe for probe, _ in probes or ()}
+                    probe_kernel.release([probe for probe, _ in state.probes if probe not in kept])
                 state.slots, state.dequantized, state.probes = slots, dequantized, probes
                 state.plans = [p if p.action == "keep" else Plan("keep", f"pass {graph_pass.name} failed: rolled back")
                                for p in plans]

@@ -44,6 +44,17 @@ def test_eager_is_its_own_reference_and_a_preset_is_compared_before_and_after_tr
 
 
 def test_random_tokens_span_the_vocabulary_and_bad_choices_are_refused():
+    from fxmem.bench.fidelity import _random_batches
+    setup = TINY_BF16.build()
+    batches = _random_batches(TINY_BF16, setup.model, torch.device("cpu"))
+    first = next(batches)
+    vocab = setup.model.get_input_embeddings().num_embeddings
+    ids = torch.cat([first["input_ids"], *(next(batches)["input_ids"] for _ in range(7))])
+    assert first["input_ids"].shape == next(setup.batches)["input_ids"].shape and torch.equal(first["labels"],
+                                                                                                first["input_ids"])
+    assert ids.unique().numel() > 0.75 * vocab and ids.max() >= vocab - 8  # 8 x 64 uniform draws of 256: 86% expected
+    assert torch.equal(next(_random_batches(TINY_BF16, setup.model, torch.device("cpu")))["input_ids"],
+                       first["input_ids"])  # seeded
     [result] = measure(TINY_BF16, ["eager"], tokens="random", lowering="eager")
     assert result.comparisons[0].same_dtype.median_relative_error == 0
     with pytest.raises(ValueError, match="unknown method 'fast'; valid methods: eager, compile, exact"):
@@ -56,10 +67,16 @@ def test_the_command_writes_a_row_per_method_and_json_as_each_method_ends(monkey
     from fxmem.bench import workloads
     monkeypatch.setattr(workloads, "get_workload", lambda name: TINY_BF16)
     path = tmp_path / "fidelity.json"
+    from fxmem.cli.bench import fidelity as command
+    written = []
+    write_json = command.write_json
+    monkeypatch.setattr(command, "write_json", lambda results, *a, **k: (written.append([r.method for r in results]),
+                                                                       write_json(results, *a, **k)))
     assert cli.main(["bench", "fidelity", "--methods", "eager", "loract", "--lowering", "eager", "--time", "1",
                      "--no-logits", "--json", str(path)]) == 0
+    assert written == [["eager"], ["eager", "loract"]]  # as each method ends
     out = capsys.readouterr().out
-    assert "fxmem bench fidelity" in out and "min cos vs fp32" in out and "step vs torch.compile" not in out
+    assert "fxmem bench fidelity" in out and "min cos vs fp32" in out and "step vs eager" in out
     data = json.loads(path.read_text())
     assert [r["method"] for r in data["results"]] == ["eager", "loract"]
     assert data["options"] == {"return_logits": False} and data["tokens"] == "text"

@@ -111,3 +111,22 @@ def test_bench_runs_every_baseline_and_writes_json_and_markdown(tiny_workloads, 
     markdown = markdown_path.read_text()
     assert "| workload | method | saved activations |" in markdown and "Command: `fxmem bench" in markdown
     assert "- step peak: " in markdown
+
+
+def test_bench_compare_applies_set_and_dtype_and_refuses_what_has_its_own_option(tiny_workloads, tmp_path, capsys):
+    json_path = tmp_path / "bench.json"
+    assert cli.main(["bench", "--workloads", "llama-tiny", "--steps", "1", "--methods", "eager", "fxmem",
+                     "--preset", "hyclora-4bit", "--set", "bits=8", "--set", "attn_sparsity=None",
+                     "--dtype", "fp32", "--json", str(json_path)]) == 0
+    assert "preset hyclora-4bit, bits=8, attn_sparsity=None; in fp32" in capsys.readouterr().out
+    data = json.loads(json_path.read_text())
+    assert data["options"] == {"bits": 8, "attn_sparsity": None}
+    fxmem = next(r for r in data["results"] if r["method"] == "fxmem")
+    assert fxmem["fidelity"]["min_cosine"] > 0.99  # 8-bit codes only
+    for argv, message in [(["--set", "preset=exact"], "--set preset=...: use --preset"),
+                          (["--set", "return_logits=False"], "--set return_logits=...: use --drop-logits"),
+                          (["--set", "bits=3"], "bits must be one of 1, 2, 4, 8, None; got 3"),
+                          (["--frontier", "--set", "bits=8"], "--frontier runs the presets as they are"),
+                          (["--frontier", "--dtype", "bf16"], "--frontier runs the presets as they are")]:
+        assert cli.main(["bench", "--workloads", "llama-tiny", *argv]) == 2
+        assert message in capsys.readouterr().out

@@ -45,6 +45,17 @@ def test_an_exactly_rank_k_matrix_comes_back_exactly(method, niter, shape):
     assert _relative_error(a, u, v) < 1e-5
 
 
+def test_zero_rows_sampled_do_not_leave_the_basis_short():
+    """Sampling rows of A as the test matrix: a zero row gives a zero sketch column, which is drawn again."""
+    torch.manual_seed(0)
+    a = _rank_k((48, 160), 6)
+    a[10:] = 0  # 38 of 48 rows zero (padding tokens): most samples of 6 rows hit one
+    for seed in range(5):
+        torch.manual_seed(seed)
+        u, v = lowrank.decompose(a, 6, method="sampling", niter=0)
+        assert _relative_error(a, u, v) < 1e-5
+
+
 @pytest.mark.parametrize("shape", [(48, 160), (160, 48)])
 def test_sampling_factors_are_an_orthogonal_projection_of_a(shape):
     """U V = Q Q^T A with orthonormal Q on the shorter side: the residual is orthogonal to the reconstruction."""

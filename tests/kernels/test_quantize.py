@@ -102,6 +102,19 @@ def test_channel_statistics_keep_a_small_spread_about_a_large_mean(dtype):
     assert naive[0] == 0 or abs(naive[0] / exact[:, 0].std(unbiased=False) - 1) > 0.1  # what the shift fixes
 
 
+@pytest.mark.parametrize("shape", [(7,), (3, 7), (2, 3, 7)])
+def test_channel_statistics_reduce_every_dimension_but_the_last(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    rows = x.reshape(-1, shape[-1]).double()
+    low, high, mean, std, square_norm = q.channel_stats(x)
+    assert all(t.shape == (shape[-1],) for t in (low, high, mean, std, square_norm))
+    torch.testing.assert_close(low.double(), rows.amin(0))
+    torch.testing.assert_close(high.double(), rows.amax(0))
+    torch.testing.assert_close(mean.double(), rows.mean(0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(std.double(), rows.std(0, unbiased=False), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(square_norm.double(), rows.square().sum(0), rtol=1e-5, atol=1e-6)
+
+
 def test_a_constant_channel_comes_back_exactly_and_bits_are_checked():
     x = torch.tensor([[2.5, 0.0, -1.0], [2.5, 0.0, 3.0]])
     spec = q.QuantSpec(3, 2)

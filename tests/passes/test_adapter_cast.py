@@ -67,3 +67,34 @@ def test_a_model_without_casts_is_left_alone():
     backend, *_ = _compiled(model, batch, Config())
     [record] = [r for r in backend.regions[0].passes if r.name == "recompute_adapter_cast"]
     assert record.summary == "" and record.error is None
+
+
+def test_the_chain_stops_at_one_widening_cast_and_narrowing_casts_are_left_alone():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxmem.passes.adapter_cast import widening_cast
+
+    def lora_input(h, a):  # a norm ending in a cast of its own (Gemma's type_as), then PEFT's cast to fp32
+        x = (h * 2).to(torch.bfloat16)
+        wide = x.to(torch.float32).view(-1, 8) @ a
+        narrow = h.to(torch.bfloat16).view(-1, 8) @ a.to(torch.bfloat16)  # autocast's: to the smaller dtype
+        return wide, narrow
+
+    graph = make_fx(lora_input, tracing_mode="fake")(torch.randn(2, 4, 8), torch.randn(8, 3)).graph
+    wide_mm, narrow_mm = [n for n in graph.nodes if n.target is torch.ops.aten.mm.default]
+    chain = widening_cast(wide_mm.args[0])
+    assert [n.target for n in chain][-1] in (torch.ops.prims.convert_element_type.default,
+                                             torch.ops.aten._to_copy.default)
+    x = chain[-1].args[0]
+    assert x.meta["val"].dtype == torch.bfloat16  # the norm's own cast, not the fp32 product before it
+    assert widening_cast(narrow_mm.args[0]) == []
+
+
+def test_autocast_over_an_fp32_model_casts_down_and_the_pass_leaves_it():
+    model, batch = tiny_model("llama", lora=True)
+    torch._dynamo.reset()
+    backend = Backend(Config.from_preset("hyclora-4bit"), lowering="eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(model, backend=backend)(**batch).loss.backward()
+    [record] = [r for r in backend.regions[0].passes if r.name == "recompute_adapter_cast"]
+    assert record.summary == "" and record.error is None

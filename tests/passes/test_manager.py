@@ -135,6 +135,18 @@ def test_a_rollback_also_undoes_the_plans_and_quantization_state_of_its_stage():
     assert backend.report().planned_bytes == backend.report().activation_bytes
 
 
+def test_a_rollback_releases_the_fidelity_probes_its_stage_registered():
+    from fxmem.kernels import probe
+    from fxmem.passes import QuantizeSaved
+    model, x, expected = _model_and_reference()
+    before = dict(probe.COMPRESSED)
+    backend = Backend(Config(bits=4), passes=PassManager([QuantizeSaved(), BreaksAfterQuantizing()]),
+                      fidelity_probes=True)
+    _run(backend, model, x, expected)
+    assert backend.regions[0].passes[0].summary == "2 storage(s) quantized"  # probed, then rolled back
+    assert backend.regions[0].probes == [] and probe.COMPRESSED == before
+
+
 class Unlowerable(GraphPass):
     """A correct rewrite inductor cannot lower: new_zeros is decomposed away before lowering."""
     name, stage = "unlowerable", "partitioned"

@@ -33,7 +33,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     add_workload(parser, "llama-tiny")
     parser.add_argument("--steps", type=int_at_least(3), default=200)
     parser.add_argument("--technique", choices=["hyclora", "loract"], default="hyclora",
-                        help="hyclora: the --bits settings; loract: the --ratios settings")
+                        help="hyclora: the --bits settings; loract: per --ratios value, the preset at that ratio "
+                             "(pre-norm), without pre-norm sharing (layer-wise), and without 8-bit codes "
+                             "(q/k/v factored, as the paper)")
     parser.add_argument("--bits", type=int, nargs="+", choices=BITS_CHOICES, help="hyclora: bit widths (default 4 2)")
     parser.add_argument("--ratios", nargs="+", type=lowrank_rank,
                         help="loract: lowrank values, ratios in (0, 1) of the last dimension or integer ranks "

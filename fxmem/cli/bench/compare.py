@@ -67,8 +67,13 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+# Config fields that have their own option here, and what to use instead of --set
+OWN_OPTIONS = {"preset": "--preset", "return_logits": "--drop-logits"}
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        _check_options(args)
         Config.from_preset(args.preset, **dict(args.set))
     except ValueError as error:
         console.print(f"[red]{error}[/red]")
@@ -121,6 +126,14 @@ def rows(results: list) -> list[list[str]]:
 
 FRONTIER_COLUMNS = ("workload", "method", "saved activations", "step peak", "step time", "vs compile",
                     "min grad cos", "median grad rel err")
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    for name, _ in args.set:
+        if name in OWN_OPTIONS:
+            raise ValueError(f"--set {name}=...: use {OWN_OPTIONS[name]}")
+    if args.frontier and (args.set or args.dtype):
+        raise ValueError("--frontier runs the presets as they are, in the workload's dtype: drop --set and --dtype")
 
 
 def _frontier(args: argparse.Namespace, names: list[str], device: torch.device) -> int:
