@@ -55,8 +55,8 @@ TECHNIQUES: tuple[Technique, ...] = (
               lambda config: config.lora_reorder, ("lora_reorder", "fuse_epilogue"),
               refine=planner.rebuild_from_x),
     Technique("runlora", ("runlora",), lambda config: config.runlora != "off", ("runlora", "onednn_matmul")),
-    # PEFT's fp32 adapters on a half-precision model: x saved rather than its cast, in every preset (exact: the
-    # cast is lossless, so the gradients are torch.compile's).
+    # PEFT's fp32 adapters on a half-precision model: the cast of x recomputed in backward, in every preset (the
+    # cast is lossless: under exact the gradients are torch.compile's); x saved where a lossy plan follows.
     Technique("adapter_cast", (), lambda config: True, ("recompute_adapter_cast",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
     Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
