@@ -11,7 +11,7 @@ from tests.bench.test_fidelity import TINY_BF16
 # this model measures 0.998). loract's rank-1/8 factors of random-weight activations lose what random activations
 # hold outside any 1/8 of their dimensions (docs/loract.md): its bar is its own figure here, 0.83 (0.53 while q, k
 # and v were factored too).
-BOUNDS = {"exact": 0.9995, "runlora": 0.9995, "hyclora-4bit": 0.99, "hyclora-2bit": 0.99, "loract": 0.8}
+BOUNDS = {"exact": 0.9995, "runlora": 0.9995, "hyclora-4bit": 0.992, "hyclora-2bit": 0.992, "loract": 0.8}
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ Each mode trains a few SGD steps from the same weights on the same batches:
 
 - ``single``: one process on the whole global batch (its mean loss is the average of the ranks' equal-sized
   parts' means, so the gradients agree);
+- ``accumulate``: one process on each rank's part in turn, the gradients averaged: DDP's arithmetic, each part
+  compressed on its own as a rank compresses it, so DDP under a lossy preset should match it to rounding;
 - ``ddp``: ``DistributedDataParallel`` over the model compiled in place with fxmem (``fxmem.compile_``);
 - ``fsdp2``: as torchtitan does it, each decoder block compiled with fxmem and sharded with ``fully_shard``, then
   the whole model sharded.
@@ -32,7 +34,8 @@ from fxmem.bench.workloads import Workload, get_workload
 from fxmem.config import CALIBRATION_CHOICES, Config
 from fxmem.measure import model_tensors, saved_activation_bytes
 
-MODES = ("single", "ddp", "fsdp2")
+MODES = ("single", "accumulate", "ddp", "fsdp2")
+ONE_PROCESS = ("single", "accumulate")
 
 
 def train(workload: Workload, mode: str, *, preset: str = "exact", calibration: str = "dynamic", steps: int = 3,
@@ -42,13 +45,13 @@ def train(workload: Workload, mode: str, *, preset: str = "exact", calibration: 
     LoRA weights at the end (full tensors, gathered under FSDP2)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if mode != "single" else (0, ranks)
+    rank, world = (0, ranks) if mode in ONE_PROCESS else (dist.get_rank(), dist.get_world_size())
     setup = workload.build()
     model = setup.model
     batches = [next(setup.batches) for _ in range(steps)]
     backend = Backend(Config.from_preset(preset, calibration=calibration))
     forward: Any = model
-    if mode == "single":
+    if mode in ONE_PROCESS:
         model.compile(backend=backend)
     elif mode == "ddp":
         forward = torch.nn.parallel.DistributedDataParallel(model)
@@ -79,6 +82,10 @@ def _steps(forward: Any, model: torch.nn.Module, optimizer: torch.optim.Optimize
         part = {k: v.chunk(world)[rank] for k, v in batch.items()}  # this rank's part
         if mode == "single":  # the global batch at once: the mean over its tokens, as the ranks' average is
             loss = forward(**batch).loss
+        elif mode == "accumulate":  # each part's mean loss, its gradient averaged (both graphs held at once: a
+            # reference for the gradients, not for memory)
+            parts = [{k: v.chunk(world)[r] for k, v in batch.items()} for r in range(world)]
+            loss = sum(forward(**p).loss for p in parts) / world
         elif saved is None and mode == "ddp":  # FSDP2's unsharded parameters are no model tensor to leave out
             saved, output = saved_activation_bytes(lambda: forward(**part), model_tensors(model) + list(part.values()))
             loss = output.loss
@@ -88,7 +95,7 @@ def _steps(forward: Any, model: torch.nn.Module, optimizer: torch.optim.Optimize
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         global_loss = loss.detach().clone()
-        if mode != "single":
+        if mode not in ONE_PROCESS:
             dist.all_reduce(global_loss)
             global_loss /= world
         losses.append(global_loss.item())
@@ -132,7 +139,7 @@ def run_rank(workload: Workload, mode: str, out: pathlib.Path, **options: Any) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=MODES[1:], required=True)
+    parser.add_argument("--mode", choices=[m for m in MODES if m not in ONE_PROCESS], required=True)
     parser.add_argument("--workload", default="llama-tiny")
     parser.add_argument("--preset", default="exact")
     parser.add_argument("--calibration", choices=CALIBRATION_CHOICES, default="dynamic")

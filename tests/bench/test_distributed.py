@@ -35,7 +35,7 @@ def _torchrun(tmp_path: pathlib.Path, mode: str, preset: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_process():
     torch._dynamo.reset()
-    return {preset: train(TINY_LLAMA, "single", preset=preset) for preset in ("exact", "hyclora-4bit")}
+    return {"exact": train(TINY_LLAMA, "single", preset="exact")}
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
@@ -60,11 +60,16 @@ def test_two_ranks_train_as_one_process_on_the_global_batch_under_exact(tmp_path
 
 def test_ddp_ranks_calibrating_on_their_own_parts_stay_as_close_to_exact_as_one_process(tmp_path, one_process):
     ranks = _torchrun(tmp_path, "ddp", "hyclora-4bit")
-    exact, compressed = one_process["exact"]["lora"], one_process["hyclora-4bit"]["lora"]
+    exact = one_process["exact"]["lora"]
     assert all(rank["saved_bytes"] == rank["planned_bytes"] for rank in ranks)
-    # Both are about 1% since rebuild_from_x (x at 8 bits): a rank's scales over its half of the rows round
-    # differently, not coarser (0.0146 against 0.0079 after the test's steps; before, 1.5x held at larger distances)
-    assert relative_distance(exact, ranks[0]["lora"]) <= 2 * relative_distance(exact, compressed)
+    # DDP averages gradients each compressed on its rank's part of the batch: one process doing the same (each
+    # part in turn, the gradients averaged) is the exact reference, to rounding, as one process is under exact.
+    accumulated = train(TINY_LLAMA, "accumulate", preset="hyclora-4bit")
+    assert ranks[0]["losses"] == pytest.approx(accumulated["losses"], rel=1e-6)
+    assert relative_distance(accumulated["lora"], ranks[0]["lora"]) < 1e-5
+    # Against the whole batch compressed at once, calibration over half the rows rounds differently (measured here:
+    # 0.0079 from exact for one process, 0.0146 for a rank): a property of the data, not of DDP, so no bound on it
+    assert relative_distance(exact, ranks[0]["lora"]) > 1e-4  # compressed, not exact
     assert ranks[0]["lora"] == ranks[1]["lora"]  # DDP's ranks agree
 
 

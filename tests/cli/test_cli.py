@@ -98,8 +98,11 @@ def test_finetune_command_learns_prints_the_side_by_side_table_and_exact_fxmem_m
 def test_bench_runs_every_baseline_and_writes_json_and_markdown(tiny_workloads, tmp_path, capsys):
     json_path, markdown_path = tmp_path / "bench.json", tmp_path / "bench.md"
     assert cli.main(["bench", "--workloads", "llama-tiny", "--steps", "1", "--json", str(json_path),
-                     "--markdown", str(markdown_path)]) == 0
-    results = {r["method"]: r for r in json.loads(json_path.read_text())["results"]}
+                     "--markdown", str(markdown_path), "--set", "chunk_loss=False", "--dtype", "fp32"]) == 0
+    assert "preset exact, chunk_loss=False; in fp32" in capsys.readouterr().out
+    data = json.loads(json_path.read_text())
+    assert data["options"] == {"chunk_loss": False}
+    results = {r["method"]: r for r in data["results"]}
     assert set(results) == {"eager", "compile", "compile-budget", "hf-checkpointing", "fxmem"}
     assert results["eager"]["fidelity"] is None  # the reference
     assert results["fxmem"]["fidelity"]["min_cosine"] > 0.99999
@@ -113,16 +116,7 @@ def test_bench_runs_every_baseline_and_writes_json_and_markdown(tiny_workloads, 
     assert "- step peak: " in markdown
 
 
-def test_bench_compare_applies_set_and_dtype_and_refuses_what_has_its_own_option(tiny_workloads, tmp_path, capsys):
-    json_path = tmp_path / "bench.json"
-    assert cli.main(["bench", "--workloads", "llama-tiny", "--steps", "1", "--methods", "eager", "fxmem",
-                     "--preset", "hyclora-4bit", "--set", "bits=8", "--set", "attn_sparsity=None",
-                     "--dtype", "fp32", "--json", str(json_path)]) == 0
-    assert "preset hyclora-4bit, bits=8, attn_sparsity=None; in fp32" in capsys.readouterr().out
-    data = json.loads(json_path.read_text())
-    assert data["options"] == {"bits": 8, "attn_sparsity": None}
-    fxmem = next(r for r in data["results"] if r["method"] == "fxmem")
-    assert fxmem["fidelity"]["min_cosine"] > 0.99  # 8-bit codes only
+def test_bench_compare_refuses_overrides_that_have_their_own_option(tiny_workloads, capsys):
     for argv, message in [(["--set", "preset=exact"], "--set preset=...: use --preset"),
                           (["--set", "return_logits=False"], "--set return_logits=...: use --drop-logits"),
                           (["--set", "bits=3"], "bits must be one of 1, 2, 4, 8, None; got 3"),

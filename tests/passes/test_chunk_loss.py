@@ -73,13 +73,22 @@ def test_returned_logits_leave_the_loss_whole_and_say_how_to_chunk_it():
 def test_num_items_in_batch_divides_the_chunked_sum():
     model, batch = tiny_model("llama", lora=True, layers=1)
     randomize_lora_b(model)
-    batch = {**_ignore_some(batch), "num_items_in_batch": torch.tensor(40)}
+    batch = _ignore_some(batch)
+    counted = (batch["labels"][:, 1:] != -100).sum()  # 27 of 30 shifted targets: 40 is not the mean's divisor
+    mean = loss_and_grads(model, model, batch)
+    batch = {**batch, "num_items_in_batch": torch.tensor(40)}
     reference = loss_and_grads(model, model, batch)
+    torch.testing.assert_close(reference[0], mean[0] * counted / 40)  # HF's sum / num_items_in_batch
+    exact = fxmem.backend("exact", return_logits=False)
+    _assert_same(reference, loss_and_grads(torch.compile(model, backend=exact), model, batch))
+    assert "in blocks of 32 rows x 256 classes" in _summary(exact)
+    torch._dynamo.reset()
+    # Compressed: the chunked loss is exact, so its gradients are those of the same preset with the loss whole
     backend = fxmem.backend("hyclora-4bit", return_logits=False)
-    forward = torch.compile(model, backend=backend)
-    loss, grads = loss_and_grads(forward, model, batch)
-    assert torch.allclose(loss, reference[0], rtol=1e-2)
-    assert "in blocks of 32 rows x 256 classes" in _summary(backend)
+    chunked = loss_and_grads(torch.compile(model, backend=backend), model, batch)
+    torch._dynamo.reset()
+    whole = loss_and_grads(torch.compile(model, backend=fxmem.backend("hyclora-4bit")), model, batch)
+    _assert_same(whole, chunked, tolerance=1e-4)
     plans = [(s.role.value, p.action) for r in backend.regions for s, p in zip(r.saved, r.plans)]
     assert ("loss_gradient", "keep") in plans  # the head input's gradient, computed in forward, stays exact
 
@@ -129,9 +138,12 @@ def test_a_loss_of_another_form_is_left_as_torch_runs_it_with_the_reason(loss, r
     module = _Head(loss)
     x, target = torch.randn(32, 16, requires_grad=True), torch.randint(0, 64, (32,))
     expected = module(x, target)
+    expected_grads = torch.autograd.grad(expected, (x, module.head.weight))
     backend = fxmem.backend("exact")
     got = torch.compile(module, backend=backend)(x, target)
     assert torch.allclose(got, expected, rtol=1e-6)
+    for grad, expected_grad in zip(torch.autograd.grad(got, (x, module.head.weight)), expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
     assert reason in _summary(backend)
     assert "chunk(s)" not in _summary(backend)
 
