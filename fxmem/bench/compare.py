@@ -1,4 +1,4 @@
-"""`fxmem bench compare`: each workload under fxmem and the four baselines of ../shared/BENCHMARKS.md, in one
+"""`fxmem bench compare`: each workload under fxmem and the baselines of ../shared/BENCHMARKS.md, in one
 process."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch._inductor.compile_fx import compile_fx
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fxmem.backend import Backend
 from fxmem.bench.workloads import Setup, Workload
@@ -24,14 +25,34 @@ from fxmem.measure import (
 )
 from fxmem.timing import interleaved_step_times, median, step_times, warm_up_compiler
 
-METHODS = ("eager", "compile", "compile-budget", "hf-checkpointing", "fxmem")
+METHODS = ("eager", "compile", "compile-budget", "hf-checkpointing", "compile-checkpointing", "compile-sac", "fxmem")
 METHOD_DESCRIPTIONS = {
     "eager": "eager PEFT LoRA (what most users run today)",
     "compile": "torch.compile, inductor defaults (min-cut rematerialization)",
     "compile-budget": "inductor with activation_memory_budget set to fxmem's saved bytes",
     "hf-checkpointing": "eager with HF gradient checkpointing",
+    "compile-checkpointing": "torch.compile over HF gradient checkpointing (each decoder layer recomputed whole)",
+    "compile-sac": "torch.compile with selective activation checkpointing per decoder layer: matmuls and attention "
+                   "saved, everything else recomputed",
     "fxmem": "torch.compile(backend=fxmem) with the chosen preset",
 }
+# What selective activation checkpointing saves (the matmuls and attention, as torchtitan's op-level policy does);
+# everything else, element-wise ops and norms, is recomputed in backward.
+SAC_SAVED_OPS = frozenset(op for op in (
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default))
+
+
+def _sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAC_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint_context() -> Any:
+    """A checkpoint's context_fn: SAC_SAVED_OPS saved, the rest recomputed."""
+    return create_selective_checkpoint_contexts(_sac_policy)
 
 
 @dataclass
@@ -72,9 +93,13 @@ def forward_for_method(method: str, model: torch.nn.Module, config: Config, budg
     """What the training step calls under ``method``: the model itself, or a compiled wrapper of it."""
     if method == "eager":
         return model
-    if method == "hf-checkpointing":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
+    if method in ("hf-checkpointing", "compile-checkpointing", "compile-sac"):
+        # HF's checkpointing of each decoder layer; SAC through the same call (its kwargs go to checkpoint())
+        options: dict[str, Any] = {"use_reentrant": False}
+        if method == "compile-sac":
+            options["context_fn"] = selective_checkpoint_context
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+        return model if method == "hf-checkpointing" else torch.compile(model)
     if method == "compile":
         return torch.compile(model)
     if method == "compile-budget":

@@ -1,4 +1,4 @@
-"""`fxmem bench [compare]`: each workload under fxmem and the four baselines of ../shared/BENCHMARKS.md."""
+"""`fxmem bench [compare]`: each workload under fxmem and the baselines of ../shared/BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -41,13 +41,13 @@ LEGEND = {
 
 
 def add_parser(experiments: argparse._SubParsersAction) -> None:
-    parser = experiments.add_parser(NAME, help="fxmem vs the four baselines on the benchmark workloads")
+    parser = experiments.add_parser(NAME, help="fxmem vs the baselines on the benchmark workloads")
     parser.add_argument("--workloads", nargs="+", choices=workload_names(),
                         help="default: llama-tiny and llama-small, plus llama-7b-shape on a GPU")
     add_preset(parser)
     parser.add_argument("--steps", type=int_at_least(1), default=5, help="timed steps per method (median reported)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
-                        help="default: fxmem and all four baselines")
+                        help="default: fxmem and every baseline")
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--dtype", choices=list(DTYPES), help="train in this dtype instead of the workload's own")
     parser.add_argument("--set", action="append", type=config_override, default=[], metavar="NAME=VALUE",
