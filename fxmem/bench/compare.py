@@ -68,16 +68,23 @@ class MethodResult:
     budget: float | None = None  # activation_memory_budget, for compile-budget
     step_samples: list[float] = field(default_factory=list)
     label: str = ""  # the method as a table shows it, where one method runs in several settings
+    fidelity_bound: float | None = None  # the preset's published worst cosine (fxmem points); None: exact
 
     @property
     def step_seconds(self) -> float:
         return median(self.step_samples)
+
+    @property
+    def meets_fidelity_bound(self) -> bool:
+        """Exact methods carry 1.0; an fxmem point meets its preset's published worst cosine."""
+        return self.fidelity_bound is None or self.fidelity is None or self.fidelity.min_cosine >= self.fidelity_bound
 
     def to_dict(self) -> dict[str, Any]:
         return {"workload": self.workload, "method": self.method, "saved_bytes": self.saved_bytes,
                 "peak_bytes": self.peak_bytes, "static_bytes": self.static_bytes, "step_seconds": self.step_seconds,
                 "step_samples": self.step_samples, "compile_seconds": self.compile_seconds,
                 "first_loss": self.first_loss, "budget": self.budget, "label": self.label,
+                "fidelity_bound": self.fidelity_bound,
                 "fidelity": self.fidelity.to_dict() if self.fidelity else None}
 
 

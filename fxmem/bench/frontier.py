@@ -5,7 +5,8 @@ Each target is a fraction of what torch.compile saves. compile-budget runs induc
 spends the bytes cheapest first), and once more with the lowest-memory preset as its own last point. Eager PEFT,
 torch.compile and HF checkpointing are single points. Every method is built and compiled in one process and
 their steps are timed interleaved, so the points compare. fxmem wins a compile-budget point when one of its
-points has no higher step peak and a lower step time.
+points has no higher step peak, a lower step time, and a worst gradient cosine at its preset's published figure
+(config.PUBLISHED_MIN_COSINE) or above.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from fxmem.bench.compare import MethodResult, prepare_method, time_interleaved
 from fxmem.bench.workloads import Workload
-from fxmem.config import Config
+from fxmem.config import PUBLISHED_MIN_COSINE, Config
 from fxmem.timing import warm_up_compiler
 
 DEFAULT_TARGETS = (0.5, 0.3, 0.15, 0.08)
@@ -32,6 +33,7 @@ class Point:
     config: Config = Config()
     budget: float | None = None  # compile-budget's activation_memory_budget
     label: str = ""
+    preset: str | None = None  # fxmem's: whose published fidelity the point must meet
 
 
 def frontier_points(targets: Sequence[float], preset: str, lowest: str) -> list[Point]:
@@ -40,8 +42,8 @@ def frontier_points(targets: Sequence[float], preset: str, lowest: str) -> list[
     for target in targets:
         points.append(Point("compile-budget", budget=target, label=f"compile-budget {target:g}"))
         points.append(Point("fxmem", Config.from_preset(preset, memory_budget=target),
-                            label=f"fxmem {preset} {target:g}"))
-    points.append(Point("fxmem", Config.from_preset(lowest), label=f"fxmem {lowest}"))
+                            label=f"fxmem {preset} {target:g}", preset=preset))
+    points.append(Point("fxmem", Config.from_preset(lowest), label=f"fxmem {lowest}", preset=lowest))
     return points
 
 
@@ -64,6 +66,8 @@ def run_frontier(workload: Workload, *, targets: Sequence[float] = DEFAULT_TARGE
                                                    reference_grads=reference, label=point.label)
             if point.method == "eager":
                 reference = prepared[point.label].grads
+            if point.preset:
+                prepared[point.label].result.fidelity_bound = PUBLISHED_MIN_COSINE[point.preset]
         progress(f"{workload.name}: timing {steps} interleaved steps")
         results = time_interleaved(prepared, steps=steps, device=device)
     torch._dynamo.reset()
@@ -71,9 +75,9 @@ def run_frontier(workload: Workload, *, targets: Sequence[float] = DEFAULT_TARGE
 
 
 def wins(results: Sequence[MethodResult]) -> list[tuple[MethodResult, MethodResult | None]]:
-    """For each compile-budget point, the fastest fxmem point with no higher step peak and a lower step time (None
-    where there is none)."""
-    ours = [r for r in results if r.method == "fxmem"]
+    """For each compile-budget point, the fastest fxmem point with no higher step peak, a lower step time and its
+    preset's published fidelity (None where there is none)."""
+    ours = [r for r in results if r.method == "fxmem" and r.meets_fidelity_bound]
     verdicts = []
     for theirs in (r for r in results if r.method == "compile-budget"):
         better = [r for r in ours if r.peak_bytes <= theirs.peak_bytes and r.step_seconds < theirs.step_seconds]

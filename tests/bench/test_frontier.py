@@ -18,3 +18,24 @@ def test_frontier_runs_every_point_in_one_process_and_says_which_budget_points_f
     # the planner meets its target: at most half of what torch.compile saves
     assert results["fxmem hyclora-4bit 0.5"]["saved_bytes"] <= 0.5 * results["compile"]["saved_bytes"]
     assert results["fxmem hyclora-4bit 0.5"]["fidelity"]["min_cosine"] > 0.999
+    assert (results["fxmem hyclora-4bit 0.5"]["fidelity_bound"], results["fxmem hyclora-2bit"]["fidelity_bound"],
+            results["compile-budget 0.5"]["fidelity_bound"]) == (0.995, 0.993, None)
+    assert "published bound" in printed
+
+
+def test_a_point_below_its_published_fidelity_wins_nothing():
+    from fxmem.bench.compare import MethodResult
+    from fxmem.bench.frontier import wins
+    from fxmem.config import PUBLISHED_MIN_COSINE
+    from fxmem.measure import Fidelity
+
+    def point(method, peak, seconds, cosine=None, label=""):
+        return MethodResult("w", method, 0, peak, 0, 0.0, 0.0, Fidelity(cosine, 0.0, "p") if cosine else None,
+                            step_samples=[seconds], label=label or method,
+                            fidelity_bound=PUBLISHED_MIN_COSINE["hyclora-4bit"] if method == "fxmem" else None)
+
+    budget = point("compile-budget", 100, 1.0, cosine=1.0)
+    close, bent = point("fxmem", 90, 0.9, 0.996, "close"), point("fxmem", 80, 0.8, 0.99, "bent")
+    assert not bent.meets_fidelity_bound and close.meets_fidelity_bound and budget.meets_fidelity_bound
+    assert wins([budget, close, bent]) == [(budget, close)]  # bent is lower and faster, but misses 0.995
+    assert wins([budget, bent]) == [(budget, None)]
