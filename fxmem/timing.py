@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -53,3 +54,21 @@ def warm_up_compiler() -> None:
 
 def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A step-time ratio over interleaved rounds: the median of the per-round ratios and their range."""
+
+    median: float
+    low: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f}x ({self.low:.2f}-{self.high:.2f})"
+
+
+def round_ratio(samples: Sequence[float], base: Sequence[float]) -> Ratio:
+    """Per-round ``samples / base`` of two candidates timed in the same interleaved rounds."""
+    ratios = [s / b for s, b in zip(samples, base, strict=True)]
+    return Ratio(median(ratios), min(ratios), max(ratios))

@@ -6,7 +6,7 @@ from fxmem import cli
 def test_frontier_runs_every_point_in_one_process_and_says_which_budget_points_fxmem_beats(tiny_workloads, tmp_path,
                                                                                          capsys):
     out, plot = tmp_path / "frontier.json", tmp_path / "frontier.png"
-    assert cli.main(["bench", "--frontier", "--workloads", "llama-tiny", "--targets", "0.5", "--steps", "1",
+    assert cli.main(["bench", "--frontier", "--workloads", "llama-tiny", "--targets", "0.5", "--steps", "3",
                      "--json", str(out), "--plot", str(plot)]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     labels = [r["label"] for r in json.loads(out.read_text())["results"]]

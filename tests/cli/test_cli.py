@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -99,7 +100,7 @@ def test_bench_runs_every_baseline_and_writes_json_and_markdown(tiny_workloads, 
     json_path, markdown_path = tmp_path / "bench.json", tmp_path / "bench.md"
     # the compiled checkpointing baselines are tested apart (tests/bench/test_compare.py): compiling them costs a minute
     methods = ["eager", "compile", "compile-budget", "hf-checkpointing", "fxmem"]
-    assert cli.main(["bench", "--workloads", "llama-tiny", "--steps", "1", "--methods", *methods, "--json",
+    assert cli.main(["bench", "--workloads", "llama-tiny", "--steps", "3", "--methods", *methods, "--json",
                      str(json_path), "--markdown", str(markdown_path), "--set", "chunk_loss=False", "--dtype",
                      "fp32"]) == 0
     assert "preset exact, chunk_loss=False; in fp32" in capsys.readouterr().out
@@ -112,11 +113,14 @@ def test_bench_runs_every_baseline_and_writes_json_and_markdown(tiny_workloads, 
     assert results["fxmem"]["saved_bytes"] == results["compile"]["saved_bytes"]
     assert results["compile-budget"]["budget"] == 1.0  # exact saves what inductor saves: no budget needed
     assert results["hf-checkpointing"]["saved_bytes"] < results["eager"]["saved_bytes"]
-    assert all(len(r["step_samples"]) == 1 and r["static_bytes"] > 0 and r["peak_bytes"] > 0
+    assert all(len(r["step_samples"]) == 3 and r["static_bytes"] > 0 and r["peak_bytes"] > 0
                for r in results.values())
     markdown = markdown_path.read_text()
     assert "| workload | method | saved activations |" in markdown and "Command: `fxmem bench" in markdown
     assert "- step peak: " in markdown
+    assert re.search(r"\| \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\) \|", markdown)  # ratios with their rounds' range
+    with pytest.raises(SystemExit):  # fewer than 3 rounds: no range to speak of
+        cli.main(["bench", "--workloads", "llama-tiny", "--steps", "2"])
 
 
 def test_bench_compare_refuses_overrides_that_have_their_own_option(tiny_workloads, capsys):

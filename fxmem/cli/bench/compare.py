@@ -25,6 +25,7 @@ from fxmem.cli.common import (
 )
 from fxmem.config import Config
 from fxmem.measure import format_bytes
+from fxmem.timing import round_ratio
 
 NAME = "compare"
 COLUMNS = ("workload", "method", "saved activations", "reduction vs eager", "step peak", "static",
@@ -34,7 +35,8 @@ LEGEND = {
     "step peak": "a full training step's peak allocation above what was allocated when it began "
                  "(CPU: profiler allocation events; CUDA: allocator statistics)",
     "static": "weights, buffers and optimizer state",
-    "step time": "median of the timed steps, methods timed interleaved in one process",
+    "step time": "median of the timed steps, methods timed interleaved in one process; vs eager / vs compile: the "
+                 "median of the per-round ratios (min-max over the rounds)",
     "min grad cos / median grad rel err": "trainable gradients vs eager's on the same batch and weights",
     "compile s": "first step minus a warm step, every method compiled with inductor's caches off",
 }
@@ -45,7 +47,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--workloads", nargs="+", choices=workload_names(),
                         help="default: llama-tiny and llama-small, plus llama-7b-shape on a GPU")
     add_preset(parser)
-    parser.add_argument("--steps", type=int_at_least(1), default=5, help="timed steps per method (median reported)")
+    parser.add_argument("--steps", type=int_at_least(3), default=5,
+                        help="interleaved timed rounds, one step of each method per round, at least 3: ratios are "
+                             "the median of the per-round ratios, with their min-max range")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
                         help="default: fxmem and every baseline")
     parser.add_argument("--device", default=default_device())
@@ -116,8 +120,8 @@ def rows(results: list) -> list[list[str]]:
             f"{eager.saved_bytes / r.saved_bytes:.2f}x" if eager and r.saved_bytes else "—",
             format_bytes(r.peak_bytes), format_bytes(r.static_bytes), format_bytes(r.peak_bytes + r.static_bytes),
             f"{r.step_seconds:.3f} s",
-            f"{r.step_seconds / eager.step_seconds:.2f}" if eager else "—",
-            f"{r.step_seconds / compiled.step_seconds:.2f}" if compiled else "—",
+            str(round_ratio(r.step_samples, eager.step_samples)) if eager else "—",
+            str(round_ratio(r.step_samples, compiled.step_samples)) if compiled else "—",
             f"{r.fidelity.min_cosine:.6f}" if r.fidelity else "(reference)",
             f"{r.fidelity.median_relative_error:.1e}" if r.fidelity else "—",
             f"{r.compile_seconds:.1f}" if r.compile_seconds else "—"])
@@ -151,18 +155,18 @@ def _frontier(args: argparse.Namespace, names: list[str], device: torch.device) 
     for name, ours in by_workload.items():
         compiled = next(r for r in ours if r.method == "compile")
         rows += [[name, r.label, format_bytes(r.saved_bytes), format_bytes(r.peak_bytes), f"{r.step_seconds:.3f} s",
-                  f"{r.step_seconds / compiled.step_seconds:.2f}",
+                  str(round_ratio(r.step_samples, compiled.step_samples)),
                   f"{r.fidelity.min_cosine:.6f}" if r.fidelity else "(reference)",
                   "—" if r.fidelity_bound is None else f"{r.fidelity_bound:g}"
                   + ("" if r.meets_fidelity_bound else " (missed)"),
                   f"{r.fidelity.median_relative_error:.1e}" if r.fidelity else "—"] for r in ours]
         for theirs, winner in wins(ours):
             verdicts.append(f"{name}, {theirs.label} ({format_bytes(theirs.peak_bytes)}, "
-                            f"{theirs.step_seconds / compiled.step_seconds:.2f}x): " + (
-                                f"{winner.label} is below and faster ({format_bytes(winner.peak_bytes)}, "
-                                f"{winner.step_seconds / compiled.step_seconds:.2f}x)" if winner
-                                else "no fxmem point is as low, faster and within its published gradient "
-                                     "fidelity"))
+                            f"{round_ratio(theirs.step_samples, compiled.step_samples)}): " + (
+                                f"{winner.label} is below and faster in every round ({format_bytes(winner.peak_bytes)}"
+                                f", {round_ratio(winner.step_samples, compiled.step_samples)})" if winner
+                                else "no fxmem point is as low, faster in every round and within its "
+                                     "published gradient fidelity"))
         if args.plot:
             path = args.plot.with_name(f"{args.plot.stem}-{name}{args.plot.suffix or '.png'}")
             plot(ours, path)
