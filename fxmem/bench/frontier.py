@@ -5,9 +5,9 @@ Each target is a fraction of what torch.compile saves. compile-budget runs induc
 spends the bytes cheapest first), and once more with the lowest-memory preset as its own last point. Eager PEFT,
 torch.compile and HF checkpointing are single points. Every method is built and compiled in one process and
 their steps are timed interleaved, so the points compare. fxmem wins a compile-budget point when one of its
-points has no higher step peak, a lower step time in every interleaved round (so that the rounds' spread cannot
-make the claim), and a worst gradient cosine at its preset's published figure (config.PUBLISHED_MIN_COSINE) or
-above.
+points has no higher step peak, a lower step time with the ranges of the interleaved rounds apart (its
+slowest round's ratio to torch.compile below their fastest), and a worst gradient cosine at its preset's
+published figure (config.PUBLISHED_MIN_COSINE) or above.
 """
 
 from __future__ import annotations
@@ -76,20 +76,22 @@ def run_frontier(workload: Workload, *, targets: Sequence[float] = DEFAULT_TARGE
 
 
 def wins(results: Sequence[MethodResult]) -> list[tuple[MethodResult, MethodResult | None]]:
-    """For each compile-budget point, the fastest fxmem point with no higher step peak, faster in every timed round
-    and at its preset's published fidelity (None where there is none)."""
+    """For each compile-budget point, the fastest fxmem point with no higher step peak, faster with the rounds'
+    ranges apart, and at its preset's published fidelity (None where there is none)."""
+    compiled = next(r for r in results if r.method == "compile")
     ours = [r for r in results if r.method == "fxmem" and r.meets_fidelity_bound]
     verdicts = []
     for theirs in (r for r in results if r.method == "compile-budget"):
-        better = [r for r in ours if r.peak_bytes <= theirs.peak_bytes and _faster_every_round(r, theirs)]
+        better = [r for r in ours if r.peak_bytes <= theirs.peak_bytes and _faster_beyond_spread(r, theirs, compiled)]
         verdicts.append((theirs, min(better, key=lambda r: r.step_seconds) if better else None))
     return verdicts
 
 
-def _faster_every_round(ours: MethodResult, theirs: MethodResult) -> bool:
-    """Faster in each interleaved round (its per-round ratio to theirs below 1 throughout): a claim only where the
-    spread of the rounds does not reach it."""
-    return round_ratio(ours.step_samples, theirs.step_samples).high < 1.0
+def _faster_beyond_spread(ours: MethodResult, theirs: MethodResult, compiled: MethodResult) -> bool:
+    """Faster with no overlap: the slowest of our rounds, as a ratio to torch.compile's, below the fastest of
+    theirs (the ranges the table prints)."""
+    return round_ratio(ours.step_samples, compiled.step_samples).high < \
+        round_ratio(theirs.step_samples, compiled.step_samples).low
 
 
 def plot(results: Sequence[MethodResult], path: pathlib.Path) -> None:

@@ -31,11 +31,14 @@ def test_a_point_below_its_published_fidelity_wins_nothing():
 
     def point(method, peak, seconds, cosine=None, label=""):
         return MethodResult("w", method, 0, peak, 0, 0.0, 0.0, Fidelity(cosine, 0.0, "p") if cosine else None,
-                            step_samples=[seconds], label=label or method,
+                            step_samples=seconds, label=label or method,
                             fidelity_bound=PUBLISHED_MIN_COSINE["hyclora-4bit"] if method == "fxmem" else None)
 
-    budget = point("compile-budget", 100, 1.0, cosine=1.0)
-    close, bent = point("fxmem", 90, 0.9, 0.996, "close"), point("fxmem", 80, 0.8, 0.99, "bent")
+    compiled = point("compile", 120, [1.0, 1.0, 1.0], cosine=1.0)
+    budget = point("compile-budget", 100, [1.2, 1.3, 1.4], cosine=1.0)
+    close = point("fxmem", 90, [1.0, 1.1, 1.15], 0.996, "close")
+    bent = point("fxmem", 80, [1.0, 1.0, 1.0], 0.99, "bent")
+    overlapping = point("fxmem", 90, [1.0, 1.1, 1.25], 0.999, "overlapping")  # median 1.1 against 1.3, range not apart
     assert not bent.meets_fidelity_bound and close.meets_fidelity_bound and budget.meets_fidelity_bound
-    assert wins([budget, close, bent]) == [(budget, close)]  # bent is lower and faster, but misses 0.995
-    assert wins([budget, bent]) == [(budget, None)]
+    assert wins([compiled, budget, close, bent]) == [(budget, close)]  # bent is lower and faster, but misses 0.995
+    assert wins([compiled, budget, bent, overlapping]) == [(budget, None)]
