@@ -79,12 +79,12 @@ def _steps(forward: Any, model: torch.nn.Module, optimizer: torch.optim.Optimize
     losses: list[float] = []
     saved: int | None = None
     for batch in batches:
-        part = {k: v.chunk(world)[rank] for k, v in batch.items()}  # this rank's part
+        parts = [{k: v.chunk(world)[r] for k, v in batch.items()} for r in range(world)]  # each rank's part
+        part = parts[rank]
         if mode == "single":  # the global batch at once: the mean over its tokens, as the ranks' average is
             loss = forward(**batch).loss
         elif mode == "accumulate":  # each part's mean loss, its gradient averaged (both graphs held at once: a
             # reference for the gradients, not for memory)
-            parts = [{k: v.chunk(world)[r] for k, v in batch.items()} for r in range(world)]
             loss = sum(forward(**p).loss for p in parts) / world
         elif saved is None and mode == "ddp":  # FSDP2's unsharded parameters are no model tensor to leave out
             saved, output = saved_activation_bytes(lambda: forward(**part), model_tensors(model) + list(part.values()))

@@ -1,7 +1,12 @@
+import dataclasses
+
 import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem import Config
-from fxmem.bench.compare import budget_matching, planned_bytes, run_workload
+from fxmem.bench.compare import _sac_policy, budget_matching, forward_for_method, planned_bytes, run_workload
+from fxmem.measure import model_tensors, saved_activation_bytes
 from tests.conftest import TINY_LLAMA
 
 
@@ -18,14 +23,6 @@ def test_run_workload_rejects_unknown_methods():
 
 
 def test_checkpointing_baselines_are_hf_checkpointing_compiled_and_sac_saving_the_matmuls():
-    import dataclasses
-
-    import torch
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    from fxmem.bench.compare import _sac_policy, forward_for_method
-    from fxmem.measure import model_tensors, saved_activation_bytes
-
     assert _sac_policy(None, torch.ops.aten.mm.default) is CheckpointPolicy.MUST_SAVE
     assert _sac_policy(None, torch.ops.aten.mul.Tensor) is CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -31,8 +31,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int_at_least(0), default=0,
                         help="also train each method this many AdamW steps and compare again")
     parser.add_argument("--time", type=int_at_least(0), default=0, metavar="N",
-                        help="also time each method: median forward + backward of N steps on the first batch, as a ratio to "
-                             "torch.compile's (else to the first method's)")
+                        help="also time each method: median forward + backward of N steps on the first batch, as "
+                             "a ratio to torch.compile's (else to the first method's)")
     parser.add_argument("--no-logits", action="store_true",
                         help="fxmem presets with return_logits=False (the loss chunked; the gradients the same)")
     parser.add_argument("--tokens", choices=TOKENS, default="text",
