@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from functorch.compile import make_boxed_func
 from torch._inductor.compile_fx import compile_fx
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fxmem.backend import Backend
 from fxmem.bench.workloads import Setup, Workload
-from fxmem.config import Config
+from fxmem.config import PUBLISHED_MIN_COSINE, Config
 from fxmem.measure import (
     Fidelity,
     gradient_fidelity,
@@ -25,15 +26,21 @@ from fxmem.measure import (
 )
 from fxmem.timing import interleaved_step_times, median, step_times, warm_up_compiler
 
-METHODS = ("eager", "compile", "compile-budget", "hf-checkpointing", "compile-checkpointing", "compile-sac", "fxmem")
+METHODS = ("eager", "compile", "compile-budget", "hf-checkpointing", "compile-checkpointing", "compile-sac",
+           "compile-offload", "fxmem")
+CUDA_ONLY_METHODS = frozenset({"compile-offload"})
 METHOD_DESCRIPTIONS = {
     "eager": "eager PEFT LoRA (what most users run today)",
     "compile": "torch.compile, inductor defaults (min-cut rematerialization)",
-    "compile-budget": "inductor with activation_memory_budget set to fxmem's saved bytes",
+    "compile-budget": "inductor with activation_memory_budget at the two settings that bracket fxmem's measured saved "
+                      "bytes, one saving at most as much and one more (in parentheses)",
     "hf-checkpointing": "eager with HF gradient checkpointing",
     "compile-checkpointing": "torch.compile over HF gradient checkpointing (each decoder layer recomputed whole)",
     "compile-sac": "torch.compile with selective activation checkpointing per decoder layer: matmuls and attention "
                    "saved, everything else recomputed",
+    "compile-offload": "torch.compile with inductor's activation offloading: every saved activation it can move "
+                       "copied to host memory in forward and back in backward (CUDA only; the saved bytes are "
+                       "counted wherever they live)",
     "fxmem": "torch.compile(backend=fxmem) with the chosen preset",
 }
 # What selective activation checkpointing saves (the matmuls and attention, as torchtitan's op-level policy does);
@@ -95,6 +102,40 @@ def _budget_backend(budget: float) -> Callable:
     return compile_with_budget
 
 
+def _partitioned_by_inductor(budget: float) -> Callable:
+    """Inductor's pipeline up to its partition (decompositions, joint-graph passes, min-cut at ``budget``), the
+    partitioned graphs then run as aten ops: what inductor saves, seconds sooner than its code generation."""
+    def run_as_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        return make_boxed_func(gm.forward)
+
+    def compile_partition(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        with torch._functorch.config.patch(activation_memory_budget=budget, enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=run_as_aten)
+    return compile_partition
+
+
+def _mark_for_offload(graph: torch.fx.Graph) -> None:
+    # inductor offloads the saved activations its joint graph marks; the partitioner keeps to those it can move
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.meta["should_offload"] = True
+
+
+def _offloading_backend(on_cuda: bool) -> Callable:
+    functorch_config = torch._functorch.config
+    if not hasattr(functorch_config, "enable_activation_offloading"):
+        raise ValueError(f"compile-offload needs inductor's activation offloading "
+                         f"(torch._functorch.config.enable_activation_offloading), absent in torch {torch.__version__}")
+    patches = {"enable_activation_offloading": True, "enable_autograd_cache": False}
+    if on_cuda and hasattr(functorch_config, "activation_offload_separate_stream"):  # copies overlap compute
+        patches["activation_offload_separate_stream"] = True
+
+    def compile_offloading(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        with functorch_config.patch(**patches), torch._inductor.config.patch(joint_custom_pre_pass=_mark_for_offload):
+            return compile_fx(gm, example_inputs)
+    return compile_offloading
+
+
 def forward_for_method(method: str, model: torch.nn.Module, config: Config, budget: float | None = None
                        ) -> Callable:
     """What the training step calls under ``method``: the model itself, or a compiled wrapper of it."""
@@ -111,37 +152,60 @@ def forward_for_method(method: str, model: torch.nn.Module, config: Config, budg
         return torch.compile(model)
     if method == "compile-budget":
         return torch.compile(model, backend=_budget_backend(budget))
+    if method == "compile-offload":
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        return torch.compile(model, backend=_offloading_backend(on_cuda))
     if method == "fxmem":
         return torch.compile(model, backend=Backend(config))
     raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
 
 
-def planned_bytes(workload: Workload, config: Config, device: torch.device, lora_rank: int,
-                  budget: float = 1.0) -> int:
-    """Saved-activation bytes of ``config``'s plan when min-cut runs at ``budget``; no code generation."""
+def default_methods(device: torch.device | str) -> tuple[str, ...]:
+    """Every method that runs on ``device``."""
+    return tuple(m for m in METHODS if torch.device(device).type == "cuda" or m not in CUDA_ONLY_METHODS)
+
+
+def inductor_saved_bytes(workload: Workload, device: torch.device, lora_rank: int, budget: float) -> int:
+    """Bytes inductor saves for backward at ``budget``, measured as every method's are (saved_activation_bytes on
+    the batch prepare_method measures)."""
     torch._dynamo.reset()
     setup = workload.build(device=device, lora_rank=lora_rank)
-    backend = Backend(config, lowering="eager")
-    with torch._functorch.config.patch(activation_memory_budget=budget):
-        setup.loss(torch.compile(setup.model, backend=backend), next(setup.batches))
+    next(setup.batches)
+    batch = next(setup.batches)
+    compiled = torch.compile(setup.model, backend=_partitioned_by_inductor(budget))
+    saved, _ = saved_activation_bytes(lambda: setup.loss(compiled, batch),
+                                      exclude=model_tensors(setup.model) + list(batch.values()))
     torch._dynamo.reset()
-    return backend.report().planned_bytes
+    return saved
 
 
-def budget_matching(workload: Workload, target_bytes: int, device: torch.device, lora_rank: int,
-                    iterations: int = 7) -> float:
-    """The largest activation_memory_budget at which inductor saves at most ``target_bytes`` (bisection)."""
-    exact = Config()
-    if planned_bytes(workload, exact, device, lora_rank) <= target_bytes:
-        return 1.0
+@dataclass(frozen=True)
+class BudgetBracket:
+    """The activation_memory_budget settings on either side of a target in saved bytes (None: no such setting)."""
+
+    below: float | None  # the largest setting found whose bytes are at most the target
+    above: float | None  # the smallest setting found whose bytes exceed it
+
+    @property
+    def budgets(self) -> tuple[float, ...]:
+        return tuple(b for b in (self.below, self.above) if b is not None)
+
+
+def budget_bracket(workload: Workload, target_bytes: int, device: torch.device, lora_rank: int,
+                   iterations: int = 7) -> BudgetBracket:
+    """Bisect activation_memory_budget for the two settings whose inductor-saved bytes bracket ``target_bytes``."""
+    def fits(budget: float) -> bool:
+        return inductor_saved_bytes(workload, device, lora_rank, budget) <= target_bytes
+
+    if fits(1.0):
+        return BudgetBracket(below=1.0, above=None)
+    if not fits(0.0):
+        return BudgetBracket(below=None, above=0.0)
     low, high = 0.0, 1.0
     for _ in range(iterations):
         middle = (low + high) / 2
-        if planned_bytes(workload, exact, device, lora_rank, budget=middle) <= target_bytes:
-            low = middle
-        else:
-            high = middle
-    return low
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return BudgetBracket(below=low, above=high)
 
 
 @dataclass
@@ -189,41 +253,63 @@ def prepare_method(workload: Workload, method: str, *, config: Config, device: t
 
 
 def run_workload(workload: Workload, *, preset: str = "exact", device: torch.device | str = "cpu", steps: int = 5,
-                 lora_rank: int = 16, methods: Sequence[str] = METHODS, return_logits: bool = True,
+                 lora_rank: int = 16, methods: Sequence[str] | None = None, return_logits: bool = True,
                  options: Mapping[str, Any] | None = None,
                  progress: Callable[[str], None] = lambda message: None) -> list[MethodResult]:
     """Every method on one workload, all kept alive so that their steps are timed interleaved.
 
-    Fidelity is measured against eager's gradients on the same batch and weights. ``return_logits=False``: fxmem
-    returns no logits (Config.return_logits), so it chunks the loss; the step reads only the loss. ``options``:
-    further Config overrides of the preset.
+    Fidelity is measured against eager's gradients on the same batch and weights. ``methods``: default, every
+    method that runs on ``device``. compile-budget runs at the two budgets that bracket fxmem's measured saved
+    bytes (fxmem is measured first; without fxmem among the methods, compile-budget is refused).
+    ``return_logits=False``: fxmem returns no logits (Config.return_logits), so it chunks the loss; the step reads
+    only the loss. ``options``: further Config overrides of the preset.
     """
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; valid methods: {', '.join(METHODS)}")
-    config = Config.from_preset(preset, **{"return_logits": return_logits, **(options or {})})
     device = torch.device(device)
-    budget = None
-    if "compile-budget" in methods:
-        progress(f"{workload.name}: searching the activation_memory_budget that matches fxmem's bytes")
-        budget = budget_matching(workload, planned_bytes(workload, config, device, lora_rank), device, lora_rank)
+    methods = default_methods(device) if methods is None else tuple(methods)
+    _check_methods(methods, device)
+    config = Config.from_preset(preset, **{"return_logits": return_logits, **(options or {})})
     torch._dynamo.reset()
     warm_up_compiler()
     prepared: dict[str, _Prepared] = {}
     reference = None
+
+    def prepare(method: str, budget: float | None = None) -> _Prepared:
+        label = method if budget is None else f"{method} {budget:g}"
+        progress(f"{workload.name}: {label}")
+        prepared[label] = prepare_method(workload, method, config=config, device=device, lora_rank=lora_rank,
+                                         budget=budget, reference_grads=reference, label=label)
+        return prepared[label]
+
     # Every method compiles cold: a cache warmed by an earlier run (or method) would make compile times incomparable.
     with torch.compiler.config.patch(force_disable_caches=True):
-        for method in sorted(methods, key=lambda m: m != "eager"):  # eager first: the fidelity reference
-            progress(f"{workload.name}: {method}")
-            prepared[method] = prepare_method(workload, method, config=config, device=device, lora_rank=lora_rank,
-                                              budget=budget if method == "compile-budget" else None,
-                                              reference_grads=reference)
-            if method == "eager":
-                reference = prepared[method].grads
+        if "eager" in methods:  # first: the fidelity reference
+            reference = prepare("eager").grads
+        if "fxmem" in methods:  # before compile-budget, which is matched to its measured bytes
+            fxmem = prepare("fxmem").result
+            fxmem.fidelity_bound = PUBLISHED_MIN_COSINE.get(preset)
+        for method in methods:
+            if method == "compile-budget":
+                progress(f"{workload.name}: searching the activation_memory_budget settings around fxmem's bytes")
+                for budget in budget_bracket(workload, fxmem.saved_bytes, device, lora_rank).budgets:
+                    prepare(method, budget)
+            elif method not in ("eager", "fxmem"):
+                prepare(method)
     progress(f"{workload.name}: timing {steps} interleaved steps")
     time_interleaved(prepared, steps=steps, device=device)
     torch._dynamo.reset()
-    return [prepared[m].result for m in METHODS if m in prepared]
+    order = {method: i for i, method in enumerate(METHODS)}
+    return sorted((p.result for p in prepared.values()), key=lambda r: (order[r.method], r.budget or 0.0))
+
+
+def _check_methods(methods: Sequence[str], device: torch.device) -> None:
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; valid methods: {', '.join(METHODS)}")
+    if device.type != "cuda" and (cuda_only := [m for m in methods if m in CUDA_ONLY_METHODS]):
+        raise ValueError(f"{', '.join(cuda_only)} runs on CUDA only (host offload saves no memory on a CPU); "
+                         f"got device {device}")
+    if "compile-budget" in methods and "fxmem" not in methods:
+        raise ValueError("compile-budget is matched to fxmem's measured saved bytes: add fxmem to the methods")
 
 
 def time_interleaved(prepared: dict[str, _Prepared], *, steps: int, device: torch.device) -> list[MethodResult]:
