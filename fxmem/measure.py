@@ -12,7 +12,7 @@ import statistics
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch._C._profiler import _EventType
@@ -192,6 +192,10 @@ class Fidelity:
     def to_dict(self) -> dict[str, float | str]:
         return {"min_cosine": self.min_cosine, "median_relative_error": self.median_relative_error,
                 "worst_parameter": self.worst_parameter}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Fidelity:
+        return cls(data["min_cosine"], data["median_relative_error"], data["worst_parameter"])
 
 
 def gradient_fidelity(reference: Mapping[str, torch.Tensor], candidate: Mapping[str, torch.Tensor]) -> Fidelity:

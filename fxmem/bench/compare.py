@@ -86,6 +86,16 @@ class MethodResult:
         """Exact methods carry 1.0; an fxmem point meets its preset's published worst cosine."""
         return self.fidelity_bound is None or self.fidelity is None or self.fidelity.min_cosine >= self.fidelity_bound
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MethodResult:
+        """The result ``to_dict`` wrote (a result file's entry)."""
+        return cls(workload=data["workload"], method=data["method"], saved_bytes=data["saved_bytes"],
+                   peak_bytes=data["peak_bytes"], static_bytes=data["static_bytes"],
+                   compile_seconds=data["compile_seconds"], first_loss=data["first_loss"],
+                   fidelity=Fidelity.from_dict(data["fidelity"]) if data.get("fidelity") else None,
+                   budget=data.get("budget"), step_samples=list(data["step_samples"]), label=data.get("label", ""),
+                   fidelity_bound=data.get("fidelity_bound"))
+
     def to_dict(self) -> dict[str, Any]:
         return {"workload": self.workload, "method": self.method, "saved_bytes": self.saved_bytes,
                 "peak_bytes": self.peak_bytes, "static_bytes": self.static_bytes, "step_seconds": self.step_seconds,

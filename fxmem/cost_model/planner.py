@@ -61,7 +61,7 @@ REBUILD_ALL_ACTIVATIONS_BITS = 8
 # Backward ops that read which saved values are positive: ReLU's backward passes the gradient where its saved output
 # is, so a small positive value rounded to zero drops its gradient. OPT with its ReLU output saved: worst
 # LoRA-gradient cosine 0.960 at 4 bits and 0.959 at 2 rounded to nearest, 0.9999 and 0.9986 kept positive
-# (fxmem bench coverage, docs/benchmarks.md).
+# (fxmem bench coverage, docs/history/benchmarks-2026-11-26.md).
 POSITIVE_MASK_BACKWARDS = frozenset({"threshold_backward"})
 # An X W that backward rebuilds by replaying its matmul (Config.rebuild_from_x) reads its x, which is then
 # stored at no fewer bits than this. On llama-pretrained at hyclora-4bit, x left at 4 bits carried its error into

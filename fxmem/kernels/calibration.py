@@ -20,7 +20,7 @@ zero points and outlier channel ids to use, as fresh tensors, so the backward
 dequantizes with exactly those even if the slot moves on.
 
 Under data parallelism each rank calibrates on its own part of the batch. Reducing
-the statistics across ranks reproduces one process better (docs/benchmarks.md,
+the statistics across ranks reproduces one process better (docs/history/benchmarks-2026-11-26.md,
 "DDP and FSDP2"), but a collective in the forward needs every rank to make the
 same calls at the same step, and a rank that recompiles later than another (a new
 sequence length) starts new slots calibrating while the other's are frozen: its

@@ -24,11 +24,12 @@ from fxmem.cli.bench import (
     pretrain,
     profile,
     ptxas,
+    report,
 )
 
 EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
                                                   lowrank_error, lowrank_saved, ptxas, distributed,
-                                                  coverage, pretrain, fidelity)}
+                                                  coverage, pretrain, fidelity, report)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

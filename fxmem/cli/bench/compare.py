@@ -32,6 +32,9 @@ COLUMNS = ("workload", "method", "saved activations", "reduction vs eager", "ste
            "peak incl. static", "step time", "vs eager", "vs compile", "min grad cos", "published bound",
            "median grad rel err", "compile s")
 LEGEND = {
+    "saved activations": "the storages autograd holds for backward after the forward, each once at its full size "
+                         "(fxmem.measure.saved_activation_bytes): one measure for every method, compile-budget's "
+                         "search included",
     "step peak": "a full training step's peak allocation above what was allocated when it began "
                  "(CPU: profiler allocation events; CUDA: allocator statistics)",
     "static": "weights, buffers and optimizer state",

@@ -1,0 +1,295 @@
+"""`fxmem bench report`: docs/benchmarks.md written from the result files of one commit, and a history apart.
+
+The page holds every result file (benchmarks/results/*.json, as `--json` writes them) whose fxmem commit is the
+chosen one, each as its table with the command that makes it, the machine and the date; the README's figures are
+the page's summary, written between two markers. Every other result file goes to the history, newest first. A
+file whose commit carries a '+' ran with uncommitted changes: it is history whatever its commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fxmem.bench.compare import MethodResult
+from fxmem.bench.frontier import wins
+from fxmem.config import PUBLISHED_MIN_COSINE
+from fxmem.fidelity import short_name
+from fxmem.measure import format_bytes
+from fxmem.timing import round_ratio
+
+README_START = "<!-- fxmem bench report: start -->"
+README_END = "<!-- fxmem bench report: end -->"
+PAGE_LIMIT = 300  # lines: one page a reader reads
+
+
+@dataclass(frozen=True)
+class ResultFile:
+    """One `--json` output: where it comes from, and its results."""
+
+    path: pathlib.Path
+    data: dict[str, Any]
+
+    @property
+    def command(self) -> str:
+        return self.data.get("command") or ""
+
+    @property
+    def commit(self) -> str:
+        return self.data.get("commit") or "unknown"
+
+    @property
+    def date(self) -> str:
+        return self.data.get("date") or "unknown"
+
+    @property
+    def machine(self) -> str:
+        return self.data.get("machine") or "unknown machine"
+
+    @property
+    def kind(self) -> str:
+        """The experiment that wrote it: the subcommand of `fxmem bench` (compare when none is named), frontier for
+        `compare --frontier`; a script's name otherwise."""
+        words = shlex.split(self.command)
+        if words[:2] != ["fxmem", "bench"]:
+            return pathlib.Path(words[1]).stem if words[:1] == ["python"] and len(words) > 1 else "other"
+        if len(words) > 2 and not words[2].startswith("-") and words[2] != "compare":
+            return words[2]
+        return "frontier" if "--frontier" in words else "compare"
+
+    @property
+    def results(self) -> list[dict[str, Any]]:
+        return self.data.get("results") if isinstance(self.data, dict) else []
+
+
+def load_results(directory: pathlib.Path) -> list[ResultFile]:
+    """Every result file in ``directory``, by name."""
+    files = []
+    for path in sorted(directory.glob("*.json")):
+        data = json.loads(path.read_text())
+        files.append(ResultFile(path, data if isinstance(data, dict) else {"results": data}))
+    return files
+
+
+@dataclass(frozen=True)
+class Report:
+    page: str  # docs/benchmarks.md
+    history: str  # the history file
+    summary: str  # the README's block, between README_START and README_END
+
+
+def build(files: Sequence[ResultFile], commit: str, *, links_from: pathlib.Path, history_path: pathlib.Path,
+          command: str) -> Report:
+    """The page of ``commit``'s result files (links relative to ``links_from``, the page's folder), the history
+    of the others, and the README's summary.
+
+    Raises ValueError when no renderable result file has that commit, naming the commits that have one."""
+    on_page = [f for f in files if f.commit == commit and f.kind in RENDERERS]
+    if not on_page:
+        commits = sorted({f.commit for f in files if f.kind in RENDERERS and not f.commit.endswith("+")})
+        raise ValueError(f"no result file of a kind the page shows ({', '.join(RENDERERS)}) was measured at "
+                         f"commit {commit!r}; commits with one: {', '.join(commits) or 'none'}")
+    on_page.sort(key=lambda f: (list(RENDERERS).index(f.kind), f.path.name))
+    summary = _summary(on_page)
+    machines = sorted({f.machine for f in on_page})
+    lines = ["# Benchmarks", "",
+             f"Written by `{command}` from the result files in benchmarks/results/ measured at fxmem commit "
+             f"{commit} (do not edit by hand: rerun the commands below, then the report). Older results: "
+             f"[{history_path.name}]({_relative(history_path, links_from)}).", "",
+             f"Machine{'s' if len(machines) > 1 else ''}: {'; '.join(machines)}.", "", *_HOW_TO_READ, "",
+             "## Summary", "", *summary, ""]
+    for file in on_page:
+        lines += [f"## {RENDERERS[file.kind].title(file)}", "", f"Command: `{file.command}`", "",
+                  f"{file.date}, {file.machine}, fxmem at {file.commit}; results: "
+                  f"[{file.path.name}]({_relative(file.path, links_from)}).", "",
+                  *RENDERERS[file.kind].render(file), ""]
+    history = ["# Benchmark history", "",
+               f"Every result file in benchmarks/results/ not on the current page ([benchmarks.md]"
+               f"({_relative(links_from / 'benchmarks.md', history_path.parent)}), commit {commit}), newest first, "
+               "with the command that wrote it and where and when it ran. A commit with '+' ran with uncommitted "
+               "changes. The pages written by hand before the report, with the tables of these runs and what each "
+               "change was for, are beside this file.", "",
+               *_table(("file", "date", "commit", "machine", "command"),
+                       [[f"[{f.path.name}]({_relative(f.path, history_path.parent)})", f.date, f.commit, f.machine,
+                         f"`{f.command}`" if f.command else "(not recorded)"]
+                        for f in sorted((f for f in files if f not in on_page), key=lambda f: (f.date, f.path.name),
+                                        reverse=True)])]
+    return Report(page="\n".join(lines).rstrip() + "\n", history="\n".join(history).rstrip() + "\n",
+                  summary="\n".join(summary))
+
+
+def with_summary(readme: str, summary: str) -> str:
+    """``readme`` with the text between its two report markers replaced by ``summary``."""
+    start, end = readme.find(README_START), readme.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"the README has no block to write: add the lines {README_START!r} and {README_END!r} "
+                         "where the benchmark summary goes")
+    return readme[:start + len(README_START)] + "\n" + summary + "\n" + readme[end:]
+
+
+_HOW_TO_READ = [
+    "How to read the tables: every method of a table ran in one process, its steps timed in interleaved rounds. "
+    "A time ratio is the median of the per-round ratios, with the rounds' min-max in parentheses; a claim that "
+    "one method is faster is made only where the range lies wholly on one side of 1. Step peak: a full training "
+    "step's peak allocation above what was allocated when it began (CPU: the profiler's allocation events; "
+    "CUDA: allocator statistics). Saved activations: the storages autograd holds for backward, each counted "
+    "once at its full size, measured the same way for every method. Gradient cosine: the lowest cosine of any "
+    "trainable gradient against eager PEFT's on the same batch and weights; an fxmem row must meet its "
+    "preset's published bound (marked \"missed\" where it does not); exact methods carry 1.0."]
+
+
+def _relative(path: pathlib.Path, start: pathlib.Path) -> str:
+    return pathlib.Path(os.path.relpath(path.resolve(), start.resolve())).as_posix()
+
+
+def _method_results(file: ResultFile) -> list[MethodResult]:
+    return [MethodResult.from_dict(r) for r in file.results]
+
+
+def _cosine(result: MethodResult) -> str:
+    return f"{result.fidelity.min_cosine:.6f}" if result.fidelity else "(reference)"
+
+
+def _bound(result: MethodResult) -> str:
+    if result.fidelity_bound is None:
+        return "—"
+    return f"{result.fidelity_bound:g}" + ("" if result.meets_fidelity_bound else " (missed)")
+
+
+def _label(result: MethodResult) -> str:
+    if result.method == "compile-budget" and result.budget is not None:
+        return f"compile-budget {result.budget:.3f}"
+    return result.label or result.method
+
+
+def _by_workload(results: Sequence[MethodResult]) -> dict[str, list[MethodResult]]:
+    grouped: dict[str, list[MethodResult]] = {}
+    for r in results:
+        grouped.setdefault(r.workload, []).append(r)
+    return grouped
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def claim(ours: MethodResult, theirs: MethodResult) -> str:
+    """``ours``'s step time against ``theirs``, and what the rounds let one say of it."""
+    ratio = round_ratio(ours.step_samples, theirs.step_samples)
+    if ratio.high < 1:
+        return f"{ratio}, faster"
+    if ratio.low > 1:
+        return f"{ratio}, slower"
+    return f"{ratio}, no claim (the range spans 1)"
+
+
+# compare ------------------------------------------------------------------------------------------------------
+
+def _compare_title(file: ResultFile) -> str:
+    workloads = ", ".join(dict.fromkeys(r["workload"] for r in file.results))
+    return f"fxmem against every baseline: {workloads}, {file.data.get('preset', 'exact')}"
+
+
+def _compare(file: ResultFile) -> list[str]:
+    lines = []
+    for workload, results in _by_workload(_method_results(file)).items():
+        compiled = next((r for r in results if r.method == "compile"), None)
+        eager = next((r for r in results if r.method == "eager"), None)
+        rows = [[_label(r), format_bytes(r.saved_bytes), format_bytes(r.peak_bytes),
+                 f"{r.peak_bytes / compiled.peak_bytes:.2f}x" if compiled else "—",
+                 str(round_ratio(r.step_samples, compiled.step_samples)) if compiled else "—",
+                 str(round_ratio(r.step_samples, eager.step_samples)) if eager else "—",
+                 _cosine(r), _bound(r)] for r in results]
+        lines += [f"{workload}:", "", *_table(("method", "saved activations", "step peak", "peak vs compile",
+                                               "step vs compile", "step vs eager", "min grad cos",
+                                               "published bound"), rows), ""]
+        ours = next((r for r in results if r.method == "fxmem"), None)
+        if ours and not ours.meets_fidelity_bound:
+            lines += [f"fxmem's gradient on {workload} misses its preset's published bound: no claim of this "
+                      "table stands for it.", ""]
+    return lines
+
+
+def _summary(files: Sequence[ResultFile]) -> list[str]:
+    """fxmem against each baseline of each compare table, and each preset's gradient fidelity: the README's
+    figures."""
+    rows = []
+    for file in (f for f in files if f.kind == "compare"):
+        for workload, results in _by_workload(_method_results(file)).items():
+            ours = next((r for r in results if r.method == "fxmem"), None)
+            rows += [[workload, file.data.get("preset", "exact"), _label(theirs),
+                      f"{ours.peak_bytes / theirs.peak_bytes:.2f}x", claim(ours, theirs),
+                      f"{_cosine(ours)} ({_bound(ours)})"]
+                     for theirs in results if ours and theirs is not ours]
+    lines = _table(("workload", "fxmem preset", "against", "fxmem's step peak", "fxmem's step time",
+                    "fxmem's min grad cos (published bound)"), rows) if rows else ["(no compare table at this commit)"]
+    fidelity = [[f.data.get("workload", ""), "random token ids" if f.data.get("tokens") == "random" else "real text",
+                 r["method"], r.get("dtype", ""), f"{r['comparisons'][0]['same_dtype']['min_cosine']:.4f}"]
+                for f in files if f.kind == "fidelity" for r in f.results if r["method"] in PUBLISHED_MIN_COSINE]
+    if fidelity:
+        lines += ["", *_table(("workload", "batch", "fxmem preset", "dtype", "min grad cos vs eager, same dtype"),
+                              fidelity)]
+    return lines
+
+
+# frontier -----------------------------------------------------------------------------------------------------
+
+def _frontier_title(file: ResultFile) -> str:
+    workloads = ", ".join(dict.fromkeys(r["workload"] for r in file.results))
+    return f"Memory/time frontier: {workloads}"
+
+
+def _frontier(file: ResultFile) -> list[str]:
+    lines = []
+    for workload, results in _by_workload(_method_results(file)).items():
+        compiled = next(r for r in results if r.method == "compile")
+        rows = [[_label(r), format_bytes(r.saved_bytes), format_bytes(r.peak_bytes),
+                 str(round_ratio(r.step_samples, compiled.step_samples)), _cosine(r), _bound(r)] for r in results]
+        lines += [f"{workload} (targets: fractions of what torch.compile saves):", "",
+                  *_table(("point", "saved activations", "step peak", "step vs compile", "min grad cos",
+                           "published bound"), rows), ""]
+        for theirs, winner in wins(results):
+            lines.append(f"- {_label(theirs)}: " + (
+                f"{winner.label} has no higher peak and is faster with the ranges apart" if winner else
+                "no fxmem point is as low, faster with the ranges apart, and within its published bound"))
+        lines.append("")
+    return lines
+
+
+# fidelity -----------------------------------------------------------------------------------------------------
+
+def _fidelity_title(file: ResultFile) -> str:
+    tokens = "random token ids" if file.data.get("tokens") == "random" else "real text"
+    return f"Gradient fidelity: {file.data.get('workload')}, {tokens}"
+
+
+def _fidelity(file: ResultFile) -> list[str]:
+    rows = []
+    for r in file.results:
+        first = r["comparisons"][0]
+        same, fp32 = first["same_dtype"], first["fp32"]
+        bound = PUBLISHED_MIN_COSINE.get(r["method"])
+        rows.append([r["method"], r.get("dtype", ""), format_bytes(r["saved_bytes"]), f"{same['min_cosine']:.4f}",
+                     short_name(same["worst_parameter"]), f"{fp32['min_cosine']:.4f}",
+                     "—" if bound is None else f"{bound:g}" + ("" if same["min_cosine"] >= bound else " (missed)")])
+    return [*_table(("method", "dtype", "saved", "min grad cos", "worst parameter", "min cos vs fp32 eager",
+                     "published bound"), rows),
+            "", "min grad cos: against eager PEFT in the same dtype; vs fp32 eager: at the same weights, in fp32 "
+                "(eager's own row is the dtype's floor)."]
+
+
+@dataclass(frozen=True)
+class Renderer:
+    title: Callable[[ResultFile], str]
+    render: Callable[[ResultFile], list[str]]
+
+
+# what the page shows, in its order
+RENDERERS = {"compare": Renderer(_compare_title, _compare), "frontier": Renderer(_frontier_title, _frontier),
+             "fidelity": Renderer(_fidelity_title, _fidelity)}

@@ -1,0 +1,89 @@
+import json
+import pathlib
+import re
+
+import pytest
+
+from fxmem import cli
+from fxmem.bench.compare import MethodResult
+from fxmem.bench.report import PAGE_LIMIT, README_END, README_START, ResultFile, build, claim, with_summary
+from fxmem.measure import Fidelity
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def result(method: str, samples: list[float], peak: int = 100, cosine: float | None = None,
+           bound: float | None = None, budget: float | None = None) -> MethodResult:
+    return MethodResult(workload="llama-tiny", method=method, saved_bytes=peak // 2, peak_bytes=peak, static_bytes=1,
+                        compile_seconds=0.0, first_loss=1.0, step_samples=samples, budget=budget,
+                        fidelity=None if cosine is None else Fidelity(cosine, 0.01, "lora_A"), fidelity_bound=bound)
+
+
+def result_file(tmp_path: pathlib.Path, name: str, command: str, commit: str, results: list[MethodResult],
+                **extra: object) -> ResultFile:
+    data = {"command": command, "date": "2026-11-26", "machine": "AMD EPYC, 2 cores, torch 2.13.0+cpu",
+            "commit": commit, **extra, "results": [r.to_dict() for r in results]}
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return ResultFile(path, data)
+
+
+def test_the_page_history_and_readme_summary_are_what_the_results_at_the_pages_commit_make(monkeypatch):
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    commit = re.search(r"measured at fxmem commit (\S+) ", page).group(1)
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["bench", "report", "--commit", commit, "--check"]) == 0
+    assert page.count("\n") <= PAGE_LIMIT
+    readme = (ROOT / "README.md").read_text()
+    summary = readme[readme.index(README_START) + len(README_START):readme.index(README_END)].strip()
+    assert summary and summary in page  # every figure of the README's summary is the page's
+
+
+def test_a_result_file_is_known_by_the_experiment_that_wrote_it():
+    def kind(command: str) -> str:
+        return ResultFile(pathlib.Path("x.json"), {"command": command}).kind
+
+    assert kind("fxmem bench --workloads llama-tiny --preset hyclora-4bit") == "compare"
+    assert kind("fxmem bench compare --workloads llama-tiny") == "compare"
+    assert kind("fxmem bench --frontier --workloads llama-tiny") == "frontier"
+    assert kind("fxmem bench fidelity --methods eager loract") == "fidelity"
+    assert kind("python benchmarks/cuda_check.py --json x.json") == "cuda_check"
+
+
+def test_a_time_claim_needs_every_round_on_one_side():
+    base = result("compile", [1.0, 1.0, 1.0])
+    assert claim(result("fxmem", [0.8, 0.9, 0.95]), base) == "0.90x (0.80-0.95), faster"
+    assert claim(result("fxmem", [1.1, 1.2, 1.3]), base) == "1.20x (1.10-1.30), slower"
+    assert claim(result("fxmem", [0.9, 1.0, 1.1]), base) == "1.00x (0.90-1.10), no claim (the range spans 1)"
+
+
+def test_the_page_shows_one_commit_and_marks_a_gradient_below_its_bound(tmp_path):
+    command = "fxmem bench --workloads llama-tiny --preset hyclora-4bit"
+    rows = [result("eager", [2.0, 2.0, 2.0], peak=300), result("compile", [1.0, 1.0, 1.0], peak=200, cosine=1.0),
+            result("compile-budget", [1.5, 1.4, 1.6], peak=150, cosine=1.0, budget=0.125),
+            result("fxmem", [1.2, 1.1, 1.3], peak=100, cosine=0.98, bound=0.995)]
+    current = result_file(tmp_path, "compare-new.json", command, "abc1234", rows, preset="hyclora-4bit")
+    older = result_file(tmp_path, "compare-old.json", command, "0ld0000", rows, preset="hyclora-4bit")
+    dirty = result_file(tmp_path, "compare-dirty.json", command, "abc1234+", rows, preset="hyclora-4bit")
+    report = build([current, older, dirty], "abc1234", links_from=tmp_path / "docs",
+                   history_path=tmp_path / "benchmarks/history.md", command="fxmem bench report --commit abc1234")
+    assert "compare-new.json" in report.page and "compare-old.json" not in report.page
+    assert "compare-old.json" in report.history and "compare-dirty.json" in report.history
+    assert "(../compare-new.json)" in report.page  # links relative to the page's folder
+    assert "| fxmem | 50 B | 100 B | 0.50x | 1.20x (1.10-1.30) | 0.60x (0.55-0.65) | 0.980000 | 0.995 (missed) |" \
+        in report.page
+    assert "| compile-budget 0.125 |" in report.page
+    assert "fxmem's gradient on llama-tiny misses its preset's published bound: no claim" in report.page
+    assert ("| llama-tiny | hyclora-4bit | compile-budget 0.125 | 0.67x | 0.80x (0.79-0.81), faster | "
+            "0.980000 (0.995 (missed)) |") in report.summary
+    assert report.summary in report.page
+    with pytest.raises(ValueError, match="measured at commit 'fffffff'; commits with one: 0ld0000, abc1234$"):
+        build([current, older, dirty], "fffffff", links_from=tmp_path, history_path=tmp_path / "h.md",
+              command="report")
+
+
+def test_the_readme_summary_goes_between_its_markers_only():
+    readme = f"intro\n{README_START}\nold figures\n{README_END}\nrest\n"
+    assert with_summary(readme, "| new |") == f"intro\n{README_START}\n| new |\n{README_END}\nrest\n"
+    with pytest.raises(ValueError, match="the README has no block to write: add the lines"):
+        with_summary("no markers here", "| new |")
