@@ -195,6 +195,7 @@ class Fidelity:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Fidelity:
+        """The fidelity ``to_dict`` wrote."""
         return cls(data["min_cosine"], data["median_relative_error"], data["worst_parameter"])
 
 

@@ -32,8 +32,9 @@ CUDA_ONLY_METHODS = frozenset({"compile-offload"})
 METHOD_DESCRIPTIONS = {
     "eager": "eager PEFT LoRA (what most users run today)",
     "compile": "torch.compile, inductor defaults (min-cut rematerialization)",
-    "compile-budget": "inductor with activation_memory_budget at the two settings that bracket fxmem's measured saved "
-                      "bytes, one saving at most as much and one more (in parentheses)",
+    "compile-budget": "inductor with activation_memory_budget (beside it) at the two settings that bracket fxmem's "
+                      "measured saved bytes, one saving at most as much and one more (one setting alone where every "
+                      "setting saves more, or none more)",
     "hf-checkpointing": "eager with HF gradient checkpointing",
     "compile-checkpointing": "torch.compile over HF gradient checkpointing (each decoder layer recomputed whole)",
     "compile-sac": "torch.compile with selective activation checkpointing per decoder layer: matmuls and attention "
@@ -114,7 +115,7 @@ def _budget_backend(budget: float) -> Callable:
 
 def _partitioned_by_inductor(budget: float) -> Callable:
     """Inductor's pipeline up to its partition (decompositions, joint-graph passes, min-cut at ``budget``), the
-    partitioned graphs then run as aten ops: what inductor saves, seconds sooner than its code generation."""
+    partitioned graphs then run as aten ops, without inductor's code generation: what inductor saves, sooner."""
     def run_as_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         return make_boxed_func(gm.forward)
 
@@ -175,18 +176,25 @@ def default_methods(device: torch.device | str) -> tuple[str, ...]:
     return tuple(m for m in METHODS if torch.device(device).type == "cuda" or m not in CUDA_ONLY_METHODS)
 
 
-def inductor_saved_bytes(workload: Workload, device: torch.device, lora_rank: int, budget: float) -> int:
-    """Bytes inductor saves for backward at ``budget``, measured as every method's are (saved_activation_bytes on
-    the batch prepare_method measures)."""
+def _saved_bytes(workload: Workload, device: torch.device, lora_rank: int,
+                 compile_model: Callable[[torch.nn.Module], Callable]) -> int:
+    """What ``compile_model``'s method saves for backward on the batch prepare_method measures, measured as
+    prepare_method measures it, on a model built for the purpose; dynamo's caches are reset before and after."""
     torch._dynamo.reset()
     setup = workload.build(device=device, lora_rank=lora_rank)
     next(setup.batches)
     batch = next(setup.batches)
-    compiled = torch.compile(setup.model, backend=_partitioned_by_inductor(budget))
-    saved, _ = saved_activation_bytes(lambda: setup.loss(compiled, batch),
+    forward = compile_model(setup.model)
+    saved, _ = saved_activation_bytes(lambda: setup.loss(forward, batch),
                                       exclude=model_tensors(setup.model) + list(batch.values()))
     torch._dynamo.reset()
     return saved
+
+
+def inductor_saved_bytes(workload: Workload, device: torch.device, lora_rank: int, budget: float) -> int:
+    """Bytes inductor saves for backward at ``budget``, measured as every method's are."""
+    return _saved_bytes(workload, device, lora_rank,
+                        lambda model: torch.compile(model, backend=_partitioned_by_inductor(budget)))
 
 
 @dataclass(frozen=True)
@@ -270,7 +278,7 @@ def run_workload(workload: Workload, *, preset: str = "exact", device: torch.dev
 
     Fidelity is measured against eager's gradients on the same batch and weights. ``methods``: default, every
     method that runs on ``device``. compile-budget runs at the two budgets that bracket fxmem's measured saved
-    bytes (fxmem is measured first; without fxmem among the methods, compile-budget is refused).
+    bytes (measured first, on a model of their own; without fxmem among the methods, compile-budget is refused).
     ``return_logits=False``: fxmem returns no logits (Config.return_logits), so it chunks the loss; the step reads
     only the loss. ``options``: further Config overrides of the preset.
     """
@@ -278,13 +286,18 @@ def run_workload(workload: Workload, *, preset: str = "exact", device: torch.dev
     methods = default_methods(device) if methods is None else tuple(methods)
     _check_methods(methods, device)
     config = Config.from_preset(preset, **{"return_logits": return_logits, **(options or {})})
+    bracket = None
+    if "compile-budget" in methods:  # first: each probe resets dynamo, which would recompile a prepared method
+        progress(f"{workload.name}: fxmem's saved bytes, and the activation_memory_budget settings around them")
+        target = _saved_bytes(workload, device, lora_rank, lambda model: forward_for_method("fxmem", model, config))
+        bracket = budget_bracket(workload, target, device, lora_rank)
     torch._dynamo.reset()
     warm_up_compiler()
     prepared: dict[str, _Prepared] = {}
     reference = None
 
     def prepare(method: str, budget: float | None = None) -> _Prepared:
-        label = method if budget is None else f"{method} {budget:g}"
+        label = method if budget is None else f"{method} {budget:.3f}"
         progress(f"{workload.name}: {label}")
         prepared[label] = prepare_method(workload, method, config=config, device=device, lora_rank=lora_rank,
                                          budget=budget, reference_grads=reference, label=label)
@@ -292,18 +305,16 @@ def run_workload(workload: Workload, *, preset: str = "exact", device: torch.dev
 
     # Every method compiles cold: a cache warmed by an earlier run (or method) would make compile times incomparable.
     with torch.compiler.config.patch(force_disable_caches=True):
-        if "eager" in methods:  # first: the fidelity reference
-            reference = prepare("eager").grads
-        if "fxmem" in methods:  # before compile-budget, which is matched to its measured bytes
-            fxmem = prepare("fxmem").result
-            fxmem.fidelity_bound = PUBLISHED_MIN_COSINE.get(preset)
-        for method in methods:
+        for method in sorted(methods, key=lambda m: m != "eager"):  # eager first: the fidelity reference
             if method == "compile-budget":
-                progress(f"{workload.name}: searching the activation_memory_budget settings around fxmem's bytes")
-                for budget in budget_bracket(workload, fxmem.saved_bytes, device, lora_rank).budgets:
+                for budget in bracket.budgets:
                     prepare(method, budget)
-            elif method not in ("eager", "fxmem"):
-                prepare(method)
+                continue
+            done = prepare(method)
+            if method == "eager":
+                reference = done.grads
+            elif method == "fxmem":
+                done.result.fidelity_bound = PUBLISHED_MIN_COSINE.get(preset)
     progress(f"{workload.name}: timing {steps} interleaved steps")
     time_interleaved(prepared, steps=steps, device=device)
     torch._dynamo.reset()

@@ -37,10 +37,12 @@ class ResultFile:
 
     @property
     def command(self) -> str:
+        """The command line that wrote it ('' where not recorded)."""
         return self.data.get("command") or ""
 
     @property
     def commit(self) -> str:
+        """fxmem's commit when it ran ('+': with uncommitted changes)."""
         return self.data.get("commit") or "unknown"
 
     @property
@@ -64,7 +66,7 @@ class ResultFile:
 
     @property
     def results(self) -> list[dict[str, Any]]:
-        return self.data.get("results") if isinstance(self.data, dict) else []
+        return self.data.get("results") or []
 
 
 def load_results(directory: pathlib.Path) -> list[ResultFile]:
@@ -78,6 +80,8 @@ def load_results(directory: pathlib.Path) -> list[ResultFile]:
 
 @dataclass(frozen=True)
 class Report:
+    """What `fxmem bench report` writes."""
+
     page: str  # docs/benchmarks.md
     history: str  # the history file
     summary: str  # the README's block, between README_START and README_END
@@ -89,38 +93,59 @@ def build(files: Sequence[ResultFile], commit: str, *, links_from: pathlib.Path,
     of the others, and the README's summary.
 
     Raises ValueError when no renderable result file has that commit, naming the commits that have one."""
-    on_page = [f for f in files if f.commit == commit and f.kind in RENDERERS]
+    on_page = [f for f in files if _same_commit(f.commit, commit) and f.kind in RENDERERS]
     if not on_page:
         commits = sorted({f.commit for f in files if f.kind in RENDERERS and not f.commit.endswith("+")})
         raise ValueError(f"no result file of a kind the page shows ({', '.join(RENDERERS)}) was measured at "
                          f"commit {commit!r}; commits with one: {', '.join(commits) or 'none'}")
     on_page.sort(key=lambda f: (list(RENDERERS).index(f.kind), f.path.name))
+    commit = on_page[0].commit
+    sections = [_rendered(f) for f in on_page]
     summary = _summary(on_page)
     machines = sorted({f.machine for f in on_page})
     lines = ["# Benchmarks", "",
-             f"Written by `{command}` from the result files in benchmarks/results/ measured at fxmem commit "
+             (f"Written by `{command}` from the result files in benchmarks/results/ measured at fxmem commit "
              f"{commit} (do not edit by hand: rerun the commands below, then the report). Older results: "
-             f"[{history_path.name}]({_relative(history_path, links_from)}).", "",
+             f"[{history_path.name}]({_relative(history_path, links_from)})."), "",
              f"Machine{'s' if len(machines) > 1 else ''}: {'; '.join(machines)}.", "", *_HOW_TO_READ, "",
              "## Summary", "", *summary, ""]
-    for file in on_page:
+    for file, section in zip(on_page, sections, strict=True):
         lines += [f"## {RENDERERS[file.kind].title(file)}", "", f"Command: `{file.command}`", "",
-                  f"{file.date}, {file.machine}, fxmem at {file.commit}; results: "
-                  f"[{file.path.name}]({_relative(file.path, links_from)}).", "",
-                  *RENDERERS[file.kind].render(file), ""]
+                  (f"{file.date}, {file.machine}, fxmem at {file.commit}; results: "
+                  f"[{file.path.name}]({_relative(file.path, links_from)})."), "",
+                  *section, ""]
     history = ["# Benchmark history", "",
-               f"Every result file in benchmarks/results/ not on the current page ([benchmarks.md]"
+               (f"Every result file in benchmarks/results/ not on the current page ([benchmarks.md]"
                f"({_relative(links_from / 'benchmarks.md', history_path.parent)}), commit {commit}), newest first, "
                "with the command that wrote it and where and when it ran. A commit with '+' ran with uncommitted "
                "changes. The pages written by hand before the report, with the tables of these runs and what each "
-               "change was for, are beside this file.", "",
+               "change was for, are beside this file."), "",
                *_table(("file", "date", "commit", "machine", "command"),
                        [[f"[{f.path.name}]({_relative(f.path, history_path.parent)})", f.date, f.commit, f.machine,
-                         f"`{f.command}`" if f.command else "(not recorded)"]
-                        for f in sorted((f for f in files if f not in on_page), key=lambda f: (f.date, f.path.name),
-                                        reverse=True)])]
+                         f"`{f.command}`" if f.command else "(not recorded)"] for f in _newest_first(files, on_page)])]
     return Report(page="\n".join(lines).rstrip() + "\n", history="\n".join(history).rstrip() + "\n",
                   summary="\n".join(summary))
+
+
+def _same_commit(recorded: str, asked: str) -> bool:
+    """A clean recorded commit that ``asked`` names, in full or by a prefix of at least 7 characters."""
+    return (not recorded.endswith("+") and len(asked) >= 7 and len(recorded) >= 7
+            and (recorded.startswith(asked) or asked.startswith(recorded)))
+
+
+def _newest_first(files: Sequence[ResultFile], shown: Sequence[ResultFile]) -> list[ResultFile]:
+    """The files not ``shown``, newest date first, by name within a date; those with no date last."""
+    rest = sorted((f for f in files if f not in shown), key=lambda f: f.path.name)
+    return sorted(rest, key=lambda f: f.date if f.date != "unknown" else "", reverse=True)
+
+
+def _rendered(file: ResultFile) -> list[str]:
+    """The file's tables; a file that lacks what its kind's table needs is refused by name."""
+    try:
+        return RENDERERS[file.kind].render(file)
+    except (KeyError, TypeError, IndexError, StopIteration) as error:
+        raise ValueError(f"{file.path.name}: not a complete {file.kind} result ({type(error).__name__}: {error}); "
+                         "rerun its command, or leave it out of the page's commit") from error
 
 
 def with_summary(readme: str, summary: str) -> str:
@@ -133,14 +158,15 @@ def with_summary(readme: str, summary: str) -> str:
 
 
 _HOW_TO_READ = [
-    "How to read the tables: every method of a table ran in one process, its steps timed in interleaved rounds. "
+    ("How to read the tables: every method of a table ran in one process, its steps timed in interleaved rounds. "
     "A time ratio is the median of the per-round ratios, with the rounds' min-max in parentheses; a claim that "
     "one method is faster is made only where the range lies wholly on one side of 1. Step peak: a full training "
     "step's peak allocation above what was allocated when it began (CPU: the profiler's allocation events; "
     "CUDA: allocator statistics). Saved activations: the storages autograd holds for backward, each counted "
     "once at its full size, measured the same way for every method. Gradient cosine: the lowest cosine of any "
     "trainable gradient against eager PEFT's on the same batch and weights; an fxmem row must meet its "
-    "preset's published bound (marked \"missed\" where it does not); exact methods carry 1.0."]
+    "preset's published bound (marked \"missed\" where it does not, and then no claim is made for it; —: an "
+    "exact method, held to none).")]
 
 
 def _relative(path: pathlib.Path, start: pathlib.Path) -> str:
@@ -163,7 +189,7 @@ def _bound(result: MethodResult) -> str:
 
 def _label(result: MethodResult) -> str:
     if result.method == "compile-budget" and result.budget is not None:
-        return f"compile-budget {result.budget:.3f}"
+        return f"compile-budget {result.budget:.3g}"
     return result.label or result.method
 
 
@@ -182,9 +208,9 @@ def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def claim(ours: MethodResult, theirs: MethodResult) -> str:
     """``ours``'s step time against ``theirs``, and what the rounds let one say of it."""
     ratio = round_ratio(ours.step_samples, theirs.step_samples)
-    if ratio.high < 1:
+    if round(ratio.high, 2) < 1:  # as printed: a claim never contradicts its own figures
         return f"{ratio}, faster"
-    if ratio.low > 1:
+    if round(ratio.low, 2) > 1:
         return f"{ratio}, slower"
     return f"{ratio}, no claim (the range spans 1)"
 
@@ -211,8 +237,8 @@ def _compare(file: ResultFile) -> list[str]:
                                                "published bound"), rows), ""]
         ours = next((r for r in results if r.method == "fxmem"), None)
         if ours and not ours.meets_fidelity_bound:
-            lines += [f"fxmem's gradient on {workload} misses its preset's published bound: no claim of this "
-                      "table stands for it.", ""]
+            lines += [(f"fxmem's gradient on {workload} misses its preset's published bound: no claim of this "
+                      "table stands for it."), ""]
     return lines
 
 
@@ -223,19 +249,26 @@ def _summary(files: Sequence[ResultFile]) -> list[str]:
     for file in (f for f in files if f.kind == "compare"):
         for workload, results in _by_workload(_method_results(file)).items():
             ours = next((r for r in results if r.method == "fxmem"), None)
-            rows += [[workload, file.data.get("preset", "exact"), _label(theirs),
-                      f"{ours.peak_bytes / theirs.peak_bytes:.2f}x", claim(ours, theirs),
-                      f"{_cosine(ours)} ({_bound(ours)})"]
-                     for theirs in results if ours and theirs is not ours]
-    lines = _table(("workload", "fxmem preset", "against", "fxmem's step peak", "fxmem's step time",
-                    "fxmem's min grad cos (published bound)"), rows) if rows else ["(no compare table at this commit)"]
+            if ours is None:
+                continue
+            time = claim if ours.meets_fidelity_bound else _no_claim
+            rows += [[workload, file.data.get("preset", "exact"), f"{_cosine(ours)} ({_bound(ours)})", _label(theirs),
+                      f"{ours.peak_bytes / theirs.peak_bytes:.2f}x", time(ours, theirs)]
+                     for theirs in results if theirs is not ours]
+    lines = _table(("workload", "fxmem preset", "fxmem's min grad cos (published bound)", "against",
+                    "step peak: fxmem / theirs", "step time: fxmem / theirs"), rows) if rows else [
+        "(no compare table at this commit)"]
     fidelity = [[f.data.get("workload", ""), "random token ids" if f.data.get("tokens") == "random" else "real text",
-                 r["method"], r.get("dtype", ""), f"{r['comparisons'][0]['same_dtype']['min_cosine']:.4f}"]
+                 r["method"], r.get("dtype", ""), *_cosine_and_bound(r)]
                 for f in files if f.kind == "fidelity" for r in f.results if r["method"] in PUBLISHED_MIN_COSINE]
     if fidelity:
-        lines += ["", *_table(("workload", "batch", "fxmem preset", "dtype", "min grad cos vs eager, same dtype"),
-                              fidelity)]
+        lines += ["", *_table(("workload", "batch", "fxmem preset", "dtype", "min grad cos vs eager, same dtype",
+                               "published bound"), fidelity)]
     return lines
+
+
+def _no_claim(ours: MethodResult, theirs: MethodResult) -> str:
+    return f"{round_ratio(ours.step_samples, theirs.step_samples)}, no claim (gradient below its published bound)"
 
 
 # frontier -----------------------------------------------------------------------------------------------------
@@ -258,7 +291,6 @@ def _frontier(file: ResultFile) -> list[str]:
             lines.append(f"- {_label(theirs)}: " + (
                 f"{winner.label} has no higher peak and is faster with the ranges apart" if winner else
                 "no fxmem point is as low, faster with the ranges apart, and within its published bound"))
-        lines.append("")
     return lines
 
 
@@ -274,14 +306,20 @@ def _fidelity(file: ResultFile) -> list[str]:
     for r in file.results:
         first = r["comparisons"][0]
         same, fp32 = first["same_dtype"], first["fp32"]
-        bound = PUBLISHED_MIN_COSINE.get(r["method"])
-        rows.append([r["method"], r.get("dtype", ""), format_bytes(r["saved_bytes"]), f"{same['min_cosine']:.4f}",
-                     short_name(same["worst_parameter"]), f"{fp32['min_cosine']:.4f}",
-                     "—" if bound is None else f"{bound:g}" + ("" if same["min_cosine"] >= bound else " (missed)")])
+        cosine, bound = _cosine_and_bound(r)
+        rows.append([r["method"], r.get("dtype", ""), format_bytes(r["saved_bytes"]), cosine,
+                     short_name(same["worst_parameter"]), f"{fp32['min_cosine']:.4f}", bound])
     return [*_table(("method", "dtype", "saved", "min grad cos", "worst parameter", "min cos vs fp32 eager",
                      "published bound"), rows),
-            "", "min grad cos: against eager PEFT in the same dtype; vs fp32 eager: at the same weights, in fp32 "
-                "(eager's own row is the dtype's floor)."]
+            "", ("min grad cos: against eager PEFT in the same dtype; vs fp32 eager: at the same weights, in fp32 "
+                "(eager's own row is the dtype's floor).")]
+
+
+def _cosine_and_bound(result: dict[str, Any]) -> tuple[str, str]:
+    """A fidelity result's worst cosine against eager in its own dtype, and its preset's published bound."""
+    cosine = result["comparisons"][0]["same_dtype"]["min_cosine"]
+    bound = PUBLISHED_MIN_COSINE.get(result["method"])
+    return f"{cosine:.4f}", "—" if bound is None else f"{bound:g}" + ("" if cosine >= bound else " (missed)")
 
 
 @dataclass(frozen=True)

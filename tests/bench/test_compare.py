@@ -48,7 +48,7 @@ def test_run_workload_refuses_unknown_methods_and_what_cannot_run():
     assert "compile-offload" not in default_methods("cpu") and "compile-offload" in default_methods("cuda")
 
 
-def test_offload_baseline_moves_every_saved_activation_to_the_host(monkeypatch):
+def test_offload_baseline_copies_the_saved_activations_out_and_back(monkeypatch):
     """The mechanics on CPU (a copy to the same device): the saved activations leave the forward graph through
     inductor's offload copies and come back in backward; gradients are torch's."""
     graphs = []

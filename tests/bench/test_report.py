@@ -74,12 +74,20 @@ def test_the_page_shows_one_commit_and_marks_a_gradient_below_its_bound(tmp_path
         in report.page
     assert "| compile-budget 0.125 |" in report.page
     assert "fxmem's gradient on llama-tiny misses its preset's published bound: no claim" in report.page
-    assert ("| llama-tiny | hyclora-4bit | compile-budget 0.125 | 0.67x | 0.80x (0.79-0.81), faster | "
-            "0.980000 (0.995 (missed)) |") in report.summary
+    # faster in every round, but its gradient misses the bound: the summary claims nothing
+    assert ("| llama-tiny | hyclora-4bit | 0.980000 (0.995 (missed)) | compile-budget 0.125 | 0.67x | "
+            "0.80x (0.79-0.81), no claim (gradient below its published bound) |") in report.summary
     assert report.summary in report.page
     with pytest.raises(ValueError, match="measured at commit 'fffffff'; commits with one: 0ld0000, abc1234$"):
         build([current, older, dirty], "fffffff", links_from=tmp_path, history_path=tmp_path / "h.md",
               command="report")
+    # a longer hash names the same commit; a file missing what its table needs is refused by name
+    assert build([current], "abc1234def", links_from=tmp_path, history_path=tmp_path / "h.md",
+                 command="report").page == build([current], "abc1234", links_from=tmp_path,
+                                                 history_path=tmp_path / "h.md", command="report").page
+    del current.data["results"][0]["step_samples"]
+    with pytest.raises(ValueError, match="compare-new.json: not a complete compare result .KeyError"):
+        build([current], "abc1234", links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
 
 
 def test_the_readme_summary_goes_between_its_markers_only():

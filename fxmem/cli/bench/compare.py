@@ -41,7 +41,8 @@ LEGEND = {
     "step time": "median of the timed steps, methods timed interleaved in one process; vs eager / vs compile: the "
                  "median of the per-round ratios (min-max over the rounds)",
     "min grad cos / median grad rel err": "trainable gradients vs eager's on the same batch and weights",
-    "published bound": "the preset's published worst gradient cosine (fxmem rows; exact methods carry 1.0)",
+    "published bound": "the preset's published worst gradient cosine, which an fxmem row must meet (—: an exact "
+                       "method, held to none)",
     "compile s": "first step minus a warm step, every method compiled with inductor's caches off",
 }
 
@@ -120,7 +121,7 @@ def rows(results: list) -> list[list[str]]:
     for r in results:
         eager, compiled = by_key.get((r.workload, "eager")), by_key.get((r.workload, "compile"))
         table.append([
-            r.workload, r.method if r.budget is None else f"{r.method} ({r.budget:.3f})", format_bytes(r.saved_bytes),
+            r.workload, r.label or r.method, format_bytes(r.saved_bytes),
             f"{eager.saved_bytes / r.saved_bytes:.2f}x" if eager and r.saved_bytes else "—",
             format_bytes(r.peak_bytes), format_bytes(r.static_bytes), format_bytes(r.peak_bytes + r.static_bytes),
             f"{r.step_seconds:.3f} s",
@@ -185,7 +186,7 @@ def _frontier(args: argparse.Namespace, names: list[str], device: torch.device) 
               f"with memory_budget at each, then hyclora-2bit; compile-budget: activation_memory_budget at each. "
               f"{args.steps} timed steps, every method interleaved in one process. An fxmem point wins a "
               f"compile-budget point only at its preset's published worst gradient cosine or above (published "
-              f"bound); exact methods carry 1.0.\n- step peak: {LEGEND['step peak']}"
+              f"bound; —: an exact method, held to none).\n- step peak: {LEGEND['step peak']}"
               "\n" + "\n".join(verdicts))
     print_table("fxmem bench compare --frontier", FRONTIER_COLUMNS, rows, legend, args, device)
     write_json([r for ours in by_workload.values() for r in ours], args, device, preset=preset,
