@@ -217,9 +217,12 @@ def claim(ours: MethodResult, theirs: MethodResult) -> str:
 
 # compare ------------------------------------------------------------------------------------------------------
 
+def _workloads(file: ResultFile) -> str:
+    return ", ".join(dict.fromkeys(r["workload"] for r in file.results))
+
+
 def _compare_title(file: ResultFile) -> str:
-    workloads = ", ".join(dict.fromkeys(r["workload"] for r in file.results))
-    return f"fxmem against every baseline: {workloads}, {file.data.get('preset', 'exact')}"
+    return f"fxmem against every baseline: {_workloads(file)}, {file.data.get('preset', 'exact')}"
 
 
 def _compare(file: ResultFile) -> list[str]:
@@ -274,8 +277,7 @@ def _no_claim(ours: MethodResult, theirs: MethodResult) -> str:
 # frontier -----------------------------------------------------------------------------------------------------
 
 def _frontier_title(file: ResultFile) -> str:
-    workloads = ", ".join(dict.fromkeys(r["workload"] for r in file.results))
-    return f"Memory/time frontier: {workloads}"
+    return f"Memory/time frontier: {_workloads(file)}"
 
 
 def _frontier(file: ResultFile) -> list[str]:
