@@ -144,7 +144,8 @@ def test_rotation_and_stochastic_rounding_are_planned_priced_and_keep_the_bytes(
     for name in ("rotated", "stochastic"):
         saved, plans, fidelity, backend = results[name]
         assert saved == plain_saved == backend.report().planned_bytes  # the same codes, scales and outliers
-        # the published 2-bit figure (config.PUBLISHED_MIN_COSINE: 0.993); measured 0.9965 plain, 0.9956 rotated, 0.9940 stochastic
+        # the published 2-bit figure (config.PUBLISHED_MIN_COSINE: 0.993); measured 0.9965 plain, 0.9956 rotated,
+        # 0.9940 stochastic
         assert fidelity.min_cosine > 0.993, (name, fidelity)
         # Priced: the rotations' products and the random numbers add to each plan's seconds.
         assert all(p.seconds > q.seconds if p.rotation or p.stochastic else p.seconds == q.seconds
