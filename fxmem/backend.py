@@ -193,7 +193,7 @@ def pinned_notes(held: Pinned) -> list[str]:
     return notes
 
 
-def _run_eagerly(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+def run_eagerly(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
     """Lowering for inspection: run the partitioned aten graphs as they are, no code generation."""
     return make_boxed_func(gm.forward)
 
@@ -228,7 +228,7 @@ def _lower_or_run_as_is(region: Region) -> Callable:
                     "it runs as aten ops, unfused")
             warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
             region.notes.append(note)
-            return _run_eagerly(gm, example_inputs)
+            return run_eagerly(gm, example_inputs)
     return compile_inner
 
 
@@ -262,7 +262,7 @@ class Backend:
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
         patches.update(inductor_options)
-        inner = _lower_or_run_as_is(region) if self.lowering == "inductor" else _run_eagerly
+        inner = _lower_or_run_as_is(region) if self.lowering == "inductor" else run_eagerly
         start = time.perf_counter()
         # AOTAutograd's cache would skip the partitioner on a hit, and with it fxmem's analysis and rewrites.
         with torch._functorch.config.patch(enable_autograd_cache=False):

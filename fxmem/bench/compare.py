@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from functorch.compile import make_boxed_func
-from torch._inductor.compile_fx import compile_fx
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from fxmem.backend import Backend
+from fxmem.backend import Backend, run_eagerly
 from fxmem.bench.workloads import Setup, Workload
 from fxmem.config import PUBLISHED_MIN_COSINE, Config
 from fxmem.measure import (
@@ -106,23 +105,14 @@ class MethodResult:
                 "fidelity": self.fidelity.to_dict() if self.fidelity else None}
 
 
-def _budget_backend(budget: float) -> Callable:
+def _budget_backend(budget: float, inner_compile: Callable = compile_fx_inner) -> Callable:
+    """Inductor with min-cut at ``budget``; ``inner_compile=run_eagerly``: its pipeline up to its partition
+    (decompositions, joint-graph passes, min-cut), the partitioned graphs run as aten ops, without its code
+    generation: what inductor saves, sooner."""
     def compile_with_budget(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         with torch._functorch.config.patch(activation_memory_budget=budget, enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs)
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
     return compile_with_budget
-
-
-def _partitioned_by_inductor(budget: float) -> Callable:
-    """Inductor's pipeline up to its partition (decompositions, joint-graph passes, min-cut at ``budget``), the
-    partitioned graphs then run as aten ops, without inductor's code generation: what inductor saves, sooner."""
-    def run_as_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
-        return make_boxed_func(gm.forward)
-
-    def compile_partition(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        with torch._functorch.config.patch(activation_memory_budget=budget, enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=run_as_aten)
-    return compile_partition
 
 
 def _mark_for_offload(graph: torch.fx.Graph) -> None:
@@ -194,7 +184,7 @@ def _saved_bytes(workload: Workload, device: torch.device, lora_rank: int,
 def inductor_saved_bytes(workload: Workload, device: torch.device, lora_rank: int, budget: float) -> int:
     """Bytes inductor saves for backward at ``budget``, measured as every method's are."""
     return _saved_bytes(workload, device, lora_rank,
-                        lambda model: torch.compile(model, backend=_partitioned_by_inductor(budget)))
+                        lambda model: torch.compile(model, backend=_budget_backend(budget, run_eagerly)))
 
 
 @dataclass(frozen=True)
