@@ -33,6 +33,24 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+BYTE_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """A memory size: a number of bytes, or a number followed by one of BYTE_UNITS (``2GiB``, ``1.5 GiB``)."""
+    number = text.strip()
+    unit = next((u for u in sorted(BYTE_UNITS, key=len, reverse=True) if number.endswith(u)), "B")
+    number = number.removesuffix(unit).strip() if number.endswith(unit) else number
+    try:
+        value = float(number) * BYTE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes, or a number with a unit ({', '.join(BYTE_UNITS)}); "
+                                         f"got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte; got {text!r}")
+    return int(value)
+
+
 def lowrank_rank(text: str) -> float | int:
     """A ``Config.lowrank`` value: a ratio in (0, 1) of the last dimension or an integer rank."""
     try:

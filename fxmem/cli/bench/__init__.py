@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from fxmem.cli.bench import (
     ablate,
     compare,
+    context,
     coverage,
     distributed,
     fidelity,
@@ -29,7 +30,7 @@ from fxmem.cli.bench import (
 
 EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
                                                   lowrank_error, lowrank_saved, ptxas, distributed,
-                                                  coverage, pretrain, fidelity, report)}
+                                                  coverage, pretrain, fidelity, report, context)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -1,0 +1,213 @@
+"""`fxmem bench context`: the longest sequence (batch 1) whose whole training step fits under a memory cap.
+
+A step "fits" when the bytes that live across steps (weights, buffers, optimizer state: ``static_bytes``) plus the
+step's own peak above them (``peak_memory``: activations, gradients, transients) stay under the cap. Each method is
+measured at a few lengths: every probe builds, compiles and runs the model at that length for real (on a CPU the
+cap is a figure to compare against, not an allocator limit). The search assumes nothing about the method; it uses
+that a step's peak grows about linearly in the length (the attention kernels of a CPU and a GPU hold no
+length-squared scores) to place its probes, and brackets the answer whatever the peaks do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxmem.bench.compare import METHOD_DESCRIPTIONS, forward_for_method
+from fxmem.bench.workloads import Workload
+from fxmem.config import PUBLISHED_MIN_COSINE, Config
+from fxmem.measure import Fidelity, gradient_fidelity, peak_memory, static_bytes, trainable_gradients
+from fxmem.timing import step_times
+
+# The baselines of issue 44's comparison, and what each runs. compile-budget runs at its lowest setting: the least
+# that inductor's own solver saves.
+CONTEXT_BASELINES = ("eager", "compile", "compile-budget", "compile-checkpointing")
+LOWEST_BUDGET = 0.0
+BASELINE_DESCRIPTIONS = {**{b: METHOD_DESCRIPTIONS[b] for b in CONTEXT_BASELINES},
+                         "compile-budget": f"inductor with activation_memory_budget {LOWEST_BUDGET}, its lowest setting"}
+DEFAULT_PRESETS = ("exact", "hyclora-4bit")
+MAX_PROBES = 12  # per method: the search stops here and reports its bracket as it stands
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One length measured: the step's peak above the static bytes, and the static bytes."""
+
+    seq: int
+    peak_bytes: int
+    static_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes + self.static_bytes
+
+
+@dataclass
+class ContextResult:
+    workload: str
+    method: str  # a baseline, or "fxmem <preset>"
+    memory_cap: int
+    longest: int  # the longest length found to fit (0: none did)
+    shortest_failing: int | None  # the shortest length found not to fit (None: none measured)
+    probes: list[Probe] = field(default_factory=list)
+    seconds_per_token: float | None = None  # a timed step at ``longest``, divided by its tokens
+    fidelity: Fidelity | None = None  # fxmem at ``longest``: against eager's gradients at that length
+    fidelity_bound: float | None = None
+
+    @property
+    def at_longest(self) -> Probe | None:
+        return next((p for p in self.probes if p.seq == self.longest), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["fidelity"] = self.fidelity.to_dict() if self.fidelity else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ContextResult:
+        fields = {**data, "probes": [Probe(**p) for p in data["probes"]],
+                  "fidelity": Fidelity.from_dict(data["fidelity"]) if data.get("fidelity") else None}
+        return cls(**fields)
+
+
+def longest_fitting(measure: Callable[[int], Probe], memory_cap: int, *, start: int, granularity: int,
+                    max_seq: int) -> tuple[int, int | None, list[Probe]]:
+    """The longest multiple of ``granularity`` up to ``max_seq`` whose probe fits ``memory_cap``, the shortest
+    measured that does not, and every probe, in order.
+
+    The next length is where the line through the last two probes (through the origin of the step's peak, from
+    one probe) meets the cap, kept strictly inside the bracket found so far; a prediction at or below the longest
+    fitting length steps past it by ``granularity``, doubling the step each time it is wrong again.
+    """
+    if start % granularity or max_seq < start:
+        raise ValueError(f"start ({start}) must be a multiple of granularity ({granularity}) and at most "
+                         f"max_seq ({max_seq})")
+    probes: list[Probe] = []
+    fits, fails = 0, None
+    seq, stride = start, granularity
+    while len(probes) < MAX_PROBES:
+        probe = measure(seq)
+        probes.append(probe)
+        if probe.total_bytes <= memory_cap:
+            fits = max(fits, seq)
+        else:
+            fails = seq if fails is None else min(fails, seq)
+        upper = min(fails - granularity if fails is not None else max_seq, max_seq)
+        if upper <= fits:
+            break
+        predicted = _where_cap_met(probes, memory_cap, granularity)
+        if predicted <= fits:
+            predicted, stride = fits + stride, stride * 2
+        else:
+            stride = granularity
+        lower = fits + granularity if fits else granularity
+        seq = max(lower, min(predicted, upper))
+        if any(p.seq == seq for p in probes):  # only when the bracket has closed to one untried length
+            break
+    return fits, fails, probes
+
+
+def _where_cap_met(probes: list[Probe], memory_cap: int, granularity: int) -> int:
+    """The length, rounded down to ``granularity``, at which the last two probes' line reaches the cap."""
+    last = probes[-1]
+    if len(probes) == 1 or probes[-2].seq == last.seq:
+        slope = last.peak_bytes / last.seq  # the step's peak through the origin
+        intercept = last.static_bytes
+    else:
+        before = probes[-2]
+        slope = (last.total_bytes - before.total_bytes) / (last.seq - before.seq)
+        intercept = last.total_bytes - slope * last.seq
+    if slope <= 0:
+        return last.seq * 2
+    return max(granularity, math.floor((memory_cap - intercept) / slope / granularity) * granularity)
+
+
+@dataclass
+class _Measured:
+    probe: Probe
+    step: Callable[[], None]
+    grads: dict[str, torch.Tensor]
+
+
+def first_step(workload: Workload, method: str, seq: int, *, config: Config, device: torch.device,
+               lora_rank: int) -> _Measured:
+    """``workload`` at batch 1 x ``seq`` under ``method``, after one step: compiled, with its optimizer state, and
+    the gradients of the initial weights. Its probe's peak is not measured yet (0)."""
+    torch._dynamo.reset()  # each length compiles its own graphs (dynamic=False), as a run at that length would
+    setup = dataclasses.replace(workload, batch=1, seq=seq).build(device=device, lora_rank=lora_rank)
+    budget = LOWEST_BUDGET if method == "compile-budget" else None
+    forward = forward_for_method(method, setup.model, config, budget)
+    optimizer = torch.optim.AdamW([p for p in setup.model.parameters() if p.requires_grad], lr=1e-4)
+    batch = next(setup.batches)
+
+    def step() -> None:
+        setup.loss(forward, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    setup.loss(forward, batch).backward()
+    grads = trainable_gradients(setup.model)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return _Measured(Probe(seq, 0, static_bytes(setup.model, optimizer)), step, grads)
+
+
+def measure_length(workload: Workload, method: str, seq: int, *, config: Config, device: torch.device,
+                   lora_rank: int) -> _Measured:
+    """``first_step``, then a step whose peak is measured."""
+    done = first_step(workload, method, seq, config=config, device=device, lora_rank=lora_rank)
+    done.probe = dataclasses.replace(done.probe, peak_bytes=peak_memory(done.step, device))
+    return done
+
+
+def run_context(workload: Workload, memory_cap: int, *, presets: Sequence[str] = DEFAULT_PRESETS,
+                baselines: Sequence[str] = CONTEXT_BASELINES, device: torch.device | str = "cpu",
+                lora_rank: int = 16, start: int = 512, granularity: int = 128, max_seq: int = 1 << 20,
+                return_logits: bool = False,
+                progress: Callable[[str], None] = lambda message: None) -> list[ContextResult]:
+    """Every baseline and fxmem preset's longest fitting length on ``workload`` (batch 1) under ``memory_cap``.
+
+    At its longest length each method's step is timed once more, and each fxmem preset's gradients of the first
+    step are compared with eager's at the same length and weights (eager runs there whatever its own peak: on a
+    CPU the cap is only compared against). ``return_logits=False``: fxmem returns no logits, so its loss is
+    chunked (Config.return_logits); the baselines run as HF runs them.
+    """
+    device = torch.device(device)
+    unknown = [b for b in baselines if b not in CONTEXT_BASELINES]
+    if unknown:
+        raise ValueError(f"unknown baseline(s) {', '.join(unknown)}; valid baselines: {', '.join(CONTEXT_BASELINES)}")
+    if not presets and not baselines:
+        raise ValueError("nothing to measure: give at least one preset or baseline")
+    runs = [(b, b, Config()) for b in baselines]
+    runs += [(f"fxmem {p}", "fxmem", Config.from_preset(p, return_logits=return_logits)) for p in presets]
+    results = []
+    for label, method, config in runs:
+        fitting: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}  # seq: (a timed step, first gradients)
+
+        def measure(seq: int, method: str = method, config: Config = config, label: str = label) -> Probe:
+            progress(f"{workload.name}: {label} at {seq} tokens")
+            done = measure_length(workload, method, seq, config=config, device=device, lora_rank=lora_rank)
+            if done.probe.total_bytes <= memory_cap:  # timed now: the next probe's dynamo reset drops its graphs
+                fitting[seq] = (step_times(done.step, steps=1, warmup=0, device=device)[0], done.grads)
+            return done.probe
+
+        longest, failing, probes = longest_fitting(measure, memory_cap, start=start, granularity=granularity,
+                                                   max_seq=max_seq)
+        result = ContextResult(workload.name, label, memory_cap, longest, failing, probes)
+        if longest:
+            seconds, grads = fitting[longest]
+            result.seconds_per_token = seconds / longest
+            if method == "fxmem":
+                progress(f"{workload.name}: eager's gradients at {longest} tokens, for {label}'s fidelity")
+                reference = first_step(workload, "eager", longest, config=Config(), device=device,
+                                       lora_rank=lora_rank)
+                result.fidelity = gradient_fidelity(reference.grads, grads)
+                result.fidelity_bound = PUBLISHED_MIN_COSINE.get(label.removeprefix("fxmem "))
+        results.append(result)
+    torch._dynamo.reset()
+    return results

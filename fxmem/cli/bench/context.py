@@ -1,0 +1,91 @@
+"""`fxmem bench context`: the longest sequence each method trains on (batch 1) under a memory cap."""
+
+from __future__ import annotations
+
+import argparse
+
+from fxmem.bench.context import BASELINE_DESCRIPTIONS, CONTEXT_BASELINES, DEFAULT_PRESETS, ContextResult, run_context
+from fxmem.cli.common import (
+    add_device,
+    add_outputs,
+    byte_size,
+    console,
+    get_workload,
+    int_at_least,
+    print_table,
+    workload_names,
+    write_json,
+)
+from fxmem.config import PRESETS
+from fxmem.measure import format_bytes
+
+NAME = "context"
+COLUMNS = ("method", "longest fitting", "vs best baseline", "peak incl. static there", "next length measured",
+           "its peak incl. static", "probes", "time per token", "min grad cos", "published bound")
+
+
+def add_parser(experiments: argparse._SubParsersAction) -> None:
+    parser = experiments.add_parser(NAME, help="the longest sequence (batch 1) each method's whole training step "
+                                               "fits under a memory cap")
+    parser.add_argument("--workload", default="llama-small", choices=workload_names("llama"))
+    parser.add_argument("--memory-cap", type=byte_size, required=True, metavar="SIZE",
+                        help="weights, optimizer state and the step's peak together, e.g. 2GiB")
+    parser.add_argument("--presets", nargs="*", choices=list(PRESETS), default=list(DEFAULT_PRESETS),
+                        help="fxmem presets, each with return_logits=False (its loss chunked)")
+    parser.add_argument("--baselines", nargs="*", choices=list(CONTEXT_BASELINES), default=list(CONTEXT_BASELINES))
+    parser.add_argument("--start", type=int_at_least(1), default=512, help="the first length each search measures")
+    parser.add_argument("--granularity", type=int_at_least(1), default=128,
+                        help="lengths searched are multiples of this")
+    parser.add_argument("--max-seq", type=int_at_least(1), default=1 << 20)
+    parser.add_argument("--rank", type=int_at_least(1), default=16, help="LoRA rank")
+    add_device(parser)
+    add_outputs(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.start % args.granularity:
+        console.print(f"[red]--start ({args.start}) must be a multiple of --granularity ({args.granularity})[/red]")
+        return 2
+    workload = get_workload(args.workload)
+    with console.status("context") as status:
+        results = run_context(workload, args.memory_cap, presets=args.presets, baselines=args.baselines,
+                              device=args.device, lora_rank=args.rank, start=args.start,
+                              granularity=args.granularity, max_seq=args.max_seq,
+                              progress=lambda message: status.update(message))
+    print_table(f"fxmem bench context: {workload.name}, batch 1, under {format_bytes(args.memory_cap)}", COLUMNS,
+                rows(results), legend(args), args, args.device)
+    write_json(results, args, args.device, memory_cap=args.memory_cap, granularity=args.granularity)
+    return 0
+
+
+def rows(results: list[ContextResult]) -> list[list[str]]:
+    baselines = [r for r in results if not r.method.startswith("fxmem")]
+    best = max(baselines, key=lambda r: r.longest, default=None)
+    table = []
+    for r in results:
+        here = r.at_longest
+        failing = next((p for p in r.probes if p.seq == r.shortest_failing), None)
+        versus = (f"{r.longest / best.longest:.2f}x" if best is not None and best.longest and r.longest
+                  else "—")
+        per_token = (f"{r.seconds_per_token / best.seconds_per_token:.2f}x" if best is not None
+                     and best.seconds_per_token and r.seconds_per_token else "—")
+        table.append([r.method, f"{r.longest:,}", versus, format_bytes(here.total_bytes) if here else "—",
+                      f"{failing.seq:,}" if failing else "—", format_bytes(failing.total_bytes) if failing else "—",
+                      str(len(r.probes)), per_token,
+                      f"{r.fidelity.min_cosine:.6f}" if r.fidelity else "—",
+                      f"{r.fidelity_bound}" if r.fidelity_bound is not None else "—"])
+    return table
+
+
+def legend(args: argparse.Namespace) -> str:
+    return (f"Batch 1; lengths are multiples of {args.granularity}, searched from {args.start}. longest fitting: "
+            "the longest length whose whole step fits the cap: the bytes that live across steps (weights, buffers, "
+            "AdamW state) plus the step's peak above them (activations, gradients, transients), each measured at "
+            "that length by a real step. next length measured: the shortest length found not to fit (the answer "
+            "lies between the two). time per token: one step at the method's longest length over its tokens, as a "
+            "ratio to the best baseline's at its own longest length (attention's share grows with the length, so "
+            "a longer run costs more per token). min grad cos: fxmem's gradients of the first step against eager "
+            "PEFT's at the same length, weights and batch.\n"
+            + "".join(f"\n- {m}: {BASELINE_DESCRIPTIONS[m]}" for m in args.baselines)
+            + "\n- fxmem P: torch.compile(backend=fxmem) with preset P and return_logits=False (the loss chunked)")

@@ -1,0 +1,86 @@
+import argparse
+import dataclasses
+
+import pytest
+
+from fxmem.bench.context import ContextResult, Probe, longest_fitting, run_context
+from fxmem.cli.bench.context import rows
+from fxmem.cli.common import byte_size
+from tests.conftest import TINY_LLAMA
+
+ONE_LAYER = dataclasses.replace(TINY_LLAMA, llama=dataclasses.replace(TINY_LLAMA.llama, layers=1))
+MiB = 2**20
+
+
+def synthetic(peak_per_token: float, static: int, quadratic: float = 0.0):
+    measured = []
+
+    def measure(seq: int) -> Probe:
+        measured.append(seq)
+        return Probe(seq, int(peak_per_token * seq + quadratic * seq * seq), static)
+    return measure, measured
+
+
+def truth(peak_per_token: float, static: int, cap: int, granularity: int, quadratic: float = 0.0) -> int:
+    seq = 0
+    while static + peak_per_token * (seq + granularity) + quadratic * (seq + granularity) ** 2 <= cap:
+        seq += granularity
+    return seq
+
+
+@pytest.mark.parametrize(("per_token", "quadratic"), [(1000.0, 0.0), (300.0, 0.0), (200.0, 0.05), (5000.0, 0.0)])
+def test_search_brackets_the_longest_fitting_length(per_token, quadratic):
+    cap, static, granularity = 64 * MiB, 20 * MiB, 128
+    measure, measured = synthetic(per_token, static, quadratic)
+    longest, failing, probes = longest_fitting(measure, cap, start=512, granularity=granularity, max_seq=1 << 20)
+    assert longest == truth(per_token, static, cap, granularity, quadratic)
+    assert failing == longest + granularity
+    assert [p.seq for p in probes] == measured and len(set(measured)) == len(measured)
+    if quadratic == 0.0:  # a line through the origin of the step's peak: the first prediction is the answer
+        assert len(probes) <= 3
+
+
+def test_search_stops_at_max_seq_and_when_nothing_fits():
+    measure, _ = synthetic(10.0, 1 * MiB)
+    assert longest_fitting(measure, 64 * MiB, start=512, granularity=128, max_seq=4096)[:2] == (4096, None)
+    measure, _ = synthetic(10.0, 65 * MiB)
+    longest, failing, probes = longest_fitting(measure, 64 * MiB, start=512, granularity=128, max_seq=4096)
+    assert (longest, failing) == (0, 128)
+    with pytest.raises(ValueError, match="multiple of granularity"):
+        longest_fitting(measure, 64 * MiB, start=500, granularity=128, max_seq=4096)
+
+
+def test_eager_longest_length_is_measured_to_fit_and_the_next_not():
+    cap = 40 * MiB
+    [result] = run_context(ONE_LAYER, cap, presets=(), baselines=("eager",), start=256, granularity=64)
+    failing = next(p for p in result.probes if p.seq == result.shortest_failing)
+    assert result.at_longest.total_bytes <= cap < failing.total_bytes
+    assert result.shortest_failing - result.longest == 64
+    assert result.seconds_per_token > 0 and result.fidelity is None
+    assert ContextResult.from_dict(result.to_dict()) == result
+
+
+def test_unknown_baselines_are_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match="valid baselines: eager, compile, compile-budget, compile-checkpointing"):
+        run_context(ONE_LAYER, MiB, presets=(), baselines=("hf-checkpointing",))
+
+
+def test_table_compares_with_the_best_baseline():
+    def result(method: str, longest: int, seconds: float) -> ContextResult:
+        return ContextResult("w", method, 10 * MiB, longest, longest + 64,
+                             [Probe(longest, MiB, MiB), Probe(longest + 64, 20 * MiB, MiB)], seconds)
+    table = rows([result("eager", 256, 2.0), result("compile", 512, 1.0), result("fxmem exact", 1536, 1.5)])
+    assert [row[2] for row in table] == ["0.50x", "1.00x", "3.00x"]
+    assert [row[7] for row in table] == ["2.00x", "1.00x", "1.50x"]
+    assert table[2][4:6] == ["1,600", "21.00 MiB"]
+
+
+@pytest.mark.parametrize(("text", "expected"), [("2GiB", 2 * 2**30), ("1.5 GiB", 3 * 2**29), ("512MiB", 512 * MiB),
+                                                ("4096", 4096)])
+def test_memory_sizes_parse_with_their_units(text, expected):
+    assert byte_size(text) == expected
+
+
+def test_bad_memory_sizes_name_the_units():
+    with pytest.raises(argparse.ArgumentTypeError, match="B, KiB, MiB, GiB, TiB"):
+        byte_size("2GB")
