@@ -189,7 +189,8 @@ def run_context(workload: Workload, memory_cap: int, *, presets: Sequence[str] =
     for label, method, config in runs:
         fitting: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}  # seq: (a timed step, first gradients)
 
-        def measure(seq: int, method: str = method, config: Config = config, label: str = label) -> Probe:
+        def measure(seq: int, method: str = method, config: Config = config, label: str = label,
+                    fitting: dict = fitting) -> Probe:
             progress(f"{workload.name}: {label} at {seq} tokens")
             done = measure_length(workload, method, seq, config=config, device=device, lora_rank=lora_rank)
             if done.probe.total_bytes <= memory_cap:  # timed now: the next probe's dynamo reset drops its graphs
