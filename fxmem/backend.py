@@ -26,6 +26,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.fx import GraphModule
 
 from fxmem.analysis import Analysis, SavedTensor, analyze
+from fxmem.analysis.liveness import graph_liveness
 from fxmem.analysis.pinned import Pinned, pinned
 from fxmem.analysis.recompute import rebuild_inputs
 from fxmem.config import Config
@@ -102,6 +103,7 @@ class _Partitioner(CustomPartitionerFn):
                 warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
         region.notes += pinned_notes(pinned(state.analysis, state.fw.graph, kwargs["num_fwd_outputs"], joint.graph))
         region.passes += self.passes.run("partitioned", state)
+        region.liveness.append((graph_liveness(state.fw.graph), graph_liveness(state.bw.graph)))
         # Appended: inductor may partition nested subgraphs of the region through this same hook.
         region.saved += state.analysis.saved + [saved for saved, _ in chosen.recomputed]
         region.plans += state.plans + [plan for _, plan in chosen.recomputed]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fxmem.analysis import SavedTensor
+from fxmem.analysis.liveness import Liveness
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.kernels.calibration import QuantSlot
@@ -27,3 +28,12 @@ class Region:
     probes: list[tuple[int, str]] = field(default_factory=list)  # fidelity probes: (id, saved tensor name)
     compile_seconds: float = 0.0
     budget_bytes: float | None = None  # memory_budget's target in bytes, where one is set
+    # what the final forward and backward graphs hold at once beside their inputs (analysis/liveness.py), one pair
+    # per partition (inductor may partition nested subgraphs of the region through the same hook)
+    liveness: list[tuple[Liveness, Liveness]] = field(default_factory=list)
+
+    @property
+    def transient_bytes(self) -> int:
+        """The most the region's graphs hold beyond their inputs and what forward returns: the forward's
+        transients, or everything backward allocates (its gradients included) at its peak."""
+        return max((max(fw.transient_bytes, bw.peak_bytes) for fw, bw in self.liveness), default=0)

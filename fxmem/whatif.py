@@ -16,6 +16,7 @@ import copy
 import pathlib
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxmem.config import Config
 from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes, loss_chunks, unfused_loss_bytes
+from fxmem.fitting import Probe, longest_fitting
 from fxmem.kernels.nf4 import nf4_nbytes
 from fxmem.models import build_lora_model, example_batch, hf_config, is_causal_lm
 
@@ -102,14 +104,24 @@ def fake_lora_model(config: Any, rank: int, dtype: torch.dtype, fake_mode: FakeT
     return model
 
 
-def predicted_saved_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], preset: str) -> int:
-    """Saved-activation bytes of one step under ``preset``: the analysis's tensors priced by the cost model."""
+@dataclass(frozen=True)
+class ActivationBytes:
+    saved: int  # what the step saves between forward and backward, as planned
+    transient: int  # beside those, the most its graphs hold at once (Region.transient_bytes): backward's gradients
+    # and intermediates at its peak, or forward's transients
+
+
+def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], config: Config
+                               ) -> ActivationBytes:
+    """Saved-activation bytes of one step under ``config`` (the analysis's tensors priced by the cost model), and
+    its transients (analysis/liveness.py, the graphs run in their own order)."""
     from fxmem.inspection import inspect
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = inspect(model, config=Config.from_preset(preset), **batch)
-    return sum(planned for _, saved, planned in _activation_rows(report))
+        report = inspect(model, config=config, **batch)
+    return ActivationBytes(saved=sum(planned for _, saved, planned in _activation_rows(report)),
+                           transient=max((r.transient_bytes for r in report.regions), default=0))
 
 
 def _activation_rows(report: Any) -> list[tuple[Any, Any, int]]:
@@ -138,21 +150,43 @@ def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
     (a frozen weight's storage changes no saved activation: bitsandbytes' 4-bit matmul keeps its input, which
     the LoRA branch saves anyway). Per rank: ``batch`` is a rank's; ``shards`` > 1 is FSDP2 over that many
     ranks, which holds 1/shards of the weights, gradients and optimizer state on each."""
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid dtypes: {', '.join(DTYPES)}")
-    if base not in BASES:
-        raise ValueError(f"unknown base {base!r}; valid bases: {', '.join(BASES)}")
+    _check_choices(dtype, optimizer, base, rank)
     if shards < 1:
         raise ValueError(f"shards must be an integer >= 1; got {shards}")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZER_STATES)}")
-    if rank < 1:
-        raise ValueError(f"rank must be an integer >= 1; got {rank}")
     from fxmem.config import PRESETS
     presets = presets or list(PRESETS)
     config = hf_config(model)
     torch_dtype = DTYPES[dtype]
     lora_model = build_lora_model(config, rank, torch_dtype)
+    weights, gradients, state = parameter_bytes(lora_model, optimizer, base, shards)
+    adapter_dtype = next(p.dtype for p in lora_model.parameters() if p.requires_grad)
+    name = name or (model if isinstance(model, str) else config.model_type)
+    result = WhatIf(name, batch, seq, rank, torch_dtype, optimizer, adapter_dtype,
+                    lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype),
+                    loss=loss_cost(config, batch * seq, torch_dtype, head_trains=not rank)
+                    if is_causal_lm(config) else None)
+    for preset in presets:
+        activations, how = layer_scaled_activation_bytes(config, rank=rank, dtype=torch_dtype, batch=batch, seq=seq,
+                                                         preset=Config.from_preset(preset))
+        result.costs.append(PresetCost(preset, weights, gradients, state, activations.saved, how))
+    return result
+
+
+def _check_choices(dtype: str, optimizer: str, base: str, rank: int) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid dtypes: {', '.join(DTYPES)}")
+    if base not in BASES:
+        raise ValueError(f"unknown base {base!r}; valid bases: {', '.join(BASES)}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZER_STATES)}")
+    if rank < 1:
+        raise ValueError(f"rank must be an integer >= 1; got {rank}")
+
+
+def parameter_bytes(lora_model: torch.nn.Module, optimizer: str, base: str, shards: int = 1) -> tuple[int, int, int]:
+    """Weights, gradients and optimizer state of ``lora_model`` per rank: every parameter (the LoRA-targeted frozen
+    weights in NF4 for ``base`` "nf4"), the trainable ones' gradients in their dtype, and the optimizer's fp32
+    state tensors per trainable parameter; 1/``shards`` of each under FSDP2."""
     params = list(lora_model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     if base == "nf4":
@@ -161,18 +195,62 @@ def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
         weights += sum(nf4_nbytes(w.numel()) - w.numel() * w.element_size() for w in frozen)
     trainable = [p for p in params if p.requires_grad]
     gradients = sum(p.numel() * p.element_size() for p in trainable)
-    state = OPTIMIZER_STATES[optimizer] * sum(p.numel() * 4 for p in trainable)  # optimizer state in fp32
+    state = OPTIMIZER_STATES[optimizer] * sum(p.numel() * 4 for p in trainable)
     weights, gradients, state = (-(-total // shards) for total in (weights, gradients, state))
-    name = name or (model if isinstance(model, str) else config.model_type)
-    result = WhatIf(name, batch, seq, rank, torch_dtype, optimizer, trainable[0].dtype,
-                    lora_orders=lora_order_table(lora_model, batch * seq, torch_dtype),
-                    loss=loss_cost(config, batch * seq, torch_dtype, head_trains=not rank)
-                    if is_causal_lm(config) else None)
+    return weights, gradients, state
+
+
+# --max-context: the presets a long run would pick from, each with its loss chunked (return_logits=False: at long
+# context the logits alone, tokens x vocabulary in float32, would outweigh every saved activation).
+MAX_CONTEXT_PRESETS = ("exact", "hyclora-4bit", "hyclora-2bit")
+CONTEXT_GRANULARITY = 1024
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    """The longest sequence (batch 1) a preset fits in a memory size, and the parts of its peak there."""
+
+    preset: str
+    seq: int  # a multiple of the granularity; 0: none fits
+    failing: int | None  # the shortest length traced that does not fit
+    weights: int
+    optimizer_state: int
+    saved_activations: int
+    transient: int  # ActivationBytes.transient: backward's gradients and intermediates at its peak, or forward's
+    how: str
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer_state + self.saved_activations + self.transient
+
+
+def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16", optimizer: str = "adamw",
+                presets: Sequence[str] = MAX_CONTEXT_PRESETS, base: str = "float", shards: int = 1,
+                granularity: int = CONTEXT_GRANULARITY, max_seq: int = 1 << 24) -> list[ContextFit]:
+    """Per preset, the longest batch-1 sequence whose step fits ``memory`` bytes: weights, optimizer state, saved
+    activations and the step's transients, traced on fake tensors at a few lengths (fxmem.fitting's search).
+    Gradients are counted where they live, in backward's transients; ``shards`` as in ``whatif``."""
+    _check_choices(dtype, optimizer, base, rank)
+    config = hf_config(model)
+    torch_dtype = DTYPES[dtype]
+    weights, _, state = parameter_bytes(build_lora_model(config, rank, torch_dtype), optimizer, base, shards)
+    fits = []
     for preset in presets:
-        saved, how = layer_scaled_saved_bytes(config, rank=rank, dtype=torch_dtype, batch=batch, seq=seq,
-                                              preset=preset)
-        result.costs.append(PresetCost(preset, weights, gradients, state, saved, how))
-    return result
+        fxmem_config = Config.from_preset(preset, return_logits=False)
+        traced: dict[int, tuple[ActivationBytes, str]] = {}
+
+        def probe(seq: int, fxmem_config: Config = fxmem_config, traced: dict = traced) -> Probe:
+            traced[seq] = layer_scaled_activation_bytes(config, rank=rank, dtype=torch_dtype, batch=1, seq=seq,
+                                                        preset=fxmem_config)
+            activations = traced[seq][0]
+            return Probe(seq, activations.saved + activations.transient, weights + state)
+
+        longest, failing, _ = longest_fitting(probe, memory, start=min(8 * granularity, max_seq),
+                                              granularity=granularity, max_seq=max_seq)
+        activations, how = traced[longest] if longest else (ActivationBytes(0, 0), "")
+        fits.append(ContextFit(preset, longest, failing, weights, state, activations.saved, activations.transient,
+                               how))
+    return fits
 
 
 def loss_cost(config: Any, tokens: int, dtype: torch.dtype, *, head_trains: bool) -> LossCost:
@@ -184,9 +262,10 @@ def loss_cost(config: Any, tokens: int, dtype: torch.dtype, *, head_trains: bool
                     chunked_loss_bytes(tokens, vocab, hidden, size, chunks), chunks)
 
 
-def traced_saved_bytes(config: Any, *, layers: int, rank: int, dtype: torch.dtype, batch: int, seq: int,
-                       preset: str) -> int:
-    """``predicted_saved_bytes`` of the model of ``config`` cut to its first ``layers`` blocks, on fake tensors."""
+def traced_activation_bytes(config: Any, *, layers: int, rank: int, dtype: torch.dtype, batch: int, seq: int,
+                            preset: Config) -> ActivationBytes:
+    """``predicted_activation_bytes`` of the model of ``config`` cut to its first ``layers`` blocks, on fake
+    tensors, under the fxmem config ``preset``."""
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
     if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (Qwen, Gemma)
@@ -195,31 +274,34 @@ def traced_saved_bytes(config: Any, *, layers: int, rank: int, dtype: torch.dtyp
     model = fake_lora_model(config, rank, dtype, fake_mode)
     with fake_mode:
         inputs = example_batch(config, batch, seq, TRACE_DEVICE)
-    return predicted_saved_bytes(model, inputs, preset)
+    return predicted_activation_bytes(model, inputs, preset)
 
 
-def layer_scaled_saved_bytes(config: Any, *, rank: int, dtype: torch.dtype, batch: int, seq: int, preset: str
-                             ) -> tuple[int, str]:
-    """Saved-activation bytes of the whole model and how they were found.
+def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype, batch: int, seq: int,
+                                  preset: Config) -> tuple[ActivationBytes, str]:
+    """Activation bytes of the whole model and how they were found.
 
     Tracing costs time linear in the depth (about 2 s a llama-7b block on two CPU cores), so a deep model is
-    traced at ``SCALING_DEPTHS`` blocks: when the two steps add the same bytes, the blocks save alike and the
-    total is the shallowest trace plus that step per further block; otherwise the whole model is traced.
+    traced at ``SCALING_DEPTHS`` blocks: when the two steps add the same bytes, saved and transient, the blocks
+    save alike and each total is the deepest trace plus that step per further block (backward works on one block
+    at a time, but its peak holds the LoRA gradients of every block); otherwise the whole model is traced.
     """
+    def traced(layers: int) -> ActivationBytes:
+        return traced_activation_bytes(config, layers=layers, rank=rank, dtype=dtype, batch=batch, seq=seq,
+                                       preset=preset)
+
     depth = config.num_hidden_layers
     if depth <= SCALING_DEPTHS[-1]:
-        return traced_saved_bytes(config, layers=depth, rank=rank, dtype=dtype, batch=batch, seq=seq,
-                                  preset=preset), f"all {depth} layers traced"
-    first, middle, last = (traced_saved_bytes(config, layers=d, rank=rank, dtype=dtype, batch=batch, seq=seq,
-                                              preset=preset) for d in SCALING_DEPTHS)
-    per_layer = middle - first
-    if last - middle != per_layer:
-        return traced_saved_bytes(config, layers=depth, rank=rank, dtype=dtype, batch=batch, seq=seq,
-                                  preset=preset), f"all {depth} layers traced (blocks do not save alike)"
-    shallowest = SCALING_DEPTHS[0]
-    return first + (depth - shallowest) * per_layer, (
-        f"traced at {', '.join(map(str, SCALING_DEPTHS))} layers, each further layer saves "
-        f"{per_layer / 2**20:.2f} MiB; scaled to {depth}")
+        return traced(depth), f"all {depth} layers traced"
+    first, middle, last = (traced(d) for d in SCALING_DEPTHS)
+    per_layer = middle.saved - first.saved
+    gradients_per_layer = middle.transient - first.transient  # backward's peak holds every block's LoRA gradients
+    if last.saved - middle.saved != per_layer or last.transient - middle.transient != gradients_per_layer:
+        return traced(depth), f"all {depth} layers traced (blocks do not save alike)"
+    further = depth - SCALING_DEPTHS[-1]
+    scaled = ActivationBytes(last.saved + further * per_layer, last.transient + further * gradients_per_layer)
+    return scaled, (f"traced at {', '.join(map(str, SCALING_DEPTHS))} layers, each further layer saves "
+                    f"{per_layer / 2**20:.2f} MiB; scaled to {depth}")
 
 
 def plot(result: WhatIf, path: pathlib.Path) -> None:

@@ -3,15 +3,16 @@ import json
 import pytest
 import torch
 
-from fxmem import cli
+from fxmem import Config, cli
 from fxmem.cost_model.loss import LossChunks
 from fxmem.whatif import (
     SCALING_DEPTHS,
     build_lora_model,
     hf_config,
-    layer_scaled_saved_bytes,
+    layer_scaled_activation_bytes,
+    max_context,
     measured_saved_bytes,
-    traced_saved_bytes,
+    traced_activation_bytes,
     whatif,
 )
 
@@ -110,10 +111,10 @@ def test_predicted_saved_bytes_are_within_10_percent_of_a_real_compiled_step(tin
 @pytest.mark.parametrize("preset", ["exact", "hyclora-4bit"])
 def test_a_deep_model_traced_at_a_few_depths_and_scaled_matches_the_whole_trace(tmp_path, preset):
     config = hf_config(str(tiny_config_file(tmp_path, layers=SCALING_DEPTHS[-1] + 2)))
-    shape = {"rank": 8, "dtype": torch.float32, "batch": 2, "seq": 32, "preset": preset}
-    scaled, how = layer_scaled_saved_bytes(config, **shape)
+    shape = {"rank": 8, "dtype": torch.float32, "batch": 2, "seq": 32, "preset": Config.from_preset(preset)}
+    scaled, how = layer_scaled_activation_bytes(config, **shape)
     assert how.startswith("traced at 2, 3, 4 layers") and how.endswith("scaled to 6")
-    assert scaled == traced_saved_bytes(config, layers=6, **shape)
+    assert scaled == traced_activation_bytes(config, layers=6, **shape)  # the transients too: one block at a time
 
 
 def test_bf16_model_with_pefts_fp32_adapters_saves_no_x_a_under_runlora(tiny_config):
@@ -129,3 +130,26 @@ def test_bf16_model_with_pefts_fp32_adapters_saves_no_x_a_under_runlora(tiny_con
     measured = measured_saved_bytes(str(tiny_config), batch=2, seq=16, rank=8, dtype="bf16", preset="runlora",
                                     lowering="eager")
     assert abs(runlora.saved_activations / measured - 1) <= 0.10, (runlora.saved_activations, measured)
+
+
+def test_max_context_fits_the_memory_and_the_next_length_does_not(tiny_config):
+    memory = 24 * 2**20
+    exact, hyclora = max_context(str(tiny_config), memory, rank=8, dtype="fp32", presets=["exact", "hyclora-4bit"],
+                                 granularity=256)
+    config = hf_config(str(tiny_config))
+    for fit in (exact, hyclora):
+        assert fit.seq and fit.seq % 256 == 0 and fit.failing == fit.seq + 256
+        assert fit.total <= memory
+        preset = Config.from_preset(fit.preset, return_logits=False)
+        at_fit, _ = layer_scaled_activation_bytes(config, rank=8, dtype=torch.float32, batch=1, seq=fit.seq,
+                                                  preset=preset)
+        assert (at_fit.saved, at_fit.transient) == (fit.saved_activations, fit.transient)
+        beyond, _ = layer_scaled_activation_bytes(config, rank=8, dtype=torch.float32, batch=1, seq=fit.failing,
+                                                  preset=preset)
+        assert fit.weights + fit.optimizer_state + beyond.saved + beyond.transient > memory
+    assert hyclora.seq > exact.seq
+
+
+def test_max_context_refuses_measuring_and_names_bench_context(tiny_config, capsys):
+    assert cli.main(["whatif", str(tiny_config), "--max-context", "1GiB", "--measure"]) == 2
+    assert "fxmem bench context" in capsys.readouterr().out

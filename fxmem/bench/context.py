@@ -3,15 +3,12 @@
 A step "fits" when the bytes that live across steps (weights, buffers, optimizer state: ``static_bytes``) plus the
 step's own peak above them (``peak_memory``: activations, gradients, transients) stay under the cap. Each method is
 measured at a few lengths: every probe builds, compiles and runs the model at that length for real (on a CPU the
-cap is a figure to compare against, not an allocator limit). The search assumes nothing about the method; it uses
-that a step's peak grows about linearly in the length (the attention kernels of a CPU and a GPU hold no
-length-squared scores) to place its probes, and brackets the answer whatever the peaks do.
+cap is a figure to compare against, not an allocator limit); fxmem.fitting places them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,30 +18,18 @@ import torch
 from fxmem.bench.compare import METHOD_DESCRIPTIONS, forward_for_method
 from fxmem.bench.workloads import Workload
 from fxmem.config import PUBLISHED_MIN_COSINE, Config
+from fxmem.fitting import Probe, longest_fitting
 from fxmem.measure import Fidelity, gradient_fidelity, peak_memory, static_bytes, trainable_gradients
 from fxmem.timing import step_times
 
-# The baselines of issue 44's comparison, and what each runs. compile-budget runs at its lowest setting: the least
+# The baselines measured beside fxmem's presets. compile-budget runs at its lowest setting: the least
 # that inductor's own solver saves.
 CONTEXT_BASELINES = ("eager", "compile", "compile-budget", "compile-checkpointing")
 LOWEST_BUDGET = 0.0
-BASELINE_DESCRIPTIONS = {**{b: METHOD_DESCRIPTIONS[b] for b in CONTEXT_BASELINES},
-                         "compile-budget": f"inductor with activation_memory_budget {LOWEST_BUDGET}, its lowest setting"}
+BASELINE_DESCRIPTIONS = {
+    **{b: METHOD_DESCRIPTIONS[b] for b in CONTEXT_BASELINES},
+    "compile-budget": f"inductor with activation_memory_budget {LOWEST_BUDGET}, its lowest setting"}
 DEFAULT_PRESETS = ("exact", "hyclora-4bit")
-MAX_PROBES = 12  # per method: the search stops here and reports its bracket as it stands
-
-
-@dataclass(frozen=True)
-class Probe:
-    """One length measured: the step's peak above the static bytes, and the static bytes."""
-
-    seq: int
-    peak_bytes: int
-    static_bytes: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.peak_bytes + self.static_bytes
 
 
 @dataclass
@@ -73,58 +58,6 @@ class ContextResult:
         fields = {**data, "probes": [Probe(**p) for p in data["probes"]],
                   "fidelity": Fidelity.from_dict(data["fidelity"]) if data.get("fidelity") else None}
         return cls(**fields)
-
-
-def longest_fitting(measure: Callable[[int], Probe], memory_cap: int, *, start: int, granularity: int,
-                    max_seq: int) -> tuple[int, int | None, list[Probe]]:
-    """The longest multiple of ``granularity`` up to ``max_seq`` whose probe fits ``memory_cap``, the shortest
-    measured that does not, and every probe, in order.
-
-    The next length is where the line through the last two probes (through the origin of the step's peak, from
-    one probe) meets the cap, kept strictly inside the bracket found so far; a prediction at or below the longest
-    fitting length steps past it by ``granularity``, doubling the step each time it is wrong again.
-    """
-    if start % granularity or max_seq < start:
-        raise ValueError(f"start ({start}) must be a multiple of granularity ({granularity}) and at most "
-                         f"max_seq ({max_seq})")
-    probes: list[Probe] = []
-    fits, fails = 0, None
-    seq, stride = start, granularity
-    while len(probes) < MAX_PROBES:
-        probe = measure(seq)
-        probes.append(probe)
-        if probe.total_bytes <= memory_cap:
-            fits = max(fits, seq)
-        else:
-            fails = seq if fails is None else min(fails, seq)
-        upper = min(fails - granularity if fails is not None else max_seq, max_seq)
-        if upper <= fits:
-            break
-        predicted = _where_cap_met(probes, memory_cap, granularity)
-        if predicted <= fits:
-            predicted, stride = fits + stride, stride * 2
-        else:
-            stride = granularity
-        lower = fits + granularity if fits else granularity
-        seq = max(lower, min(predicted, upper))
-        if any(p.seq == seq for p in probes):  # only when the bracket has closed to one untried length
-            break
-    return fits, fails, probes
-
-
-def _where_cap_met(probes: list[Probe], memory_cap: int, granularity: int) -> int:
-    """The length, rounded down to ``granularity``, at which the last two probes' line reaches the cap."""
-    last = probes[-1]
-    if len(probes) == 1 or probes[-2].seq == last.seq:
-        slope = last.peak_bytes / last.seq  # the step's peak through the origin
-        intercept = last.static_bytes
-    else:
-        before = probes[-2]
-        slope = (last.total_bytes - before.total_bytes) / (last.seq - before.seq)
-        intercept = last.total_bytes - slope * last.seq
-    if slope <= 0:
-        return last.seq * 2
-    return max(granularity, math.floor((memory_cap - intercept) / slope / granularity) * granularity)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import pathlib
 
 from fxmem.cli.common import (
     add_outputs,
+    byte_size,
     console,
     get_workload,
     int_at_least,
@@ -19,7 +20,18 @@ from fxmem.cli.common import (
 from fxmem.config import PRESETS
 from fxmem.measure import format_bytes
 from fxmem.models import NAMED_SHAPES
-from fxmem.whatif import BASES, DTYPES, OPTIMIZER_STATES, measured_saved_bytes, plot, whatif
+from fxmem.whatif import (
+    BASES,
+    CONTEXT_GRANULARITY,
+    DTYPES,
+    MAX_CONTEXT_PRESETS,
+    OPTIMIZER_STATES,
+    ContextFit,
+    max_context,
+    measured_saved_bytes,
+    plot,
+    whatif,
+)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -39,6 +51,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="nf4: QLoRA, the LoRA-targeted frozen weights stored as bitsandbytes' NF4")
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS), help="default: every preset")
     parser.add_argument("--plot", type=pathlib.Path, metavar="PNG", help="draw the breakdown as stacked bars")
+    parser.add_argument("--max-context", type=byte_size, metavar="SIZE",
+                        help="instead: the longest sequence (batch 1, --batch and --seq unused) each preset's whole "
+                             "step fits in SIZE (e.g. 80GiB), with its loss chunked, and the parts of its peak there "
+                             f"(default presets: {', '.join(MAX_CONTEXT_PRESETS)})")
+    parser.add_argument("--granularity", type=int_at_least(1), default=CONTEXT_GRANULARITY,
+                        help="--max-context: lengths searched are multiples of this")
     parser.add_argument("--measure", action="store_true",
                         help="also compile the model on this CPU (random weights) and measure the saved bytes")
     add_outputs(parser, json_results=False)
@@ -47,6 +65,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model = get_workload(args.model).hf_config() if args.model in workload_names() else args.model
+    if args.max_context is not None:
+        return _run_max_context(model, args)
     try:
         result = whatif(model, batch=args.batch, seq=args.seq, rank=args.rank, dtype=args.dtype,
                         optimizer=args.optimizer, presets=args.presets, name=args.model, base=args.base,
@@ -118,3 +138,42 @@ def _loss_section(result) -> tuple:
               f"with return_logits=False, in {loss.chunks.describe(loss.tokens, loss.vocab)}, and the head "
               "input's gradient")
     return "LM loss at its peak (chunk_loss)", columns, rows, legend
+
+
+def _run_max_context(model: object, args: argparse.Namespace) -> int:
+    if args.measure or args.plot:
+        console.print("[red]--max-context predicts only: measure it with `fxmem bench context` (a workload, on this "
+                      "machine); --plot draws the per-preset breakdown of a fixed length[/red]")
+        return 2
+    try:
+        fits = max_context(model, args.max_context, rank=args.rank, dtype=args.dtype, optimizer=args.optimizer,
+                           presets=args.presets or MAX_CONTEXT_PRESETS, base=args.base, shards=args.shards,
+                           granularity=args.granularity)
+    except ValueError as error:
+        console.print(f"[red]{error}; or a workload: {', '.join(workload_names())}[/red]")
+        return 2
+    columns = ["preset", "longest sequence", "weights", "optimizer state", "saved activations", "transients",
+               "total", "next length traced", "saved per token"]
+    rows = [_context_row(fit) for fit in fits]
+    title = (f"{args.model}: the longest sequence in {format_bytes(args.max_context)}, batch 1, LoRA r={args.rank}, "
+             f"{args.dtype}, {args.optimizer}" + (", NF4 base (QLoRA)" if args.base == "nf4" else "")
+             + (f", per rank of FSDP2 over {args.shards}" if args.shards > 1 else ""))
+    legend = (f"Each preset with return_logits=False (the loss chunked). Lengths are multiples of {args.granularity}, "
+              "searched by "
+              "tracing the model on fake tensors (fxmem.fitting). transients: beside the saved activations, the most "
+              "the step's graphs hold at once, run in their own order (analysis/liveness.py): backward's gradients "
+              "and intermediates at its peak, or forward's transients. A step compiled by inductor may order its "
+              "kernels otherwise: `fxmem bench context` measures real steps.")
+    legend += "".join(f"\n{fit.preset}: {fit.how}" for fit in fits if fit.how)
+    show_table(title, columns, rows, legend)
+    console.print(provenance_line(run_metadata(args)))
+    write_markdown([(title, columns, rows, legend)], args)
+    return 0
+
+
+def _context_row(fit: ContextFit) -> list[str]:
+    if not fit.seq:
+        return [fit.preset, "none fits", *["—"] * 7]
+    return [fit.preset, f"{fit.seq:,}", *(format_bytes(b) for b in (fit.weights, fit.optimizer_state,
+                                                                    fit.saved_activations, fit.transient, fit.total)),
+            f"{fit.failing:,}" if fit.failing else "—", format_bytes(fit.saved_activations / fit.seq)]

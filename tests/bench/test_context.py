@@ -3,9 +3,10 @@ import dataclasses
 
 import pytest
 
-from fxmem.bench.context import ContextResult, Probe, longest_fitting, run_context
+from fxmem.bench.context import ContextResult, run_context
 from fxmem.cli.bench.context import rows
 from fxmem.cli.common import byte_size
+from fxmem.fitting import Probe, longest_fitting
 from tests.conftest import TINY_LLAMA
 
 ONE_LAYER = dataclasses.replace(TINY_LLAMA, llama=dataclasses.replace(TINY_LLAMA.llama, layers=1))
