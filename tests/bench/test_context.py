@@ -1,11 +1,14 @@
 import argparse
 import dataclasses
+import json
 
 import pytest
 
+from fxmem import cli
 from fxmem.bench.context import ContextResult, run_context
 from fxmem.cli.bench.context import rows
 from fxmem.cli.common import byte_size
+from fxmem.config import PUBLISHED_MIN_COSINE
 from fxmem.fitting import Probe, longest_fitting
 from tests.conftest import TINY_LLAMA
 
@@ -50,14 +53,30 @@ def test_search_stops_at_max_seq_and_when_nothing_fits():
         longest_fitting(measure, 64 * MiB, start=500, granularity=128, max_seq=4096)
 
 
-def test_eager_longest_length_is_measured_to_fit_and_the_next_not():
-    cap = 40 * MiB
-    [result] = run_context(ONE_LAYER, cap, presets=(), baselines=("eager",), start=256, granularity=64)
-    failing = next(p for p in result.probes if p.seq == result.shortest_failing)
-    assert result.at_longest.total_bytes <= cap < failing.total_bytes
-    assert result.shortest_failing - result.longest == 64
-    assert result.seconds_per_token > 0 and result.fidelity is None
-    assert ContextResult.from_dict(result.to_dict()) == result
+def test_each_longest_length_is_measured_to_fit_and_the_next_not():
+    cap = 24 * MiB
+    eager, exact = run_context(ONE_LAYER, cap, presets=("exact",), baselines=("eager",), start=256, granularity=256)
+    for result in (eager, exact):
+        failing = next(p for p in result.probes if p.seq == result.shortest_failing)
+        assert result.at_longest.total_bytes <= cap < failing.total_bytes
+        assert result.shortest_failing - result.longest == 256
+        assert result.seconds_per_token > 0
+        assert ContextResult.from_dict(result.to_dict()) == result
+    assert eager.fidelity is None
+    # against eager's gradients at fxmem's own longest length, with the preset's published bound beside them
+    assert exact.fidelity.min_cosine > 0.99999 and exact.fidelity_bound == PUBLISHED_MIN_COSINE["exact"]
+
+
+def test_bench_context_command_prints_and_writes_its_results(tiny_workloads, tmp_path, capsys):
+    path = tmp_path / "context.json"
+    assert cli.main(["bench", "context", "--workload", "llama-tiny", "--memory-cap", "40MiB", "--baselines", "eager",
+                     "--presets", "--start", "256", "--granularity", "64", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "longest fitting" in out and "under 40.00 MiB" in out
+    [result] = json.loads(path.read_text())["results"]
+    assert result["method"] == "eager" and result["longest"] % 64 == 0 and result["longest"] > 0
+    assert cli.main(["bench", "context", "--memory-cap", "1GiB", "--start", "500"]) == 2
+    assert "multiple of --granularity" in capsys.readouterr().out
 
 
 def test_unknown_baselines_are_refused_with_the_valid_ones():
