@@ -14,6 +14,7 @@ PACKAGE = pathlib.Path(fxmem.__file__).parent
 ALLOWED = {
     "fxmem.kernels": set(),
     "fxmem.timing": set(),
+    "fxmem.fitting": set(),
     "fxmem.analysis": set(),
     "fxmem.config": {"fxmem.kernels"},
     "fxmem.measure": {"fxmem.timing"},
