@@ -12,63 +12,86 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MAX_PROBES = 12  # the search stops here and reports its bracket as it stands
+MAX_PROBES = 12  # the search stops here and reports its bracket as it stands, marked unconverged
+MAX_GROWTH = 4  # no probe beyond this many times the longest length found to fit (the start, before any fits)
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One length, measured or predicted: the step's peak above the static bytes, and the static bytes."""
+    """One length, measured or predicted: the step's peak above the static bytes, and the static bytes.
+    ``out_of_memory``: the device ran out before the step ended, so ``peak_bytes`` says nothing."""
 
     seq: int
     peak_bytes: int
     static_bytes: int
+    out_of_memory: bool = False
 
     @property
     def total_bytes(self) -> int:
         return self.peak_bytes + self.static_bytes
 
+    def fits(self, memory_cap: int) -> bool:
+        return not self.out_of_memory and self.total_bytes <= memory_cap
+
+
+@dataclass(frozen=True)
+class Fit:
+    longest: int  # the longest length measured to fit (0: none)
+    shortest_failing: int | None  # the shortest measured not to (None: none measured)
+    probes: list[Probe]
+    converged: bool  # the two are one granularity apart, or the longest is the largest allowed
+
 
 def longest_fitting(measure: Callable[[int], Probe], memory_cap: int, *, start: int, granularity: int,
-                    max_seq: int) -> tuple[int, int | None, list[Probe]]:
-    """The longest multiple of ``granularity`` up to ``max_seq`` whose probe fits ``memory_cap``, the shortest
-    measured that does not, and every probe, in order.
+                    max_seq: int) -> Fit:
+    """The longest multiple of ``granularity`` up to ``max_seq`` whose probe fits ``memory_cap``, searched from
+    ``start``.
 
     The next length is where the line through the last two probes (through the origin of the step's peak, from
-    one probe) meets the cap, kept strictly inside the bracket found so far; a prediction at or below the longest
-    fitting length steps past it by ``granularity``, doubling the step each time it is wrong again.
+    one probe) meets the cap. Until a length fails, each probe goes past the longest fitting length by at least
+    ``granularity``, doubled at every probe, and by no more than MAX_GROWTH times it. Once a length has failed, predictions are kept strictly inside
+    the bracket, and after a probe that did not halve it the next one bisects it. If the peaks fall as the length
+    grows, the answer is only the longest found.
     """
-    if start % granularity or max_seq < start:
-        raise ValueError(f"start ({start}) must be a multiple of granularity ({granularity}) and at most "
-                         f"max_seq ({max_seq})")
+    if granularity < 1 or start < granularity or start % granularity:
+        raise ValueError(f"start ({start}) must be a positive multiple of granularity ({granularity})")
+    max_seq -= max_seq % granularity
+    if max_seq < start:
+        raise ValueError(f"max_seq, rounded down to a multiple of granularity ({max_seq}), is below start ({start})")
     probes: list[Probe] = []
     fits, fails = 0, None
-    seq, stride = start, granularity
+    seq, stride, width = start, granularity, None
     while len(probes) < MAX_PROBES:
         probe = measure(seq)
         probes.append(probe)
-        if probe.total_bytes <= memory_cap:
+        if probe.fits(memory_cap):
             fits = max(fits, seq)
         else:
             fails = seq if fails is None else min(fails, seq)
-        upper = min(fails - granularity if fails is not None else max_seq, max_seq)
-        if upper <= fits:
+        lower, upper = fits + granularity, min(fails - granularity if fails is not None else max_seq, max_seq)
+        if lower > upper:
             break
-        predicted = _where_cap_met(probes, memory_cap, granularity)
-        if predicted <= fits:
-            predicted, stride = fits + stride, stride * 2
-        else:
-            stride = granularity
-        lower = fits + granularity if fits else granularity
+        predicted = _where_cap_met([p for p in probes if not p.out_of_memory], memory_cap, granularity)
+        if fails is None:  # each step past the longest fitting length at least twice the one before
+            seq = min(max(predicted or 0, fits + stride), upper, MAX_GROWTH * max(fits, start))
+            stride *= 2
+            continue
+        halved = width is None or fails - fits <= width / 2
+        width = fails - fits
+        if predicted is None or not halved:
+            predicted = fits + (width // 2) // granularity * granularity
         seq = max(lower, min(predicted, upper))
-        if any(p.seq == seq for p in probes):  # only when the bracket has closed to one untried length
-            break
-    return fits, fails, probes
+    converged = fits == max_seq or (fails is not None and fails - fits == granularity)
+    return Fit(fits, fails, probes, converged)
 
 
-def _where_cap_met(probes: list[Probe], memory_cap: int, granularity: int) -> int:
-    """The length, rounded down to ``granularity``, at which the last two probes' line reaches the cap."""
+def _where_cap_met(probes: list[Probe], memory_cap: int, granularity: int) -> int | None:
+    """The length, rounded down to ``granularity``, at which the last two probes' line reaches the cap (None: no
+    probe, or a line that does not rise)."""
+    if not probes:
+        return None
     last = probes[-1]
-    if len(probes) == 1 or probes[-2].seq == last.seq:
+    if len(probes) == 1:
         slope = last.peak_bytes / last.seq  # the step's peak through the origin
         intercept = last.static_bytes
     else:
@@ -76,5 +99,5 @@ def _where_cap_met(probes: list[Probe], memory_cap: int, granularity: int) -> in
         slope = (last.total_bytes - before.total_bytes) / (last.seq - before.seq)
         intercept = last.total_bytes - slope * last.seq
     if slope <= 0:
-        return last.seq * 2
+        return None
     return max(granularity, math.floor((memory_cap - intercept) / slope / granularity) * granularity)

@@ -212,7 +212,7 @@ class ContextFit:
 
     preset: str
     seq: int  # a multiple of the granularity; 0: none fits
-    failing: int | None  # the shortest length traced that does not fit
+    shortest_failing: int | None  # the shortest length traced that does not fit
     weights: int
     optimizer_state: int
     saved_activations: int
@@ -234,6 +234,7 @@ def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16",
     config = hf_config(model)
     torch_dtype = DTYPES[dtype]
     weights, _, state = parameter_bytes(build_lora_model(config, rank, torch_dtype), optimizer, base, shards)
+    start = min(8 * granularity, max_seq - max_seq % granularity)
     fits = []
     for preset in presets:
         fxmem_config = Config.from_preset(preset, return_logits=False)
@@ -245,11 +246,12 @@ def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16",
             activations = traced[seq][0]
             return Probe(seq, activations.saved + activations.transient, weights + state)
 
-        longest, failing, _ = longest_fitting(probe, memory, start=min(8 * granularity, max_seq),
-                                              granularity=granularity, max_seq=max_seq)
-        activations, how = traced[longest] if longest else (ActivationBytes(0, 0), "")
-        fits.append(ContextFit(preset, longest, failing, weights, state, activations.saved, activations.transient,
-                               how))
+        fit = longest_fitting(probe, memory, start=start, granularity=granularity, max_seq=max_seq)
+        activations, how = traced[fit.longest] if fit.longest else (ActivationBytes(0, 0), "")
+        if not fit.converged:
+            how = f"{how}; the search stopped before the bracket closed".lstrip("; ")
+        fits.append(ContextFit(preset, fit.longest, fit.shortest_failing, weights, state, activations.saved,
+                               activations.transient, how))
     return fits
 
 
@@ -295,13 +297,14 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
         return traced(depth), f"all {depth} layers traced"
     first, middle, last = (traced(d) for d in SCALING_DEPTHS)
     per_layer = middle.saved - first.saved
-    gradients_per_layer = middle.transient - first.transient  # backward's peak holds every block's LoRA gradients
-    if last.saved - middle.saved != per_layer or last.transient - middle.transient != gradients_per_layer:
+    transient_per_layer = middle.transient - first.transient  # backward's peak holds every block's LoRA gradients
+    if last.saved - middle.saved != per_layer or last.transient - middle.transient != transient_per_layer:
         return traced(depth), f"all {depth} layers traced (blocks do not save alike)"
     further = depth - SCALING_DEPTHS[-1]
-    scaled = ActivationBytes(last.saved + further * per_layer, last.transient + further * gradients_per_layer)
+    scaled = ActivationBytes(last.saved + further * per_layer, last.transient + further * transient_per_layer)
     return scaled, (f"traced at {', '.join(map(str, SCALING_DEPTHS))} layers, each further layer saves "
-                    f"{per_layer / 2**20:.2f} MiB; scaled to {depth}")
+                    f"{per_layer / 2**20:.2f} MiB and adds {transient_per_layer / 2**20:.2f} MiB to the "
+                    f"transients; scaled to {depth}")
 
 
 def plot(result: WhatIf, path: pathlib.Path) -> None:

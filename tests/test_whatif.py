@@ -138,7 +138,7 @@ def test_max_context_fits_the_memory_and_the_next_length_does_not(tiny_config):
                                  granularity=256)
     config = hf_config(str(tiny_config))
     for fit in (exact, hyclora):
-        assert fit.seq and fit.seq % 256 == 0 and fit.failing == fit.seq + 256
+        assert fit.seq and fit.seq % 256 == 0 and fit.shortest_failing == fit.seq + 256
         assert fit.total <= memory
     # the parts are the traced step's at that length, with the loss chunked
     at_fit, how = layer_scaled_activation_bytes(config, rank=8, dtype=torch.float32, batch=1, seq=hyclora.seq,

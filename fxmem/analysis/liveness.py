@@ -8,6 +8,7 @@ base alive; the graph's outputs live to its end). It counts storages, not tensor
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -30,38 +31,61 @@ class Liveness:
         return self.peak_bytes - self.end_bytes
 
 
-def _allocated_bytes(node: Node) -> int:
+# Ops that return a new tensor but that every lowering runs as a view of their (contiguous) input.
+ALIASING_OPS = frozenset({torch.ops.aten._unsafe_view.default})
+Storage = Node | tuple[Node, int]  # an op's output, or one output of an op that returns several
+
+
+def _base(node: Node) -> Node:
+    while is_view(node) or node.target in ALIASING_OPS:
+        node = node.args[0] if node.target in ALIASING_OPS else storage_base(node)
+    return node
+
+
+def _storage(node: Node) -> Storage:
+    """What ``node`` reads when it reads a tensor: an op's storage, or one item of an op with several outputs."""
+    base = _base(node)
+    if base.target is operator.getitem and isinstance(base.args[0], Node) \
+            and isinstance(base.args[0].meta.get("val"), (tuple, list)):
+        return base.args[0], base.args[1]
+    return base
+
+
+def _allocations(node: Node) -> dict[Storage, int]:
+    """The storages ``node``'s op allocates, with their bytes (none for views, items of a tuple and non-tensors)."""
+    if node.op != "call_function" or _base(node) is not node or node.target is operator.getitem:
+        return {}
     val = node.meta.get("val")
-    values = val if isinstance(val, (tuple, list)) else [val]
-    return sum(storage_bytes(v) for v in values if isinstance(v, torch.Tensor))
+    if isinstance(val, (tuple, list)):
+        return {(node, i): storage_bytes(v) for i, v in enumerate(val) if isinstance(v, torch.Tensor)}
+    return {node: storage_bytes(val)} if isinstance(val, torch.Tensor) else {}
 
 
 def graph_liveness(graph: Graph) -> Liveness:
     """The most bytes ``graph``'s ops hold at once when run in order, and what its outputs hold at the end."""
     nodes = list(graph.nodes)
-    position = {node: i for i, node in enumerate(nodes)}
-    last_read: dict[Node, int] = {}  # per storage base: the position of its last reader (through views)
-    outputs: set[Node] = set()
-    for node in nodes:
+    last_read: dict[Storage, int] = {}  # the position of each storage's last reader (through views)
+    outputs: set[Storage] = set()
+    for position, node in enumerate(nodes):
+        if node.target is operator.getitem or _base(node) is not node:
+            continue  # taking an item or a view reads nothing; its readers read the storage
         for arg in node.all_input_nodes:
-            base = storage_base(arg)
             if node.op == "output":
-                outputs.add(base)
+                outputs.add(_storage(arg))
             else:
-                last_read[base] = max(last_read.get(base, -1), position[node])
-    frees_after: dict[int, list[Node]] = {}
-    for base, at in last_read.items():
-        if base not in outputs:
-            frees_after.setdefault(at, []).append(base)
-    live: dict[Node, int] = {}
+                last_read[_storage(arg)] = position
+    live: dict[Storage, int] = {}
+    frees_after: dict[int, list[Storage]] = {}
+    for storage, position in last_read.items():
+        if storage not in outputs:
+            frees_after.setdefault(position, []).append(storage)
     current = peak = 0
-    for i, node in enumerate(nodes):
-        if node.op == "call_function" and not is_view(node) and storage_base(node) is node:
-            live[node] = _allocated_bytes(node)
-            current += live[node]
-            peak = max(peak, current)
-        for base in frees_after.get(i, ()):
-            current -= live.pop(base, 0)
-        if node in live and node not in last_read and node not in outputs:  # never read: freed at once
-            current -= live.pop(node)
+    for position, node in enumerate(nodes):
+        allocated = _allocations(node)
+        live.update(allocated)
+        current += sum(allocated.values())
+        peak = max(peak, current)
+        unread = [s for s in allocated if s not in last_read and s not in outputs]  # freed as soon as made
+        for storage in [*frees_after.get(position, ()), *unread]:
+            current -= live.pop(storage, 0)
     return Liveness(peak_bytes=peak, end_bytes=current)

@@ -43,6 +43,7 @@ class ContextResult:
     seconds_per_token: float | None = None  # a timed step at ``longest``, divided by its tokens
     fidelity: Fidelity | None = None  # fxmem at ``longest``: against eager's gradients at that length
     fidelity_bound: float | None = None
+    converged: bool = True  # fxmem.fitting.Fit.converged: False, the search stopped with the two further apart
 
     @property
     def at_longest(self) -> Probe | None:
@@ -107,7 +108,8 @@ def run_context(workload: Workload, memory_cap: int, *, presets: Sequence[str] =
 
     At its longest length each method's step is timed once more, and each fxmem preset's gradients of the first
     step are compared with eager's at the same length and weights (eager runs there whatever its own peak: on a
-    CPU the cap is only compared against). ``return_logits=False``: fxmem returns no logits, so its loss is
+    CPU the cap is only compared against; on a GPU a length that runs out of memory does not fit, and fidelity is
+    left out where eager does). ``return_logits=False``: fxmem returns no logits, so its loss is
     chunked (Config.return_logits); the baselines run as HF runs them.
     """
     device = torch.device(device)
@@ -120,28 +122,44 @@ def run_context(workload: Workload, memory_cap: int, *, presets: Sequence[str] =
     runs += [(f"fxmem {p}", "fxmem", Config.from_preset(p, return_logits=return_logits)) for p in presets]
     results = []
     for label, method, config in runs:
-        fitting: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}  # seq: (a timed step, first gradients)
+        best: dict[str, Any] = {}  # the longest fitting length's timed step and first gradients
 
         def measure(seq: int, method: str = method, config: Config = config, label: str = label,
-                    fitting: dict = fitting) -> Probe:
+                    best: dict = best) -> Probe:
             progress(f"{workload.name}: {label} at {seq} tokens")
-            done = measure_length(workload, method, seq, config=config, device=device, lora_rank=lora_rank)
-            if done.probe.total_bytes <= memory_cap:  # timed now: the next probe's dynamo reset drops its graphs
-                fitting[seq] = (step_times(done.step, steps=1, warmup=0, device=device)[0], done.grads)
+            try:
+                done = measure_length(workload, method, seq, config=config, device=device, lora_rank=lora_rank)
+            except torch.OutOfMemoryError:  # a real device limit below the cap: that length does not fit
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+                return Probe(seq, 0, 0, out_of_memory=True)
+            if done.probe.fits(memory_cap) and seq > best.get("seq", 0):  # timed now: the next probe's dynamo
+                best.update(seq=seq, grads=done.grads,  # reset drops its graphs
+                            seconds=step_times(done.step, steps=1, warmup=0, device=device)[0])
             return done.probe
 
-        longest, failing, probes = longest_fitting(measure, memory_cap, start=start, granularity=granularity,
-                                                   max_seq=max_seq)
-        result = ContextResult(workload.name, label, memory_cap, longest, failing, probes)
-        if longest:
-            seconds, grads = fitting[longest]
-            result.seconds_per_token = seconds / longest
+        fit = longest_fitting(measure, memory_cap, start=start, granularity=granularity, max_seq=max_seq)
+        result = ContextResult(workload.name, label, memory_cap, fit.longest, fit.shortest_failing, fit.probes,
+                               converged=fit.converged)
+        if fit.longest:
+            result.seconds_per_token = best["seconds"] / fit.longest
             if method == "fxmem":
-                progress(f"{workload.name}: eager's gradients at {longest} tokens, for {label}'s fidelity")
-                reference = first_step(workload, "eager", longest, config=Config(), device=device,
-                                       lora_rank=lora_rank)
-                result.fidelity = gradient_fidelity(reference.grads, grads)
+                result.fidelity = _fidelity_against_eager(workload, fit.longest, best["grads"], device, lora_rank,
+                                                          progress=lambda m, label=label: progress(f"{m}, for {label}"))
                 result.fidelity_bound = PUBLISHED_MIN_COSINE.get(label.removeprefix("fxmem "))
         results.append(result)
     torch._dynamo.reset()
     return results
+
+
+def _fidelity_against_eager(workload: Workload, seq: int, grads: dict[str, torch.Tensor], device: torch.device,
+                            lora_rank: int, progress: Callable[[str], None]) -> Fidelity | None:
+    """``grads`` (a first step's at ``seq`` tokens) against eager PEFT's at the same length, weights and batch;
+    None where eager runs out of device memory there."""
+    progress(f"{workload.name}: eager's gradients at {seq} tokens")
+    try:
+        reference = first_step(workload, "eager", seq, config=Config(), device=device, lora_rank=lora_rank)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+    return gradient_fidelity(reference.grads, grads)

@@ -6,6 +6,7 @@ import argparse
 import ast
 import datetime
 import json
+import math
 import os
 import pathlib
 import platform
@@ -40,9 +41,10 @@ def byte_size(text: str) -> int:
     """A memory size: a number of bytes, or a number followed by one of BYTE_UNITS (``2GiB``, ``1.5 GiB``)."""
     number = text.strip()
     unit = next((u for u in sorted(BYTE_UNITS, key=len, reverse=True) if number.endswith(u)), "B")
-    number = number.removesuffix(unit).strip() if number.endswith(unit) else number
     try:
-        value = float(number) * BYTE_UNITS[unit]
+        value = float(number.removesuffix(unit).strip()) * BYTE_UNITS[unit]
+        if not math.isfinite(value):
+            raise ValueError
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected bytes, or a number with a unit ({', '.join(BYTE_UNITS)}); "
                                          f"got {text!r}") from None

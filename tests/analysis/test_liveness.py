@@ -26,6 +26,16 @@ def test_a_storage_lives_from_its_op_to_its_last_reader_through_views():
     assert liveness.transient_bytes == liveness.peak_bytes - 64
 
 
+def test_each_output_of_a_multi_output_op_lives_to_its_own_last_reader():
+    def f(x):
+        values, _ = torch.max(x, 1)  # 128 bytes of values, 256 of int64 indices that nothing reads
+        return values * 2
+
+    liveness = graph_liveness(make_fx(f)(torch.randn(32, 32)).graph)
+    assert liveness.peak_bytes == 128 + 256  # both outputs as the op returns them; the indices freed at once
+    assert liveness.end_bytes == 128
+
+
 @pytest.mark.parametrize("preset", ["exact", "hyclora-4bit"])
 def test_transients_are_the_measured_step_peak_beyond_the_saved_bytes(preset):
     # Run as the graphs' own order runs them (lowering="eager"), a step's peak above what it saved is the region's

@@ -1,15 +1,16 @@
 import argparse
 import dataclasses
 import json
+import math
 
 import pytest
 
 from fxmem import cli
 from fxmem.bench.context import ContextResult, run_context
-from fxmem.cli.bench.context import rows
+from fxmem.cli.bench.context import COLUMNS, rows
 from fxmem.cli.common import byte_size
 from fxmem.config import PUBLISHED_MIN_COSINE
-from fxmem.fitting import Probe, longest_fitting
+from fxmem.fitting import MAX_GROWTH, MAX_PROBES, Probe, longest_fitting
 from tests.conftest import TINY_LLAMA
 
 ONE_LAYER = dataclasses.replace(TINY_LLAMA, llama=dataclasses.replace(TINY_LLAMA.llama, layers=1))
@@ -32,25 +33,51 @@ def truth(peak_per_token: float, static: int, cap: int, granularity: int, quadra
     return seq
 
 
-@pytest.mark.parametrize(("per_token", "quadratic"), [(1000.0, 0.0), (300.0, 0.0), (200.0, 0.05), (5000.0, 0.0)])
-def test_search_brackets_the_longest_fitting_length(per_token, quadratic):
+@pytest.mark.parametrize(("per_token", "quadratic", "start"),
+                         [(1000.0, 0.0, 512), (300.0, 0.0, 512), (200.0, 0.05, 512), (5000.0, 0.0, 512),
+                          (20000.0, 0.0, 4096)])
+def test_search_brackets_the_longest_fitting_length(per_token, quadratic, start):
     cap, static, granularity = 64 * MiB, 20 * MiB, 128
     measure, measured = synthetic(per_token, static, quadratic)
-    longest, failing, probes = longest_fitting(measure, cap, start=512, granularity=granularity, max_seq=1 << 20)
-    assert longest == truth(per_token, static, cap, granularity, quadratic)
-    assert failing == longest + granularity
-    assert [p.seq for p in probes] == measured and len(set(measured)) == len(measured)
-    if quadratic == 0.0:  # a line through the origin of the step's peak: the first prediction is the answer
-        assert len(probes) <= 3
+    fit = longest_fitting(measure, cap, start=start, granularity=granularity, max_seq=1 << 20)
+    assert fit.longest == truth(per_token, static, cap, granularity, quadratic)
+    assert fit.shortest_failing == fit.longest + granularity and fit.converged
+    assert len(set(measured)) == len(measured)  # no length measured twice
+    if quadratic == 0.0:  # a line: right from its second point, once no longer held back by MAX_GROWTH
+        assert len(fit.probes) <= 3 + math.ceil(math.log(max(fit.longest, start) / start, MAX_GROWTH))
+
+
+def test_search_on_peaks_no_line_predicts_keeps_a_true_bracket_and_says_when_it_stopped_short():
+    def staircase(seq: int) -> Probe:  # flat, then a jump of 16 MiB every 4096 tokens
+        return Probe(seq, (seq // 4096) * 16 * MiB + seq, 0)
+    fit = longest_fitting(staircase, 40 * MiB, start=512, granularity=128, max_seq=1 << 20)
+    assert staircase(fit.longest).fits(40 * MiB) and not staircase(fit.shortest_failing).fits(40 * MiB)
+    assert fit.longest <= 12288 - 128 < fit.shortest_failing
+    assert fit.converged == (fit.shortest_failing - fit.longest == 128)
+    measure, _ = synthetic(1.0, 0, quadratic=0.5)
+    fit = longest_fitting(measure, 64 * MiB, start=16, granularity=1, max_seq=1 << 20)
+    assert len(fit.probes) == MAX_PROBES and not fit.converged
+
+
+def test_search_treats_running_out_of_device_memory_as_not_fitting():
+    def measure(seq: int) -> Probe:
+        return Probe(seq, 0, 0, out_of_memory=True) if seq > 3000 else Probe(seq, seq * 1000, 0)
+    fit = longest_fitting(measure, 64 * MiB, start=512, granularity=128, max_seq=1 << 20)
+    assert (fit.longest, fit.shortest_failing) == (2944, 3072) and fit.converged
+    assert max(p.seq for p in fit.probes) <= MAX_GROWTH * 2944
 
 
 def test_search_stops_at_max_seq_and_when_nothing_fits():
     measure, _ = synthetic(10.0, 1 * MiB)
-    assert longest_fitting(measure, 64 * MiB, start=512, granularity=128, max_seq=4096)[:2] == (4096, None)
+    fit = longest_fitting(measure, 64 * MiB, start=512, granularity=128, max_seq=4100)  # rounded down to 4096
+    assert (fit.longest, fit.shortest_failing, fit.converged) == (4096, None, True)
     measure, _ = synthetic(10.0, 65 * MiB)
-    assert longest_fitting(measure, 64 * MiB, start=512, granularity=128, max_seq=4096)[:2] == (0, 128)
-    with pytest.raises(ValueError, match="multiple of granularity"):
+    fit = longest_fitting(measure, 64 * MiB, start=512, granularity=128, max_seq=4096)
+    assert (fit.longest, fit.shortest_failing) == (0, 128)
+    with pytest.raises(ValueError, match="positive multiple of granularity"):
         longest_fitting(measure, 64 * MiB, start=500, granularity=128, max_seq=4096)
+    with pytest.raises(ValueError, match="is below start"):
+        longest_fitting(measure, 64 * MiB, start=512, granularity=128, max_seq=500)
 
 
 def test_each_longest_length_is_measured_to_fit_and_the_next_not():
@@ -89,6 +116,7 @@ def test_table_compares_with_the_best_baseline():
         return ContextResult("w", method, 10 * MiB, longest, longest + 64,
                              [Probe(longest, MiB, MiB), Probe(longest + 64, 20 * MiB, MiB)], seconds)
     table = rows([result("eager", 256, 2.0), result("compile", 512, 1.0), result("fxmem exact", 1536, 1.5)])
+    assert all(len(row) == len(COLUMNS) for row in table)
     assert [row[2] for row in table] == ["0.50x", "1.00x", "3.00x"]
     assert [row[7] for row in table] == ["2.00x", "1.00x", "1.50x"]
     assert table[2][4:6] == ["1,600", "21.00 MiB"]

@@ -20,8 +20,8 @@ from fxmem.config import PRESETS
 from fxmem.measure import format_bytes
 
 NAME = "context"
-COLUMNS = ("method", "longest fitting", "vs best baseline", "peak incl. static there", "next length measured",
-           "its peak incl. static", "probes", "time per token", "min grad cos", "published bound")
+COLUMNS = ("method", "longest fitting", "vs best baseline", "peak incl. static there", "shortest failing",
+           "its peak incl. static", "probes", "time per token vs best baseline", "min grad cos", "published bound")
 
 
 def add_parser(experiments: argparse._SubParsersAction) -> None:
@@ -44,8 +44,12 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.start % args.granularity:
-        console.print(f"[red]--start ({args.start}) must be a multiple of --granularity ({args.granularity})[/red]")
+    if args.start % args.granularity or args.start > args.max_seq:
+        console.print(f"[red]--start ({args.start}) must be a multiple of --granularity ({args.granularity}) and at "
+                      f"most --max-seq ({args.max_seq})[/red]")
+        return 2
+    if not args.presets and not args.baselines:
+        console.print("[red]nothing to measure: give at least one preset or baseline[/red]")
         return 2
     workload = get_workload(args.workload)
     with console.status("context") as status:
@@ -70,7 +74,8 @@ def rows(results: list[ContextResult]) -> list[list[str]]:
                   else "—")
         per_token = (f"{r.seconds_per_token / best.seconds_per_token:.2f}x" if best is not None
                      and best.seconds_per_token and r.seconds_per_token else "—")
-        table.append([r.method, f"{r.longest:,}", versus, format_bytes(here.total_bytes) if here else "—",
+        longest = f"{r.longest:,}" + ("" if r.converged else " (search stopped)")
+        table.append([r.method, longest, versus, format_bytes(here.total_bytes) if here else "—",
                       f"{failing.seq:,}" if failing else "—", format_bytes(failing.total_bytes) if failing else "—",
                       str(len(r.probes)), per_token,
                       f"{r.fidelity.min_cosine:.6f}" if r.fidelity else "—",
@@ -82,10 +87,12 @@ def legend(args: argparse.Namespace) -> str:
     return (f"Batch 1; lengths are multiples of {args.granularity}, searched from {args.start}. longest fitting: "
             "the longest length whose whole step fits the cap: the bytes that live across steps (weights, buffers, "
             "AdamW state) plus the step's peak above them (activations, gradients, transients), each measured at "
-            "that length by a real step. next length measured: the shortest length found not to fit (the answer "
-            "lies between the two). time per token: one step at the method's longest length over its tokens, as a "
+            "that length by a real step (on a GPU, a length that runs out of memory does not fit). shortest failing: "
+            "the shortest length found not to fit (the answer lies between the two; \"search stopped\": the search "
+            "ended with them further apart). time per token: one step at the method's longest length over its tokens, as a "
             "ratio to the best baseline's at its own longest length (attention's share grows with the length, so "
             "a longer run costs more per token). min grad cos: fxmem's gradients of the first step against eager "
             "PEFT's at the same length, weights and batch.\n"
             + "".join(f"\n- {m}: {BASELINE_DESCRIPTIONS[m]}" for m in args.baselines)
-            + "\n- fxmem P: torch.compile(backend=fxmem) with preset P and return_logits=False (the loss chunked)")
+            + ("\n- fxmem P: torch.compile(backend=fxmem) with preset P and return_logits=False (the loss chunked)"
+               if args.presets else ""))
