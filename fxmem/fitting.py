@@ -49,9 +49,9 @@ def longest_fitting(measure: Callable[[int], Probe], memory_cap: int, *, start: 
 
     The next length is where the line through the last two probes (through the origin of the step's peak, from
     one probe) meets the cap. Until a length fails, each probe goes past the longest fitting length by at least
-    ``granularity``, doubled at every probe, and by no more than MAX_GROWTH times it. Once a length has failed, predictions are kept strictly inside
-    the bracket, and after a probe that did not halve it the next one bisects it. If the peaks fall as the length
-    grows, the answer is only the longest found.
+    ``granularity``, doubled at every probe, and by no more than MAX_GROWTH times it. Once a length has failed,
+    predictions are kept strictly inside the bracket, and after a probe that did not halve it the next one
+    bisects it. If the peaks fall as the length grows, the answer is only the longest found.
     """
     if granularity < 1 or start < granularity or start % granularity:
         raise ValueError(f"start ({start}) must be a positive multiple of granularity ({granularity})")

@@ -89,9 +89,9 @@ def legend(args: argparse.Namespace) -> str:
             "AdamW state) plus the step's peak above them (activations, gradients, transients), each measured at "
             "that length by a real step (on a GPU, a length that runs out of memory does not fit). shortest failing: "
             "the shortest length found not to fit (the answer lies between the two; \"search stopped\": the search "
-            "ended with them further apart). time per token: one step at the method's longest length over its tokens, as a "
-            "ratio to the best baseline's at its own longest length (attention's share grows with the length, so "
-            "a longer run costs more per token). min grad cos: fxmem's gradients of the first step against eager "
+            "ended with them further apart). time per token: one step at the method's longest length over its "
+            "tokens, as a ratio to the best baseline's at its own longest length (attention's share grows with the "
+            "length, so a longer run costs more per token). min grad cos: fxmem's gradients of the first step against eager "
             "PEFT's at the same length, weights and batch.\n"
             + "".join(f"\n- {m}: {BASELINE_DESCRIPTIONS[m]}" for m in args.baselines)
             + ("\n- fxmem P: torch.compile(backend=fxmem) with preset P and return_logits=False (the loss chunked)"
