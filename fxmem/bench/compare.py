@@ -228,8 +228,8 @@ def prepare_method(workload: Workload, method: str, *, config: Config, device: t
     """Build and compile one method, and measure everything but its step time."""
     setup: Setup = workload.build(device=device, lora_rank=lora_rank)
     forward = forward_for_method(method, setup.model, config, budget)
-    optimizer = torch.optim.AdamW([p for p in setup.model.parameters() if p.requires_grad], lr=1e-4)
     first_batch, batch = next(setup.batches), next(setup.batches)
+    step, optimizer = setup.training_step(forward, batch)
     first_losses: list[float] = []
 
     def first_batch_backward() -> None:
@@ -237,11 +237,6 @@ def prepare_method(workload: Workload, method: str, *, config: Config, device: t
         loss = setup.loss(forward, first_batch)
         loss.backward()
         first_losses.append(loss.item())
-
-    def step() -> None:
-        setup.loss(forward, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
     # The first batch twice at the initial weights: its gradients (fidelity), and cold minus warm (compile time).
     cold, warm = (step_times(first_batch_backward, steps=1, warmup=0, device=device)[0] for _ in range(2))

@@ -76,14 +76,8 @@ def first_step(workload: Workload, method: str, seq: int, *, config: Config, dev
     setup = dataclasses.replace(workload, batch=1, seq=seq).build(device=device, lora_rank=lora_rank)
     budget = LOWEST_BUDGET if method == "compile-budget" else None
     forward = forward_for_method(method, setup.model, config, budget)
-    optimizer = torch.optim.AdamW([p for p in setup.model.parameters() if p.requires_grad], lr=1e-4)
     batch = next(setup.batches)
-
-    def step() -> None:
-        setup.loss(forward, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step, optimizer = setup.training_step(forward, batch)
     setup.loss(forward, batch).backward()
     grads = trainable_gradients(setup.model)
     optimizer.step()

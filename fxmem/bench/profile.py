@@ -55,14 +55,7 @@ class StepProfile:
 def _training_step(workload: Workload, backend: Backend | str, device: torch.device) -> Callable[[], None]:
     setup = workload.build(device=device)
     forward = torch.compile(setup.model, backend=backend)
-    optimizer = torch.optim.AdamW([p for p in setup.model.parameters() if p.requires_grad], lr=1e-4)
-    batch = next(setup.batches)
-
-    def step() -> None:
-        setup.loss(forward, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
+    return setup.training_step(forward, next(setup.batches))[0]
 
 
 def profile_step(workload: Workload, preset: str, *, steps: int = 5, top: int = 15, device: str = "cpu",

@@ -98,6 +98,18 @@ class Setup:
     loss: Callable[[Callable[..., Any], dict[str, torch.Tensor]], torch.Tensor]
     evaluate: Callable[[torch.nn.Module], tuple[float, float]] | None = None
 
+    def training_step(self, forward: Callable[..., Any], batch: dict[str, torch.Tensor]
+                      ) -> tuple[Callable[[], None], torch.optim.Optimizer]:
+        """One AdamW step of the trainable parameters on ``batch`` through ``forward`` (the model, compiled or
+        not), and its optimizer: what every benchmark times and measures."""
+        optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-4)
+
+        def step() -> None:
+            self.loss(forward, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return step, optimizer
+
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("llama-tiny", "llama", 4, 256, "LlamaForCausalLM 256/688, 4 layers, 8 heads, vocab 4096, sdpa",
