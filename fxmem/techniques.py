@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fxmem.config import Config
 from fxmem.cost_model import planner
 from fxmem.passes import (
+    CausalMaskAttention,
     ChunkLoss,
     FuseEpilogue,
     GraphPass,
@@ -58,19 +59,21 @@ TECHNIQUES: tuple[Technique, ...] = (
     # PEFT's fp32 adapters on a half-precision model: the cast of x recomputed in backward, in every preset (the
     # cast is lossless: under exact the gradients are torch.compile's); x saved where a lossy plan follows.
     Technique("adapter_cast", (), lambda config: True, ("recompute_adapter_cast",)),
+    # A mask proven causal becomes SDPA's is_causal in every preset: exact, and the tokens x tokens mask is gone.
+    Technique("causal_mask", (), lambda config: True, ("causal_mask",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
     Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
               (*_COMPRESSION_RECOMPUTES, "quantize"), refine=planner.fit_budget),
 )
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    ChunkLoss, RecomputeAdapterCast, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention,
+    CausalMaskAttention, ChunkLoss, RecomputeAdapterCast, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention,
     QuantizeSaved, LowRankSaved, FuseEpilogue, OnednnMatmul)}
-# The dynamo pass first (it changes what AOTAutograd traces), then the joint passes (recompute_adapter_cast first:
+# The dynamo passes first (they change what AOTAutograd traces), then the joint passes (recompute_adapter_cast first:
 # its must-save of x is a default the later ones may override; lora_reorder tags what runlora must leave alone),
 # then the partitioned ones: sparsify, quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses,
 # and onednn_matmul swaps the products of the finished graphs.
-PASS_ORDER = ("chunk_loss", "recompute_adapter_cast", "lora_reorder", "runlora", "recompute_logits",
+PASS_ORDER = ("causal_mask", "chunk_loss", "recompute_adapter_cast", "lora_reorder", "runlora", "recompute_logits",
               "recompute_attention", "sparsify_attention", "quantize", "lowrank", "fuse_epilogue", "onednn_matmul")
 
 

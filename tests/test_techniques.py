@@ -18,14 +18,14 @@ def test_every_pass_is_declared_once_in_the_order_and_served_by_a_technique():
 
 
 @pytest.mark.parametrize("preset, names, passes", [
-    ("exact", ["adapter_cast", "chunk_loss"], ["chunk_loss", "recompute_adapter_cast"]),
-    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", "adapter_cast", "chunk_loss"],
-     ["chunk_loss", "recompute_adapter_cast", "lora_reorder", "recompute_logits", "recompute_attention",
+    ("exact", ["adapter_cast", "causal_mask", "chunk_loss"], ["causal_mask", "chunk_loss", "recompute_adapter_cast"]),
+    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", "adapter_cast", "causal_mask", "chunk_loss"],
+     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "lora_reorder", "recompute_logits", "recompute_attention",
       "sparsify_attention", "quantize", "fuse_epilogue"]),
-    ("loract", ["quantize", "lowrank", "adapter_cast", "chunk_loss"],
-     ["chunk_loss", "recompute_adapter_cast", "recompute_logits", "recompute_attention", "quantize", "lowrank"]),
-    ("runlora", ["runlora", "adapter_cast", "chunk_loss"], ["chunk_loss", "recompute_adapter_cast", "runlora",
-                                                            "onednn_matmul"]),
+    ("loract", ["quantize", "lowrank", "adapter_cast", "causal_mask", "chunk_loss"],
+     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "recompute_logits", "recompute_attention", "quantize", "lowrank"]),
+    ("runlora", ["runlora", "adapter_cast", "causal_mask", "chunk_loss"],
+     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "runlora", "onednn_matmul"]),
 ])
 def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order(preset, names, passes):
     config = PRESETS[preset]
@@ -35,5 +35,6 @@ def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order
 
 def test_a_memory_budget_alone_runs_the_quantize_pass_and_its_refinement():
     config = Config(memory_budget=0.5)
-    assert [t.name for t in techniques.enabled_techniques(config)] == ["adapter_cast", "chunk_loss", "memory_budget"]
+    assert [t.name for t in techniques.enabled_techniques(config)] == ["adapter_cast", "causal_mask", "chunk_loss",
+                                                                            "memory_budget"]
     assert "quantize" in [p.name for p in techniques.default_passes() if p.enabled(config)]
