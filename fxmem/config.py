@@ -74,6 +74,11 @@ class Config:
         report says whether the target was met. None is no target: the preset's plan.
     chunk_loss: compute an LM head and its cross-entropy a chunk of tokens at a time, so that the (tokens x
         vocabulary) logits never exist whole (passes/chunk_loss.py). Exact; on in every preset.
+    mlp_chunk: run each SwiGLU MLP with a LoRA on its three linears (Llama's) this many tokens at a time, its
+        input the only tensor it saves, its gate and up products recomputed in backward (passes/chunk_mlp.py), so
+        that the MLP-wide tensors, the step's largest transients at long context, are never whole. Exact up to
+        rounding, for two more products per MLP; it replaces what the other techniques do inside the MLP. None
+        (every preset) is off.
     return_logits: False returns an empty tensor where the model returns its logits (as Liger-Kernel and
         Unsloth do in training), so that chunk_loss applies to a model that returns them, such as every HF
         ``...ForCausalLM``; True keeps them, and such a loss is left whole.
@@ -98,6 +103,7 @@ class Config:
     runlora: str = "off"
     memory_budget: float | int | None = None
     chunk_loss: bool = True
+    mlp_chunk: int | None = None
     return_logits: bool = True
 
     def __post_init__(self) -> None:
@@ -135,6 +141,10 @@ class Config:
         if not self.prenorm_sharing and self.lowrank is None:
             raise ValueError("prenorm_sharing=False turns off a part of lowrank: set lowrank too")
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)
+        if self.mlp_chunk is not None and (_is_bool(self.mlp_chunk) or not isinstance(self.mlp_chunk, int)
+                                           or self.mlp_chunk < 1):
+            raise ValueError(f"mlp_chunk must be an integer number of tokens >= 1 or None (off); got "
+                             f"{self.mlp_chunk!r}")
         if not _budget_in_bytes(self.memory_budget):
             _check_fraction("memory_budget", self.memory_budget, low_open=True, high=1.0, high_open=False,
                             allow_none=True, bytes_too=True)

@@ -14,6 +14,7 @@ from fxmem.cost_model import planner
 from fxmem.passes import (
     CausalMaskAttention,
     ChunkLoss,
+    ChunkMlp,
     FuseEpilogue,
     GraphPass,
     LoraReorder,
@@ -62,18 +63,19 @@ TECHNIQUES: tuple[Technique, ...] = (
     # A mask proven causal becomes SDPA's is_causal in every preset: exact, and the tokens x tokens mask is gone.
     Technique("causal_mask", (), lambda config: True, ("causal_mask",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
+    Technique("chunk_mlp", ("mlp_chunk",), lambda config: config.mlp_chunk is not None, ("chunk_mlp",)),
     Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
               (*_COMPRESSION_RECOMPUTES, "quantize"), refine=planner.fit_budget),
 )
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    CausalMaskAttention, ChunkLoss, RecomputeAdapterCast, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention,
+    CausalMaskAttention, ChunkLoss, ChunkMlp, RecomputeAdapterCast, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention,
     QuantizeSaved, LowRankSaved, FuseEpilogue, OnednnMatmul)}
 # The dynamo passes first (they change what AOTAutograd traces), then the joint passes (recompute_adapter_cast first:
 # its must-save of x is a default the later ones may override; lora_reorder tags what runlora must leave alone),
 # then the partitioned ones: sparsify, quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses,
 # and onednn_matmul swaps the products of the finished graphs.
-PASS_ORDER = ("causal_mask", "chunk_loss", "recompute_adapter_cast", "lora_reorder", "runlora", "recompute_logits",
+PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "recompute_adapter_cast", "lora_reorder", "runlora", "recompute_logits",
               "recompute_attention", "sparsify_attention", "quantize", "lowrank", "fuse_epilogue", "onednn_matmul")
 
 

@@ -8,8 +8,8 @@ from fxmem.backend import fxmem_backend
 
 def test_defaults_are_the_exact_preset():
     assert Config() == PRESETS["exact"] == Config.from_preset("exact")
-    # exact: on everywhere, both lossless
-    assert [t.name for t in techniques.enabled_techniques(Config())] == ["adapter_cast", "chunk_loss"]
+    # exact: on everywhere, all lossless
+    assert [t.name for t in techniques.enabled_techniques(Config())] == ["adapter_cast", "causal_mask", "chunk_loss"]
 
 
 @pytest.mark.parametrize("field, value, expected", [
@@ -44,6 +44,9 @@ def test_defaults_are_the_exact_preset():
     ("rotation", 64, "rotation applies to quantized tensors: set bits (one of 1, 2, 4, 8) or memory_budget too"),
     ("stochastic_rounding", 1, "stochastic_rounding must be True or False"),
     ("stochastic_rounding", True, "stochastic_rounding applies to quantized tensors: set bits"),
+    ("mlp_chunk", 0, "mlp_chunk must be an integer number of tokens >= 1 or None (off); got 0"),
+    ("mlp_chunk", 64.0, "mlp_chunk must be an integer number of tokens >= 1 or None (off); got 64.0"),
+    ("mlp_chunk", True, "mlp_chunk must be an integer number of tokens >= 1"),
 ])
 def test_bad_values_name_the_valid_range(field, value, expected):
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -55,7 +58,7 @@ def test_bad_values_name_the_valid_range(field, value, expected):
 @pytest.mark.parametrize("field, value", [
     ("bits", 1), ("bits", 8), ("outlier_ratio", 0.0), ("attn_sparsity", 1.0), ("calibration_steps", 100),
     ("lowrank", 0.125), ("lowrank", 32), ("runlora", "time"), ("memory_budget", 0.5),
-    ("memory_budget", 1), ("memory_budget", 2**20),
+    ("memory_budget", 1), ("memory_budget", 2**20), ("mlp_chunk", 1), ("mlp_chunk", 4096),
 ])
 def test_good_values_are_accepted(field, value):
     assert getattr(Config(**{field: value}), field) == value

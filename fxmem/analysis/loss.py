@@ -96,7 +96,7 @@ def _match(loss: Node) -> HeadLoss | UnchunkedLoss:
         if not _is_reshape_or_cast(node):
             break
         node, child = node.args[0], node
-    head = _head(node)
+    head = peft_linear(node)
     if isinstance(head, str):
         return unchunked(head)
     x, weight, lora = head
@@ -138,8 +138,9 @@ def _linear(node: Node) -> tuple[Node, Node] | str:
     return x, weight
 
 
-def _head(node: Node) -> tuple[Node, Node, tuple[Node, Node, float] | None] | str:
-    """The head's (x, weight, LoRA) from the node that makes the logits, or why it is not a head fxmem chunks."""
+def peft_linear(node: Node) -> tuple[Node, Node, tuple[Node, Node, float] | None] | str:
+    """(x, weight, LoRA (A, B, scale) or None) of the bias-free linear, PEFT's LoRA on it or not, whose output
+    ``node`` is; or why not (as the head of a loss: the reason names the logits)."""
     if node.op == "call_function" and node.target in _ADDS and len(node.args) == 2 and not node.kwargs:
         for base, delta in (node.args, node.args[::-1]):
             if not isinstance(base, Node) or len(base.users) != 1 or isinstance(linear := _linear(base), str):

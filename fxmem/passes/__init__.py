@@ -4,6 +4,7 @@ order and which technique enables each)."""
 from fxmem.passes.adapter_cast import RecomputeAdapterCast
 from fxmem.passes.causal_mask import CausalMaskAttention
 from fxmem.passes.chunk_loss import ChunkLoss
+from fxmem.passes.chunk_mlp import ChunkMlp
 from fxmem.passes.fuse_epilogue import FuseEpilogue
 from fxmem.passes.lora_reorder import LoraReorder
 from fxmem.passes.lowrank import LowRankSaved
@@ -15,6 +16,6 @@ from fxmem.passes.recompute_logits import RecomputeLogits
 from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
-__all__ = ["CausalMaskAttention", "ChunkLoss", "FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager",
+__all__ = ["CausalMaskAttention", "ChunkLoss", "ChunkMlp", "FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager",
            "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention",
            "RecomputeLogits", "RunLora", "SparsifyAttention"]

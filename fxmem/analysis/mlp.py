@@ -1,0 +1,127 @@
+"""SwiGLU MLPs with a PEFT LoRA on each linear, found in the graph dynamo captured (torch-level ops).
+
+The pattern is Llama's ``down(silu(gate(x)) * up(x))``, each linear ``x W^T + scale (x A^T) B^T`` cast back to
+x's dtype, as PEFT runs it. Every tensor between x and the down projection's output must be used only inside
+the MLP: the chunked op (kernels/chunked_mlp.py) makes none of them.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, Node
+
+from fxmem.analysis.graph import hint
+from fxmem.analysis.loss import peft_linear
+
+_MULS = frozenset({operator.mul, torch.mul})
+_SILUS = frozenset({torch.nn.functional.silu})
+
+
+@dataclass(frozen=True)
+class LoraLinearNodes:
+    weight: Node
+    a: Node
+    b: Node
+    scale: float
+
+
+@dataclass(frozen=True)
+class SwigluMlp:
+    output: Node  # the down projection's output, cast back to x's dtype
+    x: Node
+    gate: LoraLinearNodes
+    up: LoraLinearNodes
+    down: LoraLinearNodes
+    tokens: int  # x's rows (a dynamic count: its hint)
+    hidden: int
+    width: int  # the MLP's intermediate width
+    element_size: int
+
+
+def find_swiglu_mlps(graph: Graph) -> list[SwigluMlp]:
+    """Every SwiGLU MLP of ``graph`` whose linears all carry a PEFT LoRA on a frozen base weight."""
+    found = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _MULS and len(node.args) == 2 and not node.kwargs:
+            mlp = _match(node)
+            if mlp is not None:
+                found.append(mlp)
+    return found
+
+
+def _value(node: object) -> torch.Tensor | None:
+    value = node.meta.get("example_value") if isinstance(node, Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _uncast(node: object) -> object:
+    """Through PEFT's ``.to(dtype)`` casts, to the value cast."""
+    while isinstance(node, Node) and node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
+            and isinstance(node.args[1], torch.dtype) and not node.kwargs and len(node.users) == 1:
+        node = node.args[0]
+    return node
+
+
+def _lora_linear(output: object) -> tuple[Node, LoraLinearNodes] | None:
+    """(x, the linear) of a LoRA linear whose output, cast or not, is ``output``; its base weight frozen."""
+    if not isinstance(output, Node):
+        return None
+    found = peft_linear(output)
+    if isinstance(found, str) or found[2] is None:
+        return None
+    x, weight, (a, b, scale) = found
+    weight_value = _value(weight)
+    if weight_value is None or weight_value.requires_grad or not isinstance(x, Node):
+        return None
+    return x, LoraLinearNodes(weight, a, b, scale)
+
+
+def _match(product: Node) -> SwigluMlp | None:
+    for activated, up_output in (product.args, product.args[::-1]):
+        if not (isinstance(activated, Node) and activated.op == "call_function" and activated.target in _SILUS
+                and len(activated.args) == 1 and not activated.kwargs and len(activated.users) == 1):
+            continue
+        gate_output, up_output = _uncast(activated.args[0]), _uncast(up_output)
+        gate, up = _lora_linear(gate_output), _lora_linear(up_output)
+        if gate is None or up is None or gate[0] is not up[0] or len(gate_output.users) != 1 \
+                or len(up_output.users) != 1:
+            continue
+        down = _down_projection(product)
+        if down is None:
+            continue
+        output, down_linear = down
+        x, x_value, out_value = gate[0], _value(gate[0]), _value(output)
+        if x_value is None or out_value is None or out_value.dtype != x_value.dtype:
+            continue
+        width = int(_value(down_linear.weight).shape[1])
+        return SwigluMlp(output=output, x=x, gate=gate[1], up=up[1], down=down_linear,
+                         tokens=hint(x_value.numel() // x_value.shape[-1]), hidden=int(x_value.shape[-1]), width=width,
+                         element_size=x_value.element_size())
+    return None
+
+
+def _down_projection(product: Node) -> tuple[Node, LoraLinearNodes] | None:
+    """(output, linear) of the LoRA linear that is the product's only reader."""
+    for user in product.users:  # the base linear's add, then its cast
+        adds = [u for u in user.users if u.op == "call_function"] if len(user.users) == 1 else []
+        if not adds:
+            continue
+        total = adds[0]
+        cast = next(iter(total.users)) if len(total.users) == 1 else None
+        output = cast if cast is not None and _uncast(cast) is total else total
+        down = _lora_linear(total)
+        if down is not None and down[0] is product and _only_down_reads(product, down[1]):
+            return output, down[1]
+    return None
+
+
+def _only_down_reads(product: Node, down: LoraLinearNodes) -> bool:
+    """Every reader of the product is one of the down projection's two products (the LoRA's through a cast)."""
+    for user in product.users:
+        reader = next(iter(user.users)) if user.op == "call_method" and len(user.users) == 1 else user
+        if not (reader.op == "call_function" and len(reader.args) >= 2 and reader.args[1] in (down.weight, down.a)):
+            return False
+    return True

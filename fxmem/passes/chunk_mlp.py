@@ -1,0 +1,39 @@
+"""Run each SwiGLU MLP with a LoRA on its linears over chunks of tokens (kernels/chunked_mlp.py).
+
+Runs on the graph dynamo captured, before AOTAutograd: the MLP's backward then comes from the chunked op's own,
+which recomputes each chunk's gate and up products from the MLP's input. The MLP saves only that input for
+backward, and neither pass holds more than one chunk of MLP-wide tensors. Exact up to the rounding of the
+chunked products. An MLP of another form is left as torch runs it.
+"""
+
+from __future__ import annotations
+
+from fxmem.analysis.mlp import LoraLinearNodes, find_swiglu_mlps
+from fxmem.kernels.chunked_mlp import LoraLinear, chunked_swiglu_mlp
+from fxmem.passes.manager import GraphPass, PipelineState
+
+
+class ChunkMlp(GraphPass):
+    name = "chunk_mlp"
+    stage = "dynamo"
+
+    def run(self, state: PipelineState) -> str:
+        rows = state.config.mlp_chunk
+        graph = state.dynamo.graph
+        found = find_swiglu_mlps(graph)
+        for mlp in found:
+            with graph.inserting_before(mlp.output):
+                chunked = graph.call_function(chunked_swiglu_mlp, (
+                    mlp.x, _linear(mlp.gate), _linear(mlp.up), _linear(mlp.down), rows))
+            mlp.output.replace_all_uses_with(chunked)
+        if not found:
+            return "no SwiGLU MLP with a PEFT LoRA (no dropout) on its gate, up and down projections"
+        graph.eliminate_dead_code()
+        mlp = found[0]
+        wide = mlp.tokens * mlp.width * mlp.element_size
+        return (f"{len(found)} SwiGLU MLP(s) of {mlp.tokens} tokens x {mlp.width} in chunks of {rows} tokens: "
+                f"{wide / 2**20:.1f} MiB per MLP-wide tensor never whole, its input the only tensor saved")
+
+
+def _linear(nodes: LoraLinearNodes) -> LoraLinear:
+    return LoraLinear(nodes.weight, nodes.a, nodes.b, nodes.scale)
