@@ -30,6 +30,7 @@ from fxmem.analysis.liveness import graph_liveness
 from fxmem.analysis.pinned import Pinned, pinned
 from fxmem.analysis.recompute import rebuild_inputs
 from fxmem.config import Config
+from fxmem.cost_model.memory import op_workspace_bytes
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.planner import budget_bytes, budget_note, plan_region
 from fxmem.measure import format_bytes
@@ -103,7 +104,8 @@ class _Partitioner(CustomPartitionerFn):
                 warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
         region.notes += pinned_notes(pinned(state.analysis, state.fw.graph, kwargs["num_fwd_outputs"], joint.graph))
         region.passes += self.passes.run("partitioned", state)
-        region.liveness.append((graph_liveness(state.fw.graph), graph_liveness(state.bw.graph)))
+        region.liveness.append((graph_liveness(state.fw.graph, op_workspace_bytes),
+                                graph_liveness(state.bw.graph, op_workspace_bytes)))
         # Appended: inductor may partition nested subgraphs of the region through this same hook.
         region.saved += state.analysis.saved + [saved for saved, _ in chosen.recomputed]
         region.plans += state.plans + [plan for _, plan in chosen.recomputed]

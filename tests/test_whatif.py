@@ -150,3 +150,12 @@ def test_max_context_fits_the_memory_and_the_next_length_does_not(tiny_config):
 def test_max_context_refuses_measuring_and_names_bench_context(tiny_config, capsys):
     assert cli.main(["whatif", str(tiny_config), "--max-context", "1GiB", "--measure"]) == 2
     assert "fxmem bench context" in capsys.readouterr().out
+
+
+def test_max_context_with_chunked_mlps_fits_longer_and_says_so(tiny_config):
+    memory = 24 * 2**20
+    [whole] = max_context(str(tiny_config), memory, rank=8, dtype="fp32", presets=["exact"], granularity=256)
+    [chunked] = max_context(str(tiny_config), memory, rank=8, dtype="fp32", presets=["exact"], granularity=256,
+                            mlp_chunk=64)
+    assert chunked.preset == "exact, mlp_chunk 64"
+    assert chunked.seq > whole.seq and chunked.total <= memory

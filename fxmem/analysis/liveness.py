@@ -9,6 +9,7 @@ base alive; the graph's outputs live to its end). It counts storages, not tensor
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +62,10 @@ def _allocations(node: Node) -> dict[Storage, int]:
     return {node: storage_bytes(val)} if isinstance(val, torch.Tensor) else {}
 
 
-def graph_liveness(graph: Graph) -> Liveness:
-    """The most bytes ``graph``'s ops hold at once when run in order, and what its outputs hold at the end."""
+def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node: 0) -> Liveness:
+    """The most bytes ``graph``'s ops hold at once when run in order, and what its outputs hold at the end.
+    ``workspace(node)``: what the op holds inside while it runs, beyond its inputs and outputs (an opaque op that
+    works in chunks)."""
     nodes = list(graph.nodes)
     last_read: dict[Storage, int] = {}  # the position of each storage's last reader (through views)
     outputs: set[Storage] = set()
@@ -84,7 +87,7 @@ def graph_liveness(graph: Graph) -> Liveness:
         allocated = _allocations(node)
         live.update(allocated)
         current += sum(allocated.values())
-        peak = max(peak, current)
+        peak = max(peak, current + workspace(node))
         unread = [s for s in allocated if s not in last_read and s not in outputs]  # freed as soon as made
         for storage in [*frees_after.get(position, ()), *unread]:
             current -= live.pop(storage, 0)

@@ -57,6 +57,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                              f"(default presets: {', '.join(MAX_CONTEXT_PRESETS)})")
     parser.add_argument("--granularity", type=int_at_least(1), default=CONTEXT_GRANULARITY,
                         help="--max-context: lengths searched are multiples of this")
+    parser.add_argument("--mlp-chunk", type=int_at_least(1), metavar="TOKENS",
+                        help="--max-context: each preset with its SwiGLU MLPs run this many tokens at a time "
+                             "(Config.mlp_chunk)")
     parser.add_argument("--measure", action="store_true",
                         help="also compile the model on this CPU (random weights) and measure the saved bytes")
     add_outputs(parser, json_results=False)
@@ -67,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     model = get_workload(args.model).hf_config() if args.model in workload_names() else args.model
     if args.max_context is not None:
         return _run_max_context(model, args)
-    if args.granularity != CONTEXT_GRANULARITY:
-        console.print("[red]--granularity applies to --max-context only[/red]")
+    if args.granularity != CONTEXT_GRANULARITY or args.mlp_chunk is not None:
+        console.print("[red]--granularity and --mlp-chunk apply to --max-context only[/red]")
         return 2
     try:
         result = whatif(model, batch=args.batch, seq=args.seq, rank=args.rank, dtype=args.dtype,
@@ -151,7 +154,7 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
     try:
         fits = max_context(model, args.max_context, rank=args.rank, dtype=args.dtype, optimizer=args.optimizer,
                            presets=args.presets or MAX_CONTEXT_PRESETS, base=args.base, shards=args.shards,
-                           granularity=args.granularity)
+                           granularity=args.granularity, mlp_chunk=args.mlp_chunk)
     except ValueError as error:
         console.print(f"[red]{error}[/red]")
         return 2

@@ -1,9 +1,16 @@
-"""Bytes a saved tensor takes under a plan, and the memory traffic a fused LoRA epilogue avoids."""
+"""Bytes a saved tensor takes under a plan, what fxmem's own ops hold inside, and the memory traffic a fused
+LoRA epilogue avoids."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
+import torch
+from torch.fx import Node
+
+from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes
+from fxmem.kernels import chunked_mlp
 from fxmem.kernels.lowrank import factor_numel
 from fxmem.kernels.quantize import packed_width
 
@@ -71,3 +78,29 @@ def epilogue_traffic_saved(numel: int, element_size: int, lora_sums: int, *, bac
     the incoming gradient and the outputs move the same bytes either way.
     """
     return lora_sums * numel * element_size * (4 if backward else 2)
+
+
+_CHUNKED_MLP_OPS = {"chunked_swiglu_mlp": False, "chunked_swiglu_mlp_backward": True}  # op name: is backward
+
+
+def op_workspace_bytes(node: Node) -> int:
+    """What the op of an aten graph's ``node`` holds inside, beyond its inputs and outputs: one chunk's MLP-wide
+    tensors for the chunked MLP (kernels/chunked_mlp.py), one chunk's logits for the chunked loss; 0 for the ops
+    a graph's liveness sees whole."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "fxmem":
+        return 0
+    if target._opname == "linear_cross_entropy":
+        x, weight = (node.args[i].meta["val"] for i in (0, 1))
+        tokens, hidden = (int(s) for s in x.shape)
+        gradient = tokens * hidden * x.element_size()
+        chunks = LossChunks(min(tokens, int(node.args[8])), int(node.args[9]) or None)
+        return chunked_loss_bytes(tokens, int(weight.shape[0]), hidden, x.element_size(), chunks) - gradient
+    if target._opname not in _CHUNKED_MLP_OPS:
+        return 0
+    backward = _CHUNKED_MLP_OPS[target._opname]
+    x, gate_a, down_w = (node.args[i + backward].meta["val"] for i in (0, 2, 9))
+    hidden = x.shape[-1]
+    return chunked_mlp.workspace_bytes(int(math.prod(x.shape[:-1])), int(node.args[13 + backward]),
+                                       int(down_w.shape[1]), int(hidden), int(gate_a.shape[0]), x.element_size(),
+                                       backward=backward)

@@ -51,6 +51,18 @@ def chunked_swiglu_mlp(x: Tensor, gate: LoraLinear, up: LoraLinear, down: LoraLi
                         down.weight, down.a, down.b, down.scale, chunk_rows)
 
 
+def workspace_bytes(rows: int, chunk_rows: int, width: int, hidden: int, rank: int, element_size: int, *,
+                    backward: bool) -> int:
+    """The most bytes the op holds at once beyond its inputs and outputs (the LoRA gradients' float32
+    accumulators and products aside, rank-sized): one chunk's MLP-wide tensors. Measured (tests/kernels/test_chunked_mlp.py):
+    forward, five of the chunk's float32 sums of a base and a LoRA product (an fp32 adapter promotes them);
+    backward, five in the model's dtype and three in float32, and the LoRA's rank-wide and hidden-wide rows."""
+    chunk = min(rows, chunk_rows)
+    if not backward:
+        return 5 * chunk * width * 4
+    return chunk * (width * (5 * element_size + 3 * 4) + (hidden + rank) * 4)
+
+
 def _linears(weights: tuple) -> tuple[LoraLinear, LoraLinear, LoraLinear]:
     return LoraLinear(*weights[0:4]), LoraLinear(*weights[4:8]), LoraLinear(*weights[8:12])
 

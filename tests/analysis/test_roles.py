@@ -39,7 +39,7 @@ def test_llama_lora_sdpa_roles():
     assert details(report, Role.ACT_INPUT) == {"silu": LAYERS}
     assert roles[Role.PRODUCT_INPUT] == LAYERS  # up_proj's output in silu(gate) * up
     assert details(report, Role.NORM_INPUT)["input (RMSNorm)"] == 2 * LAYERS
-    assert roles[Role.LOSS_INPUT] == 1 and roles[Role.ATTN_MASK] == 1
+    assert roles[Role.LOSS_INPUT] == 1 and roles[Role.ATTN_MASK] == 0  # proven causal: never built (causal_mask)
     # q/k/v share one input, gate/up another: each saved once; down_proj's input too. o_proj's input is the
     # attention output, saved once for both backward uses.
     assert roles[Role.LINEAR_INPUT] == 3 * LAYERS
@@ -47,6 +47,12 @@ def test_llama_lora_sdpa_roles():
                                                                         "gate_proj, up_proj", "down_proj"}
     assert all(Role.LINEAR_INPUT in s.also for s in saved if s.detail == "output")
     assert {s.role for _, s, _ in report.rows() if not s.frees_memory} == {Role.PARAMETER}  # embedding is frozen
+
+
+def test_a_padding_mask_from_the_batch_is_saved_as_the_attention_mask():
+    model, batch = tiny_model("llama", lora=True)
+    report = fxmem.inspect(model, **batch, attention_mask=torch.ones_like(batch["input_ids"]))
+    assert collections.Counter(s.role for s in saved_of(report))[Role.ATTN_MASK] == 1
 
 
 def test_llama_eager_attention_roles():

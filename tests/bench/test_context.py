@@ -131,3 +131,10 @@ def test_memory_sizes_parse_with_their_units(text, expected):
 def test_bad_memory_sizes_name_the_units():
     with pytest.raises(argparse.ArgumentTypeError, match="B, KiB, MiB, GiB, TiB"):
         byte_size("2GB")
+
+
+def test_presets_run_with_chunked_mlps_under_their_own_label_and_bound():
+    [exact] = run_context(ONE_LAYER, 24 * MiB, presets=("exact",), baselines=(), start=256, granularity=256,
+                          mlp_chunk=64)
+    assert exact.method == "fxmem exact, mlp_chunk 64" and exact.longest
+    assert exact.fidelity.min_cosine > 0.99999 and exact.fidelity_bound == PUBLISHED_MIN_COSINE["exact"]

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from fxmem.kernels.chunked_mlp import LoraLinear, chunked_swiglu_mlp, swiglu_mlp_reference
+from fxmem.kernels.chunked_mlp import LoraLinear, chunked_swiglu_mlp, swiglu_mlp_reference, workspace_bytes
+from fxmem.measure import peak_memory
 
 HIDDEN, WIDTH, RANK = 32, 88, 4
 
@@ -49,3 +50,21 @@ def test_bad_arguments_are_refused():
         chunked_swiglu_mlp(x, gate, up, down, 0)
     with pytest.raises(ValueError, match="the up projection's base weight trains"):
         chunked_swiglu_mlp(x, gate, up._replace(weight=up.weight.clone().requires_grad_()), down, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, chunk_rows", [(1024, 256), (1024, 2048)])
+def test_the_workspace_is_what_the_op_holds_beyond_its_inputs_and_outputs(dtype, rows, chunk_rows):
+    x, gate, up, down = _mlp(dtype)
+    x = torch.randn(rows, HIDDEN).to(dtype)
+    grad_out = torch.randn(rows, HIDDEN).to(dtype)
+    flat = (*gate, *up, *down)
+    held = rows * HIDDEN * x.element_size()  # the output, or d x
+    accumulators = sum(t.numel() * 4 for t in (gate.a, gate.b, up.a, up.b, down.a, down.b))
+    forward = peak_memory(lambda: torch.ops.fxmem.chunked_swiglu_mlp(x, *flat, chunk_rows), "cpu") - held
+    backward = peak_memory(lambda: torch.ops.fxmem.chunked_swiglu_mlp_backward(grad_out, x, *flat, chunk_rows),
+                           "cpu") - held - accumulators
+    shape = (rows, chunk_rows, WIDTH, HIDDEN, RANK, x.element_size())
+    assert forward == workspace_bytes(*shape, backward=False)
+    # and, beside them, the LoRA gradients' rank-wide products, at most as many bytes as their accumulators
+    assert 0 <= backward - workspace_bytes(*shape, backward=True) <= accumulators

@@ -37,6 +37,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--granularity", type=int_at_least(1), default=128,
                         help="lengths searched are multiples of this")
     parser.add_argument("--max-seq", type=int_at_least(1), default=1 << 20)
+    parser.add_argument("--mlp-chunk", type=int_at_least(1), metavar="TOKENS",
+                        help="each preset with its SwiGLU MLPs run this many tokens at a time (Config.mlp_chunk)")
     parser.add_argument("--rank", type=int_at_least(1), default=16, help="LoRA rank")
     add_device(parser)
     add_outputs(parser)
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     with console.status("context") as status:
         results = run_context(workload, args.memory_cap, presets=args.presets, baselines=args.baselines,
                               device=args.device, lora_rank=args.rank, start=args.start,
-                              granularity=args.granularity, max_seq=args.max_seq,
+                              granularity=args.granularity, max_seq=args.max_seq, mlp_chunk=args.mlp_chunk,
                               progress=lambda message: status.update(message))
     print_table(f"fxmem bench context: {workload.name}, batch 1, under {format_bytes(args.memory_cap)}", COLUMNS,
                 rows(results), legend(args), args, args.device)
@@ -95,4 +97,5 @@ def legend(args: argparse.Namespace) -> str:
             "PEFT's at the same length, weights and batch.\n"
             + "".join(f"\n- {m}: {BASELINE_DESCRIPTIONS[m]}" for m in args.baselines)
             + ("\n- fxmem P: torch.compile(backend=fxmem) with preset P and return_logits=False (the loss chunked)"
-               if args.presets else ""))
+               + (f", and mlp_chunk={args.mlp_chunk} (each SwiGLU MLP {args.mlp_chunk} tokens at a time)"
+                  if args.mlp_chunk else "") if args.presets else ""))
