@@ -143,8 +143,8 @@ class _Partitioner(CustomPartitionerFn):
                 state.fw, state.bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)
                 sources = frozenset(n.name for saved, plan in recomputed if plan.chain == saved.rebuild_product
                                     for n in rebuild_inputs(plan.chain))
-                state.analysis = dataclasses.replace(
-                    self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=False), rebuild_sources=sources)
+                analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=False)
+                state.analysis = dataclasses.replace(analysis, rebuild_sources=analysis.rebuild_sources | sources)
                 state.plans = plan_region(state.analysis, config, enabled_techniques(config))
         except Exception as error:  # reported, and the region compiles as plain inductor
             return _Partition(state, records, failure=f"{type(error).__name__}: {error}")

@@ -24,6 +24,7 @@ from fxmem.analysis.graph import (
     module_path,
     numel_hint,
     original_op,
+    schema_name,
     storage_base,
     strip,
     tensor_args,
@@ -331,10 +332,22 @@ def _product(f: TensorFacts) -> Match | None:
     return None
 
 
+# fxmem's chunked MLP (kernels/chunked_mlp.py): its first input feeds the gate and up projections, which backward
+# replays from it
+CHUNKED_MLP = "fxmem::chunked_swiglu_mlp"
+
+
+def reads_as_chunked_mlp_input(node: Node, base: Node) -> bool:
+    return schema_name(node.target) == CHUNKED_MLP and isinstance(node.args[0], Node) \
+        and storage_base(node.args[0]) is base
+
+
 def _linear_input(f: TensorFacts) -> Match | None:
     readers = []
     for user in f.fw_users:
-        if user.target in MATMULS or user.target in BATCHED_MATMULS:
+        if reads_as_chunked_mlp_input(user, f.base):
+            readers.append("chunked MLP: gate_proj, up_proj")
+        elif user.target in MATMULS or user.target in BATCHED_MATMULS:
             if any(strip(o) in f.params for o in matmul_operands(user) if storage_base(o) is not f.base):
                 readers.append(_short_module(module_path(user)))
     if readers:

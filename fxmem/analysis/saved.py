@@ -23,7 +23,7 @@ from fxmem.analysis.lora import LoraLinear, find_lora_linears
 from fxmem.analysis.meta import LORA_REORDERED
 from fxmem.analysis.norm import NormUnit, norm_unit
 from fxmem.analysis.recompute import pointwise_rebuild, product_rebuild
-from fxmem.analysis.roles import FREES_NOTHING, Role, TensorFacts, classify
+from fxmem.analysis.roles import FREES_NOTHING, Role, TensorFacts, classify, reads_as_chunked_mlp_input
 from fxmem.analysis.rope import Replay, attention_input_replay
 
 # The graph facts of a record, for the planner and the passes: references into the forward graph, left out of
@@ -81,8 +81,8 @@ class Analysis:
     loras: list[LoraLinear]
     output_storages: frozenset[str] = frozenset()  # storages of the forward's user outputs (the caller holds them)
     exact_bytes: int | None = None  # what torch.compile's own partition of the region saves, where it was measured
-    # storages backward rebuilds a recomputed X W from (the planner's first partition chose it): quantized at no
-    # fewer than cost_model.planner.REBUILD_SOURCE_BITS
+    # storages backward rebuilds a recomputed X W from (the planner's first partition chose it, or the chunked
+    # MLP's input): quantized at no fewer than cost_model.planner.REBUILD_SOURCE_BITS
     rebuild_sources: frozenset[str] = frozenset()
 
     @property
@@ -148,7 +148,11 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             feeds_attention=_attention_operand(role, detail, rebuilt_for)))
     outputs = fw.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]
     output_storages = frozenset(storage_base(n).name for n in outputs if isinstance(n, Node))
-    return Analysis(saved=records, loras=loras, output_storages=output_storages)
+    # the chunked MLP's backward replays its gate and up products from its input, as a rebuilt X W is
+    chunked_mlp_inputs = frozenset(r.storage for r in records if any(
+        reads_as_chunked_mlp_input(user, r.base) for user in users_through_views(r.base)))
+    return Analysis(saved=records, loras=loras, output_storages=output_storages,
+                    rebuild_sources=chunked_mlp_inputs)
 
 
 def _attention_operand(role: Role, detail: str, rebuilt_for: str | None) -> str | None:

@@ -1,8 +1,8 @@
-import pytest
 import torch
 
 import fxmem
 from fxmem.analysis.roles import Role
+from fxmem.config import PUBLISHED_MIN_COSINE
 from fxmem.measure import peak_memory
 from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
 
@@ -53,3 +53,18 @@ def test_an_mlp_with_lora_dropout_is_left_as_torch_runs_it():
     backend = fxmem.backend("exact", mlp_chunk=8)
     torch.compile(model, backend=backend)(**batch).loss.backward()
     assert _summary(backend) == "no SwiGLU MLP with a PEFT LoRA (no dropout) on its gate, up and down projections"
+
+
+def test_under_hyclora_the_mlp_input_is_stored_at_8_bits_with_the_presets_fidelity():
+    model, batch = tiny_model("llama", lora=True)
+    randomize_lora_b(model)
+    config = fxmem.Config.from_preset("hyclora-4bit", mlp_chunk=8)
+    report = fxmem.inspect(model, **batch, config=config)
+    plans = [(s.detail, p.reason) for region in report.regions
+             for s, p in zip(region.saved, region.plans, strict=True) if "chunked MLP" in s.detail]
+    assert len(plans) == 2 and all("8-bit" in plan for _, plan in plans), plans
+    reference = loss_and_grads(model, model, batch)
+    _, grads = loss_and_grads(torch.compile(model, backend=fxmem.Backend(config)), model, batch)
+    worst = min(float(torch.nn.functional.cosine_similarity(grads[k].flatten(), ref.flatten(), 0))
+                for k, ref in reference[1].items())
+    assert worst >= PUBLISHED_MIN_COSINE["hyclora-4bit"]
