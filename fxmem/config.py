@@ -79,6 +79,10 @@ class Config:
         that the MLP-wide tensors, the step's largest transients at long context, are never whole. Exact up to
         rounding, for two more products per MLP; it replaces what the other techniques do inside the MLP. None
         (every preset) is off.
+    block_checkpoint: checkpoint every repeated block (``model.layers.N``) from its output: only the residual
+        stream between blocks is saved (at no fewer than 8 bits under a quantizing preset), and backward recomputes
+        each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
+        with ``mlp_chunk`` the recomputed block holds one chunk of its MLP at a time. False (every preset) is off.
     return_logits: False returns an empty tensor where the model returns its logits (as Liger-Kernel and
         Unsloth do in training), so that chunk_loss applies to a model that returns them, such as every HF
         ``...ForCausalLM``; True keeps them, and such a loss is left whole.
@@ -104,6 +108,7 @@ class Config:
     memory_budget: float | int | None = None
     chunk_loss: bool = True
     mlp_chunk: int | None = None
+    block_checkpoint: bool = False
     return_logits: bool = True
 
     def __post_init__(self) -> None:
@@ -124,7 +129,7 @@ class Config:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
         for name in ("lora_reorder", "rebuild_from_x", "fused_epilogue", "intra", "prenorm_sharing", "chunk_loss",
-                     "return_logits", "stochastic_rounding"):
+                     "return_logits", "stochastic_rounding", "block_checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
         for name in ("rotation", "stochastic_rounding"):

@@ -13,6 +13,7 @@ from fxmem.config import Config
 from fxmem.cost_model import planner
 from fxmem.passes import (
     CausalMaskAttention,
+    CheckpointBlocks,
     ChunkLoss,
     ChunkMlp,
     FuseEpilogue,
@@ -64,19 +65,23 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("causal_mask", (), lambda config: True, ("causal_mask",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
     Technique("chunk_mlp", ("mlp_chunk",), lambda config: config.mlp_chunk is not None, ("chunk_mlp",)),
+    Technique("block_checkpoint", ("block_checkpoint",), lambda config: config.block_checkpoint,
+              ("checkpoint_blocks",)),
     Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
               (*_COMPRESSION_RECOMPUTES, "quantize"), refine=planner.fit_budget),
 )
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    CausalMaskAttention, ChunkLoss, ChunkMlp, RecomputeAdapterCast, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention,
-    QuantizeSaved, LowRankSaved, FuseEpilogue, OnednnMatmul)}
+    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, RecomputeAdapterCast, LoraReorder, RunLora,
+    RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, OnednnMatmul)}
 # The dynamo passes first (they change what AOTAutograd traces), then the joint passes (recompute_adapter_cast first:
-# its must-save of x is a default the later ones may override; lora_reorder tags what runlora must leave alone),
-# then the partitioned ones: sparsify, quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses,
-# and onednn_matmul swaps the products of the finished graphs.
-PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "recompute_adapter_cast", "lora_reorder", "runlora", "recompute_logits",
-              "recompute_attention", "sparsify_attention", "quantize", "lowrank", "fuse_epilogue", "onednn_matmul")
+# its must-save of x is a default the later ones may override; lora_reorder tags what runlora must leave alone;
+# checkpoint_blocks last: its tags override theirs inside a block), then the partitioned ones: sparsify, quantize
+# and lowrank rewrite saved tensors that fuse_epilogue then fuses, and onednn_matmul swaps the products of the
+# finished graphs.
+PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "recompute_adapter_cast", "lora_reorder", "runlora",
+              "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize", "lowrank",
+              "fuse_epilogue", "onednn_matmul")
 
 
 # A pass runs when one of the techniques it serves is on, wherever it is built.

@@ -1,10 +1,14 @@
 """Every ``node.meta`` key fxmem writes, declared once.
 
-fxmem's own key:
+fxmem's own keys:
 
 - ``LORA_REORDERED`` on a LoRA linear's frozen product x W^T in the joint graph: the non-linear consumer ('silu',
   'gelu', 'product', 'q', 'k', 'v') whose input backward rebuilds from it. Written by passes/lora_reorder.py; read
   by the analysis (``SavedTensor.rebuilt_for``) and by passes/runlora.py, which leaves such a layer as traced.
+
+- ``BLOCK_SOURCE`` on what a checkpointed block is recomputed from in the joint graph (its outputs, which the
+  next block reads, and the activations from outside any block it reads): the block's module path. Written by
+  passes/checkpoint_blocks.py; read by the analysis (``Analysis.rebuild_sources``).
 
 Every value is plain data: inductor pickles the graphs, meta included, for its cache key. (What a pass tells a
 later one about nodes, the quantize pass's restored tensors, travels in ``PipelineState`` instead.)
@@ -18,5 +22,6 @@ torch's keys fxmem writes:
 """
 
 LORA_REORDERED = "fxmem_lora_reorder"
+BLOCK_SOURCE = "fxmem_block_source"
 RECOMPUTE = "recompute"
 VALUE = "val"

@@ -105,6 +105,17 @@ NONLINEAR_POINTWISE = frozenset({"tanh", "exp", "sigmoid", "erf", "log1p", "expm
 BATCHED_MATMULS = frozenset({aten.bmm.default, aten.baddbmm.default})
 
 
+def dropout_probability(node: Node) -> float:
+    """The ``dropout_p`` an op is called with (fused attention's), 0.0 for an op without one; 1.0 when symbolic."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" not in names:
+        return 0.0
+    index = names.index("dropout_p")
+    value = node.args[index] if index < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+    return float(value) if isinstance(value, (int, float)) else 1.0
+
+
 def is_fused_attention(node: Node) -> bool:
     name = original_op(node)
     return node.op == "call_function" and "backward" not in name and (

@@ -22,6 +22,7 @@ from fxmem.analysis.graph import (
     tensor_val,
 )
 from fxmem.analysis.lora import matmul_operands
+from fxmem.analysis.meta import BLOCK_SOURCE
 from fxmem.analysis.recompute import rebuild_inputs
 from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
@@ -184,8 +185,15 @@ def propose_quantized(owner: SavedTensor, group: list[SavedTensor], analysis: An
         return Plan("keep", "intra-operator quantization off (intra=False)")
     bits = _configured_bits(owner, config)
     if owner.storage in analysis.rebuild_sources and bits < REBUILD_SOURCE_BITS:
-        return _rebuild_source(owner, group, analysis, config, tables, "an X W")
+        return _rebuild_source(owner, group, analysis, config, tables, _rebuilt_from(owner))
     return _quantize(owner, group, analysis, config, tables, bits)
+
+
+def _rebuilt_from(owner: SavedTensor) -> str:
+    """What backward rebuilds from a rebuild source (analysis/saved.py says which storages are)."""
+    if BLOCK_SOURCE in owner.base.meta:
+        return f"block {owner.base.meta[BLOCK_SOURCE]}"
+    return "the chunked MLP's gate and up products" if owner.detail.startswith("chunked MLP") else "an X W"
 
 
 def propose_lowrank(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,

@@ -3,6 +3,7 @@ order and which technique enables each)."""
 
 from fxmem.passes.adapter_cast import RecomputeAdapterCast
 from fxmem.passes.causal_mask import CausalMaskAttention
+from fxmem.passes.checkpoint_blocks import CheckpointBlocks
 from fxmem.passes.chunk_loss import ChunkLoss
 from fxmem.passes.chunk_mlp import ChunkMlp
 from fxmem.passes.fuse_epilogue import FuseEpilogue
@@ -16,6 +17,6 @@ from fxmem.passes.recompute_logits import RecomputeLogits
 from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
-__all__ = ["CausalMaskAttention", "ChunkLoss", "ChunkMlp", "FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager",
+__all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager",
            "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention",
            "RecomputeLogits", "RunLora", "SparsifyAttention"]

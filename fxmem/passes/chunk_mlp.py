@@ -25,6 +25,8 @@ class ChunkMlp(GraphPass):
             with graph.inserting_before(mlp.output):
                 chunked = graph.call_function(chunked_swiglu_mlp, (
                     mlp.x, _linear(mlp.gate), _linear(mlp.up), _linear(mlp.down), rows))
+            # the MLP's module: the op stays in its block for what reads module paths (checkpoint_blocks, reports)
+            chunked.meta["nn_module_stack"] = dict(mlp.output.meta.get("nn_module_stack", {}))
             mlp.output.replace_all_uses_with(chunked)
         if not found:
             return "no SwiGLU MLP with a PEFT LoRA (no dropout) on its gate, up and down projections"

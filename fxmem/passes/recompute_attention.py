@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import operator
 
-from torch.fx import Node
-
-from fxmem.analysis.roles import is_fused_attention
+from fxmem.analysis.roles import dropout_probability, is_fused_attention
 from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
 
 
@@ -32,7 +30,7 @@ class RecomputeAttention(GraphPass):
         for node in state.joint.graph.nodes:
             if node.target is operator.getitem or not is_fused_attention(node):
                 continue  # a getitem carries its op's original_aten: count the op once
-            if _dropout_p(node):
+            if dropout_probability(node):
                 skipped += 1
                 continue
             tag_must_recompute([node, *(u for u in node.users if u.target is operator.getitem)])
@@ -41,13 +39,3 @@ class RecomputeAttention(GraphPass):
         if skipped:
             parts.append(f"{skipped} with dropout left as is")
         return "; ".join(parts)
-
-
-def _dropout_p(node: Node) -> float:
-    schema = getattr(node.target, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    if "dropout_p" not in names:
-        return 0.0
-    index = names.index("dropout_p")
-    value = node.args[index] if index < len(node.args) else node.kwargs.get("dropout_p", 0.0)
-    return float(value) if isinstance(value, (int, float)) else 1.0  # symbolic: assume dropout

@@ -1,0 +1,56 @@
+"""The repeated blocks of a joint graph's forward (a transformer's layers), read from the module stack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, Node
+
+from fxmem.analysis.graph import layer_of, module_path
+from fxmem.analysis.roles import dropout_probability, is_fused_attention
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str  # the block's module path, e.g. model.layers.3
+    nodes: tuple[Node, ...]  # its forward nodes, in graph order
+    outputs: tuple[Node, ...]  # its nodes that a forward node outside it reads
+    inputs: tuple[Node, ...]  # the forward activations from outside any block that it reads (the embedding)
+    random: str | None  # an op in it that draws random numbers, if any
+
+
+def is_forward(node: Node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_forward"
+
+
+def find_blocks(graph: Graph) -> list[Block]:
+    """Every block of the joint graph's forward, in the order the forward runs them."""
+    members: dict[str, list[Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and is_forward(node):
+            name = layer_of(module_path(node))
+            if name:
+                members.setdefault(name, []).append(node)
+    blocks = []
+    for name, nodes in members.items():
+        inside = set(nodes)
+        outputs = tuple(n for n in nodes if any(is_forward(u) and u not in inside for u in n.users))
+        random = next((str(n.target) for n in nodes if _draws_random_numbers(n)), None)
+        inputs = tuple(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a.op == "call_function"
+                                     and is_forward(a) and not layer_of(module_path(a))))
+        blocks.append(Block(name, tuple(nodes), outputs, inputs, random))
+    return blocks
+
+
+# inductor's joint-graph pass turns aten's random ops into these before fxmem's passes run
+_INDUCTOR_RANDOM = frozenset({torch.ops.prims.inductor_random.default, torch.ops.prims.inductor_randint.default})
+
+
+def _draws_random_numbers(node: Node) -> bool:
+    """A seeded op; fused attention only with dropout (its schema marks it seeded either way)."""
+    if node.target in _INDUCTOR_RANDOM:
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in node.target.tags:
+        return False
+    return not is_fused_attention(node) or dropout_probability(node) > 0

@@ -1,0 +1,47 @@
+"""Checkpoint each repeated block (a decoder layer) from its input: only the block's output is saved, and backward
+recomputes the block's forward from it.
+
+Tags every forward node of a block (``model.layers.N``, from the module stack) must-recompute and the block's
+outputs, the nodes a later block or the head reads, must-save. torch's min-cut then saves the residual stream
+between blocks and nothing inside them: at long context one block's activations live at a time, in backward,
+instead of every block's. The recomputed forward runs on the very values saved, so under ``exact`` the gradients
+are torch's. A quantizing preset stores each block's output at no fewer than REBUILD_SOURCE_BITS (a block is
+rebuilt from it, as an X W is from its x: analysis/saved.py). A block that draws random numbers (dropout) is left
+as it is: the recomputation would draw others.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Node
+from torch.utils.checkpoint import CheckpointPolicy
+
+from fxmem.analysis.blocks import find_blocks
+from fxmem.analysis.meta import BLOCK_SOURCE, RECOMPUTE
+from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
+
+
+class CheckpointBlocks(GraphPass):
+    name = "checkpoint_blocks"
+    stage = "joint"
+
+    def run(self, state: PipelineState) -> str:
+        blocks = find_blocks(state.joint.graph)
+        checkpointed = [b for b in blocks if b.random is None]
+        for block in checkpointed:
+            tag_must_recompute(n for n in block.nodes if n not in block.outputs)
+            for output in block.outputs:
+                _must_save(output, block.name)
+            for source in block.inputs:
+                source.meta[BLOCK_SOURCE] = block.name
+        saved = sum(len(b.outputs) for b in checkpointed)
+        parts = [f"{len(checkpointed)} block(s) checkpointed from their outputs, {saved} tensor(s) saved between blocks"
+                 ] if checkpointed else []
+        left = [b for b in blocks if b.random is not None]
+        if left:
+            parts.append(f"{len(left)} block(s) left as they are: they draw random numbers ({left[0].random})")
+        return "; ".join(parts) if blocks else "no repeated blocks (model.layers.N) found in the forward"
+
+
+def _must_save(node: Node, block: str) -> None:
+    node.meta[RECOMPUTE] = CheckpointPolicy.MUST_SAVE
+    node.meta[BLOCK_SOURCE] = block

@@ -1,0 +1,56 @@
+import torch
+
+import fxmem
+from fxmem.analysis.roles import FREES_NOTHING, Role
+from fxmem.config import PUBLISHED_MIN_COSINE
+from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
+
+
+def _summary(backend) -> str:
+    return "; ".join(p.summary for r in backend.regions for p in r.passes if p.name == "checkpoint_blocks")
+
+
+def _worst_cosine(reference, grads):
+    return min(float(torch.nn.functional.cosine_similarity(grads[k].flatten(), ref.flatten(), 0))
+               for k, ref in reference.items())
+
+
+def test_each_block_is_recomputed_from_its_output_with_the_gradients_of_eager():
+    model, batch = tiny_model("llama", lora=True)
+    randomize_lora_b(model)
+    reference = loss_and_grads(model, model, batch)
+    backend = fxmem.backend("exact", block_checkpoint=True)
+    loss, grads = loss_and_grads(torch.compile(model, backend=backend), model, batch)
+    assert _summary(backend) == "2 block(s) checkpointed from their outputs, 2 tensor(s) saved between blocks"
+    assert torch.allclose(loss, reference[0], rtol=1e-6, atol=0)
+    for name, ref in reference[1].items():
+        assert float((grads[name] - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name
+
+
+def test_only_the_residual_stream_between_blocks_is_saved():
+    model, batch = tiny_model("llama", lora=True)
+    [region] = fxmem.inspect(model, **batch, config=fxmem.Config(block_checkpoint=True, return_logits=False)).regions
+    activations = [s for s in region.saved if s.nbytes and s.role not in FREES_NOTHING
+                   and s.role not in (Role.INDEX, Role.SMALL)]
+    # the embedding (the first block's input), each block's output, and the chunked loss's gradient for its input
+    assert [(s.shape, s.role) for s in activations] == [((2, 16, 64), Role.NORM_INPUT)] * 3 + [
+        ((32, 64), Role.LOSS_GRADIENT)]
+
+
+def test_under_hyclora_the_blocks_sources_are_stored_at_8_bits_with_the_presets_fidelity():
+    model, batch = tiny_model("llama", lora=True)
+    randomize_lora_b(model)
+    config = fxmem.Config.from_preset("hyclora-4bit", block_checkpoint=True, mlp_chunk=8)
+    [region] = fxmem.inspect(model, **batch, config=config).regions
+    reasons = [p.reason for s, p in zip(region.saved, region.plans, strict=True) if p.action == "quantize"]
+    assert len(reasons) == 2 and all(r.startswith("8-bit") and "; block " in r for r in reasons), reasons
+    reference = loss_and_grads(model, model, batch)
+    _, grads = loss_and_grads(torch.compile(model, backend=fxmem.Backend(config)), model, batch)
+    assert _worst_cosine(reference[1], grads) >= PUBLISHED_MIN_COSINE["hyclora-4bit"]
+
+
+def test_a_block_that_draws_random_numbers_is_left_as_it_is():
+    model, batch = tiny_model("llama", lora=True, lora_dropout=0.1)
+    backend = fxmem.Backend(fxmem.Config(block_checkpoint=True), lowering="eager")
+    torch.compile(model, backend=backend)(**batch).loss.backward()
+    assert _summary(backend) == "2 block(s) left as they are: they draw random numbers (prims.inductor_random.default)"
