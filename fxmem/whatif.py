@@ -16,7 +16,7 @@ import copy
 import pathlib
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,11 +227,11 @@ class ContextFit:
 def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16", optimizer: str = "adamw",
                 presets: Sequence[str] = MAX_CONTEXT_PRESETS, base: str = "float", shards: int = 1,
                 granularity: int = CONTEXT_GRANULARITY, max_seq: int = 1 << 24,
-                mlp_chunk: int | None = None) -> list[ContextFit]:
+                options: Mapping[str, Any] | None = None) -> list[ContextFit]:
     """Per preset, the longest batch-1 sequence whose step fits ``memory`` bytes: weights, optimizer state, saved
     activations and the step's transients, traced on fake tensors at a few lengths (fxmem.fitting's search).
-    Gradients are counted where they live, in backward's transients; ``shards`` as in ``whatif``; ``mlp_chunk``:
-    each preset with its MLPs chunked (Config.mlp_chunk)."""
+    Gradients are counted where they live, in backward's transients; ``shards`` as in ``whatif``; ``options``:
+    Config fields set on every preset (e.g. mlp_chunk, block_checkpoint), named in its label."""
     _check_choices(dtype, optimizer, base, rank)
     config = hf_config(model)
     torch_dtype = DTYPES[dtype]
@@ -239,7 +239,7 @@ def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16",
     start = min(8 * granularity, max_seq - max_seq % granularity)
     fits = []
     for preset in presets:
-        fxmem_config = Config.from_preset(preset, return_logits=False, mlp_chunk=mlp_chunk)
+        fxmem_config = Config.from_preset(preset, return_logits=False, **dict(options or {}))
         traced: dict[int, tuple[ActivationBytes, str]] = {}
 
         def probe(seq: int, fxmem_config: Config = fxmem_config, traced: dict = traced) -> Probe:
@@ -252,7 +252,7 @@ def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16",
         activations, how = traced[fit.longest] if fit.longest else (ActivationBytes(0, 0), "")
         if not fit.converged:
             how = f"{how}; the search stopped before the bracket closed".lstrip("; ")
-        label = preset if mlp_chunk is None else f"{preset}, mlp_chunk {mlp_chunk}"
+        label = preset + "".join(f", {name}={value!r}" for name, value in (options or {}).items())
         fits.append(ContextFit(label, fit.longest, fit.shortest_failing, weights, state, activations.saved,
                                activations.transient, how))
     return fits

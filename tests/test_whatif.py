@@ -156,6 +156,6 @@ def test_max_context_with_chunked_mlps_fits_longer_and_says_so(tiny_config):
     memory = 24 * 2**20
     [whole] = max_context(str(tiny_config), memory, rank=8, dtype="fp32", presets=["exact"], granularity=256)
     [chunked] = max_context(str(tiny_config), memory, rank=8, dtype="fp32", presets=["exact"], granularity=256,
-                            mlp_chunk=64)
-    assert chunked.preset == "exact, mlp_chunk 64"
+                            options={"mlp_chunk": 64})
+    assert chunked.preset == "exact, mlp_chunk=64"
     assert chunked.seq > whole.seq and chunked.total <= memory

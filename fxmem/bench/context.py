@@ -96,7 +96,7 @@ def measure_length(workload: Workload, method: str, seq: int, *, config: Config,
 def run_context(workload: Workload, memory_cap: int, *, presets: Sequence[str] = DEFAULT_PRESETS,
                 baselines: Sequence[str] = CONTEXT_BASELINES, device: torch.device | str = "cpu",
                 lora_rank: int = 16, start: int = 512, granularity: int = 128, max_seq: int = 1 << 20,
-                return_logits: bool = False, mlp_chunk: int | None = None,
+                return_logits: bool = False, options: Mapping[str, Any] | None = None,
                 progress: Callable[[str], None] = lambda message: None) -> list[ContextResult]:
     """Every baseline and fxmem preset's longest fitting length on ``workload`` (batch 1) under ``memory_cap``.
 
@@ -104,8 +104,8 @@ def run_context(workload: Workload, memory_cap: int, *, presets: Sequence[str] =
     step are compared with eager's at the same length and weights (eager runs there whatever its own peak: on a
     CPU the cap is only compared against; on a GPU a length that runs out of memory does not fit, and fidelity is
     left out where eager does). ``return_logits=False``: fxmem returns no logits, so its loss is
-    chunked (Config.return_logits); ``mlp_chunk``: each preset with its MLPs chunked (Config.mlp_chunk); the
-    baselines run as HF runs them.
+    chunked (Config.return_logits); ``options``: Config fields set on every preset (e.g. mlp_chunk,
+    block_checkpoint), named in its label; the baselines run as HF runs them.
     """
     device = torch.device(device)
     unknown = [b for b in baselines if b not in CONTEXT_BASELINES]
@@ -114,8 +114,10 @@ def run_context(workload: Workload, memory_cap: int, *, presets: Sequence[str] =
     if not presets and not baselines:
         raise ValueError("nothing to measure: give at least one preset or baseline")
     runs = [(b, b, Config(), None) for b in baselines]
-    runs += [(f"fxmem {p}" + (f", mlp_chunk {mlp_chunk}" if mlp_chunk is not None else ""), "fxmem",
-              Config.from_preset(p, return_logits=return_logits, mlp_chunk=mlp_chunk), p) for p in presets]
+    options = dict(options or {})
+    set_text = "".join(f", {name}={value!r}" for name, value in options.items())
+    runs += [(f"fxmem {p}{set_text}", "fxmem", Config.from_preset(p, return_logits=return_logits, **options), p)
+             for p in presets]
     results = []
     for label, method, config, preset in runs:
         best: dict[str, Any] = {}  # the longest fitting length's timed step and first gradients

@@ -8,6 +8,7 @@ import pathlib
 from fxmem.cli.common import (
     add_outputs,
     byte_size,
+    config_override,
     console,
     get_workload,
     int_at_least,
@@ -57,9 +58,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                              f"(default presets: {', '.join(MAX_CONTEXT_PRESETS)})")
     parser.add_argument("--granularity", type=int_at_least(1), default=CONTEXT_GRANULARITY,
                         help="--max-context: lengths searched are multiples of this")
-    parser.add_argument("--mlp-chunk", type=int_at_least(1), metavar="TOKENS",
-                        help="--max-context: each preset with its SwiGLU MLPs run this many tokens at a time "
-                             "(Config.mlp_chunk)")
+    parser.add_argument("--set", action="append", type=config_override, default=[], metavar="NAME=VALUE",
+                        help="--max-context: set a Config field on every preset (--set mlp_chunk=4096 --set "
+                             "block_checkpoint=True); repeatable")
     parser.add_argument("--measure", action="store_true",
                         help="also compile the model on this CPU (random weights) and measure the saved bytes")
     add_outputs(parser, json_results=False)
@@ -70,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
     model = get_workload(args.model).hf_config() if args.model in workload_names() else args.model
     if args.max_context is not None:
         return _run_max_context(model, args)
-    if args.granularity != CONTEXT_GRANULARITY or args.mlp_chunk is not None:
-        console.print("[red]--granularity and --mlp-chunk apply to --max-context only[/red]")
+    if args.granularity != CONTEXT_GRANULARITY or args.set:
+        console.print("[red]--granularity and --set apply to --max-context only[/red]")
         return 2
     try:
         result = whatif(model, batch=args.batch, seq=args.seq, rank=args.rank, dtype=args.dtype,
@@ -154,7 +155,7 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
     try:
         fits = max_context(model, args.max_context, rank=args.rank, dtype=args.dtype, optimizer=args.optimizer,
                            presets=args.presets or MAX_CONTEXT_PRESETS, base=args.base, shards=args.shards,
-                           granularity=args.granularity, mlp_chunk=args.mlp_chunk)
+                           granularity=args.granularity, options=dict(args.set))
     except ValueError as error:
         console.print(f"[red]{error}[/red]")
         return 2

@@ -135,6 +135,6 @@ def test_bad_memory_sizes_name_the_units():
 
 def test_presets_run_with_chunked_mlps_under_their_own_label_and_bound():
     [exact] = run_context(ONE_LAYER, 24 * MiB, presets=("exact",), baselines=(), start=256, granularity=256,
-                          mlp_chunk=64)
-    assert exact.method == "fxmem exact, mlp_chunk 64" and exact.longest
+                          options={"mlp_chunk": 64})
+    assert exact.method == "fxmem exact, mlp_chunk=64" and exact.longest
     assert exact.fidelity.min_cosine > 0.99999 and exact.fidelity_bound == PUBLISHED_MIN_COSINE["exact"]

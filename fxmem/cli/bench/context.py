@@ -9,6 +9,7 @@ from fxmem.cli.common import (
     add_device,
     add_outputs,
     byte_size,
+    config_override,
     console,
     get_workload,
     int_at_least,
@@ -37,8 +38,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--granularity", type=int_at_least(1), default=128,
                         help="lengths searched are multiples of this")
     parser.add_argument("--max-seq", type=int_at_least(1), default=1 << 20)
-    parser.add_argument("--mlp-chunk", type=int_at_least(1), metavar="TOKENS",
-                        help="each preset with its SwiGLU MLPs run this many tokens at a time (Config.mlp_chunk)")
+    parser.add_argument("--set", action="append", type=config_override, default=[], metavar="NAME=VALUE",
+                        help="set a Config field on every preset (a Python literal: --set mlp_chunk=512 --set "
+                             "block_checkpoint=True); repeatable")
     parser.add_argument("--rank", type=int_at_least(1), default=16, help="LoRA rank")
     add_device(parser)
     add_outputs(parser)
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     with console.status("context") as status:
         results = run_context(workload, args.memory_cap, presets=args.presets, baselines=args.baselines,
                               device=args.device, lora_rank=args.rank, start=args.start,
-                              granularity=args.granularity, max_seq=args.max_seq, mlp_chunk=args.mlp_chunk,
+                              granularity=args.granularity, max_seq=args.max_seq, options=dict(args.set),
                               progress=lambda message: status.update(message))
     print_table(f"fxmem bench context: {workload.name}, batch 1, under {format_bytes(args.memory_cap)}", COLUMNS,
                 rows(results), legend(args), args, args.device)
@@ -97,5 +99,4 @@ def legend(args: argparse.Namespace) -> str:
             "PEFT's at the same length, weights and batch.\n"
             + "".join(f"\n- {m}: {BASELINE_DESCRIPTIONS[m]}" for m in args.baselines)
             + ("\n- fxmem P: torch.compile(backend=fxmem) with preset P and return_logits=False (the loss chunked)"
-               + (f", and mlp_chunk={args.mlp_chunk} (each SwiGLU MLP {args.mlp_chunk} tokens at a time)"
-                  if args.mlp_chunk else "") if args.presets else ""))
+               + "".join(f", {name}={value!r}" for name, value in args.set) if args.presets else ""))
