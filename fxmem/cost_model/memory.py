@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Node
 
+from fxmem.analysis.graph import hint
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes
 from fxmem.kernels import chunked_mlp
 from fxmem.kernels.lowrank import factor_numel
@@ -92,15 +93,15 @@ def op_workspace_bytes(node: Node) -> int:
         return 0
     if target._opname == "linear_cross_entropy":
         x, weight = (node.args[i].meta["val"] for i in (0, 1))
-        tokens, hidden = (int(s) for s in x.shape)
+        tokens, hidden = (hint(s) for s in x.shape)  # a dynamic length's hint: int() would guard on it
         gradient = tokens * hidden * x.element_size()
         chunks = LossChunks(min(tokens, int(node.args[8])), int(node.args[9]) or None)
-        return chunked_loss_bytes(tokens, int(weight.shape[0]), hidden, x.element_size(), chunks) - gradient
+        return chunked_loss_bytes(tokens, hint(weight.shape[0]), hidden, x.element_size(), chunks) - gradient
     if target._opname not in _CHUNKED_MLP_OPS:
         return 0
     backward = _CHUNKED_MLP_OPS[target._opname]
     x, gate_a, down_w = (node.args[i + backward].meta["val"] for i in (0, 2, 9))
-    hidden = x.shape[-1]
-    return chunked_mlp.workspace_bytes(int(math.prod(x.shape[:-1])), int(node.args[13 + backward]),
-                                       int(down_w.shape[1]), int(hidden), int(gate_a.shape[0]), x.element_size(),
+    rows = math.prod(hint(s) for s in x.shape[:-1])
+    return chunked_mlp.workspace_bytes(rows, int(node.args[13 + backward]), hint(down_w.shape[1]),
+                                       hint(x.shape[-1]), hint(gate_a.shape[0]), x.element_size(),
                                        backward=backward)

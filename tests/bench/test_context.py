@@ -133,8 +133,7 @@ def test_bad_memory_sizes_name_the_units():
         byte_size("2GB")
 
 
-def test_presets_run_with_chunked_mlps_under_their_own_label_and_bound():
-    [exact] = run_context(ONE_LAYER, 24 * MiB, presets=("exact",), baselines=(), start=256, granularity=256,
-                          options={"mlp_chunk": 64})
-    assert exact.method == "fxmem exact, mlp_chunk=64" and exact.longest
-    assert exact.fidelity.min_cosine > 0.99999 and exact.fidelity_bound == PUBLISHED_MIN_COSINE["exact"]
+
+def test_options_set_on_the_presets_are_checked_before_anything_runs():
+    with pytest.raises(ValueError, match="mlp_chunk must be an integer number of tokens >= 1"):
+        run_context(ONE_LAYER, MiB, presets=("exact",), baselines=("eager",), options={"mlp_chunk": 0})
