@@ -60,7 +60,8 @@ def find_head_losses(graph: Graph) -> list[HeadLoss | UnchunkedLoss]:
             if node.op == "call_function" and node.target is torch.nn.functional.cross_entropy]
 
 
-def _value(node: object) -> torch.Tensor | None:
+def example_tensor(node: object) -> torch.Tensor | None:
+    """The tensor dynamo traced ``node`` with, or None for anything else."""
     value = node.meta.get("example_value") if isinstance(node, Node) else None
     return value if isinstance(value, torch.Tensor) else None
 
@@ -80,7 +81,7 @@ def _match(loss: Node) -> HeadLoss | UnchunkedLoss:
         return unchunked("the deprecated size_average / reduce arguments")
     if options["reduction"] not in ("mean", "sum"):
         return unchunked(f"reduction {options['reduction']!r} (a loss per token)")
-    logits, target = _value(options["input"]), _value(options["target"])
+    logits, target = example_tensor(options["input"]), example_tensor(options["target"])
     if logits is None or target is None or logits.dim() != 2 or target.dim() != 1 or target.dtype != torch.long:
         return unchunked("not (tokens, vocabulary) logits against class indices")
     if not isinstance(options["ignore_index"], int):
@@ -100,10 +101,10 @@ def _match(loss: Node) -> HeadLoss | UnchunkedLoss:
     if isinstance(head, str):
         return unchunked(head)
     x, weight, lora = head
-    x_value, weight_value = _value(x), _value(weight)
+    x_value, weight_value = example_tensor(x), example_tensor(weight)
     if x_value is None or weight_value is None or x_value.dtype != weight_value.dtype:
         return unchunked("the head's input and weight differ in dtype")
-    if lora is not None and any(_value(n) is None or _value(n).dtype != x_value.dtype for n in lora[:2]):
+    if lora is not None and any(example_tensor(n) is None or example_tensor(n).dtype != x_value.dtype for n in lora[:2]):
         return unchunked("the head's LoRA factors differ in dtype from its input")
     vocab, hidden = weight_value.shape
     if not (statically_known_true(logits.shape[1] == vocab)

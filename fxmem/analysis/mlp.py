@@ -14,7 +14,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fxmem.analysis.graph import hint
-from fxmem.analysis.loss import peft_linear
+from fxmem.analysis.loss import example_tensor, peft_linear
 
 _MULS = frozenset({operator.mul, torch.mul})
 _SILUS = frozenset({torch.nn.functional.silu})
@@ -36,7 +36,6 @@ class SwigluMlp:
     up: LoraLinearNodes
     down: LoraLinearNodes
     tokens: int  # x's rows (a dynamic count: its hint)
-    hidden: int
     width: int  # the MLP's intermediate width
     element_size: int
 
@@ -50,11 +49,6 @@ def find_swiglu_mlps(graph: Graph) -> list[SwigluMlp]:
             if mlp is not None:
                 found.append(mlp)
     return found
-
-
-def _value(node: object) -> torch.Tensor | None:
-    value = node.meta.get("example_value") if isinstance(node, Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _uncast(node: object) -> object:
@@ -73,7 +67,7 @@ def _lora_linear(output: object) -> tuple[Node, LoraLinearNodes] | None:
     if isinstance(found, str) or found[2] is None:
         return None
     x, weight, (a, b, scale) = found
-    weight_value = _value(weight)
+    weight_value = example_tensor(weight)
     if weight_value is None or weight_value.requires_grad or not isinstance(x, Node):
         return None
     return x, LoraLinearNodes(weight, a, b, scale)
@@ -93,12 +87,12 @@ def _match(product: Node) -> SwigluMlp | None:
         if down is None:
             continue
         output, down_linear = down
-        x, x_value, out_value = gate[0], _value(gate[0]), _value(output)
+        x, x_value, out_value = gate[0], example_tensor(gate[0]), example_tensor(output)
         if x_value is None or out_value is None or out_value.dtype != x_value.dtype:
             continue
-        width = int(_value(down_linear.weight).shape[1])
+        width = int(example_tensor(down_linear.weight).shape[1])
         return SwigluMlp(output=output, x=x, gate=gate[1], up=up[1], down=down_linear,
-                         tokens=hint(x_value.numel() // x_value.shape[-1]), hidden=int(x_value.shape[-1]), width=width,
+                         tokens=hint(x_value.numel() // x_value.shape[-1]), width=width,
                          element_size=x_value.element_size())
     return None
 
