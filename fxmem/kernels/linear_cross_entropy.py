@@ -17,11 +17,18 @@ and, when they train, the head's weight and LoRA gradients. Two ways to chunk:
   once per block. Ignored tokens are skipped, not computed and masked (outside a CUDA graph capture, which
   cannot take the count's host sync).
 
+Between the head's products, each chunk's element-wise work (the log-sum-exp, the loss, the logits' gradient;
+the running sums of the online softmax) is one function compiled by inductor (``_fused``): fused kernels (C++ on
+the CPU, Triton on a GPU) instead of a dozen aten passes over the chunk, with no host sync. Where inductor cannot
+compile it, the same function runs eagerly, after one warning.
+
 ``linear_cross_entropy_reference`` is the unfused torch computation both are tested against.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -80,12 +87,85 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, *, lora: Hea
                        vocab_chunk or 0, logits_dtype, x.requires_grad, weight.requires_grad, lora_grad)[0]
 
 
-def _chunk_logits(x: Tensor, weight: Tensor, a: Tensor | None, b: Tensor | None, scale: float,
-                  dtype: torch.dtype) -> Tensor:
-    logits = x @ weight.t()
-    if a is not None:
-        logits.add_((x @ a.t()) @ b.t(), alpha=scale)
-    return logits.to(dtype)
+class _Fused:
+    """``function`` compiled by inductor at its first call (shapes dynamic: a chunk's rows and classes vary), or
+    ``function`` itself where that compilation fails (no C++ compiler, a torch without inductor), after a warning."""
+
+    def __init__(self, function: Callable) -> None:
+        self.function = function
+        # rounded where eager rounds (a bf16 sum before its cast to float32): the loss stays torch's
+        self.compiled: Callable | None = torch.compile(function, dynamic=True, fullgraph=True,
+                                                       options={"emulate_precision_casts": True})
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # noqa: BLE001 - any compiler failure: the eager function computes the same
+                self.compiled = None
+                warnings.warn(f"fxmem's chunked loss runs {self.function.__name__} eagerly: inductor could not "
+                              f"compile it ({type(error).__name__}: {error})", RuntimeWarning, stacklevel=2)
+        return self.function(*args)
+
+
+def _softmax_gradient_(products: Tensor, lora_products: Tensor | None, lora_scale: float, target: Tensor,
+                       valid: Tensor, row_weight: Tensor, logits_dtype: torch.dtype) -> Tensor:
+    """A chunk of rows over the whole vocabulary: writes d loss / d logits over ``products`` (x W^T, in x's dtype)
+    and returns the chunk's summed loss. The logits (plus the LoRA's term, in ``logits_dtype``) exist only inside
+    the fused kernels."""
+    logits = products if lora_products is None else products + lora_products * lora_scale
+    logits = logits.to(logits_dtype)
+    target = torch.where(valid, target, 0).unsqueeze(1)
+    picked = logits.gather(1, target).squeeze(1)
+    row_max = logits.amax(1, keepdim=True)
+    lse = row_max + (logits - row_max).exp().sum(1, keepdim=True).log()
+    # exp(logits - lse) again, not the exponentials of the sum kept: they would take a chunk of memory
+    one_hot = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) == target
+    row_scale = torch.where(valid, row_weight, 0).unsqueeze(1).to(logits.dtype)
+    products.copy_(((logits - lse).exp() - one_hot.to(logits.dtype)) * row_scale)
+    return torch.where(valid, lse.squeeze(1) - picked, 0).sum()
+
+
+def _online_chunk(products: Tensor, chunk: Tensor, running_max: Tensor, running_sum: Tensor,
+                  weighted_rows: Tensor | None, logits_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One chunk of classes of a block: updates the running maximum and sum (and rescales the weighted rows) in
+    place; returns the chunk's unnormalized probabilities (over ``products`` where that is their dtype) and the
+    head's rows of the chunk, both in the sums' dtype."""
+    # torch's logits: the model-dtype product in the loss's dtype; then the sums' dtype
+    logits = products.to(logits_dtype).to(running_sum.dtype)
+    new_max = torch.maximum(running_max, logits.amax(1, keepdim=True))
+    # a row whose logits so far are all -inf (fp16 overflow) shifts by 0: -inf - -inf would be nan
+    shift = torch.where(new_max == float("-inf"), 0, new_max)
+    rescale = (running_max - shift).exp()  # the first chunk: exp(-inf) = 0
+    probabilities = (logits - shift).exp()
+    running_sum.copy_(running_sum * rescale + probabilities.sum(1, keepdim=True))
+    running_max.copy_(new_max)
+    if weighted_rows is not None:
+        weighted_rows.mul_(rescale)
+    if products.dtype == probabilities.dtype:
+        probabilities = products.copy_(probabilities)
+    return probabilities, chunk.to(running_sum.dtype)
+
+
+def _online_block_end(x_block: Tensor, target_rows: Tensor, valid: Tensor, row_weight: Tensor, running_max: Tensor,
+                      running_sum: Tensor, weighted_rows: Tensor | None, logits_dtype: torch.dtype
+                      ) -> tuple[Tensor, Tensor | None]:
+    """A block's summed loss and, with ``weighted_rows``, its rows of d loss / d x in x's dtype."""
+    compute = running_sum.dtype
+    # the target's logit as torch has it: accumulated in float32, rounded to the model's dtype
+    picked = torch.linalg.vecdot(x_block.to(compute), target_rows.to(compute)).to(x_block.dtype).to(logits_dtype)
+    lse = (running_max + running_sum.log()).squeeze(1)
+    loss = torch.where(valid, lse - picked.to(compute), 0).sum().float()
+    if weighted_rows is None:
+        return loss, None
+    # softmax-weighted rows minus the target's, by each token's weight
+    scale = torch.where(valid, row_weight, 0).unsqueeze(1).to(compute)
+    return loss, ((weighted_rows / running_sum - target_rows.to(compute)) * scale).to(x_block.dtype)
+
+
+_FUSED_SOFTMAX_GRADIENT = _Fused(_softmax_gradient_)
+_FUSED_ONLINE_CHUNK = _Fused(_online_chunk)
+_FUSED_ONLINE_BLOCK_END = _Fused(_online_block_end)
 
 
 @torch.library.custom_op("fxmem::linear_cross_entropy", mutates_args=())
@@ -120,17 +200,11 @@ def _chunk(x: Tensor, target: Tensor, valid: Tensor, row_weight: Tensor, weight:
            lora_b: Tensor | None, lora_scale: float, logits_dtype: torch.dtype, grad_x: Tensor | None,
            grad_weight: Tensor | None, grad_a: Tensor | None, grad_b: Tensor | None) -> Tensor:
     """One chunk's summed loss; writes its rows of ``grad_x`` and adds into the others. A function of its own so
-    that its logits are freed before the next chunk's are allocated."""
-    target = torch.where(valid, target, 0).unsqueeze(1)
-    logits = _chunk_logits(x, weight, lora_a, lora_b, lora_scale, logits_dtype)
-    picked = logits.gather(1, target).squeeze(1)
-    # in place from here: the chunk's logits become exp(logits - max), then softmax, then the gradient
-    row_max = logits.amax(1, keepdim=True)
-    total = logits.sub_(row_max).exp_().sum(1, keepdim=True)
-    lse = row_max.squeeze(1) + total.squeeze(1).log()
-    grad = logits.div_(total)
-    grad.scatter_add_(1, target, torch.full_like(picked, -1.0).unsqueeze(1))
-    grad = grad.mul_(torch.where(valid, row_weight, 0).unsqueeze(1).to(grad.dtype)).to(x.dtype)
+    that its products are freed before the next chunk's are allocated."""
+    grad = x @ weight.t()  # the head's product, overwritten by the logits' gradient
+    lora_products = None if lora_a is None else (x @ lora_a.t()) @ lora_b.t()
+    loss = _FUSED_SOFTMAX_GRADIENT(grad, lora_products, lora_scale, target, valid, row_weight, logits_dtype)
+    del lora_products
     if grad_x is not None:
         torch.mm(grad, weight, out=grad_x)
     if grad_weight is not None:
@@ -142,14 +216,16 @@ def _chunk(x: Tensor, target: Tensor, valid: Tensor, row_weight: Tensor, weight:
         if grad_a is not None:
             grad_a += (grad_xa.t() @ x).float() * lora_scale
             grad_b += (grad.t() @ (x @ lora_a.t())).float() * lora_scale
-    return torch.where(valid, lse - picked, 0).sum()
+    return loss
 
 
 def _counted_rows(valid: Tensor) -> Tensor:
-    """The rows of the tokens that count; every row while a CUDA graph is captured (the count is a host sync)."""
-    if valid.is_cuda and torch.cuda.is_current_stream_capturing():
-        return torch.arange(valid.numel(), device=valid.device)
-    return valid.nonzero().squeeze(1)
+    """The rows of the tokens that count on the CPU, where counting them costs nothing; every row elsewhere: a
+    GPU's count is a host sync (and cannot be taken in a CUDA graph capture), so its ignored tokens are computed and
+    masked."""
+    if valid.device.type == "cpu":
+        return valid.nonzero().squeeze(1)
+    return torch.arange(valid.numel(), device=valid.device)
 
 
 def _online_loss(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, row_weight: Tensor,
@@ -166,32 +242,22 @@ def _online_loss(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, row_w
     for start in range(0, counted.numel(), block_rows):
         rows = counted[start:start + block_rows]
         x_block, block_valid = x.index_select(0, rows), valid.index_select(0, rows)
-        block_target = torch.where(block_valid, target.index_select(0, rows), 0)
+        target_rows = weight.index_select(0, torch.where(block_valid, target.index_select(0, rows), 0))
         running_max = torch.full((rows.numel(), 1), float("-inf"), dtype=compute, device=x.device)
         running_sum = torch.zeros((rows.numel(), 1), dtype=compute, device=x.device)
         weighted_rows = None if grad_x is None else x_block.new_zeros(x_block.shape, dtype=compute)
         for first in range(0, weight.shape[0], vocab_chunk):
             chunk = weight[first:first + vocab_chunk]
-            # torch's logits: the model-dtype product in the loss's dtype; then float32 for the running sums
-            logits = (x_block @ chunk.t()).to(logits_dtype).to(compute)
-            new_max = torch.maximum(running_max, logits.amax(1, keepdim=True))
-            # a row whose logits so far are all -inf (fp16 overflow) shifts by 0: -inf - -inf would be nan
-            shift = torch.where(new_max == float("-inf"), 0, new_max)
-            rescale = (running_max - shift).exp_()  # the first chunk: exp(-inf) = 0
-            probabilities = logits.sub_(shift).exp_()  # unnormalized, in place
-            running_sum.mul_(rescale).add_(probabilities.sum(1, keepdim=True))
+            probabilities, chunk = _FUSED_ONLINE_CHUNK(x_block @ chunk.t(), chunk, running_max, running_sum,
+                                                       weighted_rows, logits_dtype)
             if weighted_rows is not None:
-                weighted_rows.mul_(rescale).addmm_(probabilities, chunk.to(compute))
-            running_max = new_max
-            del logits, probabilities  # freed before the next chunk's are made
-        target_rows = weight.index_select(0, block_target)
-        # the target's logit as torch has it: accumulated in float32, rounded to the model's dtype
-        picked = torch.linalg.vecdot(x_block.to(compute), target_rows.to(compute)).to(x.dtype).to(logits_dtype)
-        lse = (running_max + running_sum.log()).squeeze(1)
-        loss += torch.where(block_valid, lse - picked.to(compute), 0).sum().float()
-        if weighted_rows is not None:  # softmax-weighted rows minus the target's, by each token's weight
-            scale = torch.where(block_valid, row_weight, 0).unsqueeze(1).to(compute)
-            grad_x.index_copy_(0, rows, weighted_rows.div_(running_sum).sub_(target_rows).mul_(scale).to(x.dtype))
+                weighted_rows.addmm_(probabilities, chunk)
+            del probabilities, chunk  # freed before the next chunk's are made
+        block_loss, block_grad = _FUSED_ONLINE_BLOCK_END(x_block, target_rows, block_valid, row_weight, running_max,
+                                                         running_sum, weighted_rows, logits_dtype)
+        loss += block_loss
+        if block_grad is not None:
+            grad_x.index_copy_(0, rows, block_grad)
     return loss
 
 

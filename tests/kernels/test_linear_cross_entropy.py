@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -65,10 +67,12 @@ def test_vocabulary_chunks_with_online_sums_match_the_unfused_reference(dtype, t
     assert torch.all(grad[::5] == 0)  # ignored tokens
 
 
-def test_every_token_computed_and_the_ignored_masked_as_in_a_cuda_graph_capture(monkeypatch):
-    # a capture cannot count the counted tokens (a host sync): every row goes through, weighted 0 if ignored.
-    # This CPU cannot capture: the capture's row selection is put in place of _counted_rows
+def test_every_token_computed_and_the_ignored_masked_off_the_cpu(monkeypatch):
+    # a GPU's count of the counted tokens is a host sync: every row goes through, weighted 0 if ignored. This CPU
+    # has no GPU: the other devices' row selection is put in place of the CPU's
     from fxmem.kernels import linear_cross_entropy as module
+    # a meta tensor has no values to count (nonzero raises on it): every row, with no look at the values
+    assert module._counted_rows(torch.empty(5, dtype=torch.bool, device="meta")).shape == (5,)
     monkeypatch.setattr(module, "_counted_rows", lambda valid: torch.arange(valid.numel()))
     x, weight, target, _ = _inputs(torch.float32, lora=False, train_weight=False)
     ref_loss, (ref_grad,) = _loss_and_grads(linear_cross_entropy_reference, x, weight, target, None)
@@ -187,3 +191,30 @@ def test_every_output_is_on_the_inputs_device():
     outputs = torch.ops.fxmem.linear_cross_entropy(x, weight, target, None, None, 1.0, -100, True, 4, 0,
                                                    torch.float32, False, False, False)
     assert [(o.numel(), o.dtype) for o in outputs[1:]] == [(0, torch.bfloat16)] * 4
+
+
+@pytest.mark.parametrize("block", ["rows", "online_chunk", "online_block_end"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_loss_block_is_one_generated_kernel_with_no_aten_op_between(block, dtype):
+    from torch._inductor.utils import run_and_get_code
+
+    from fxmem.kernels import linear_cross_entropy as module
+    rows, vocab, hidden = 8, 50, 16
+    products, target = torch.randn(rows, vocab).to(dtype), torch.randint(0, vocab, (rows,))
+    valid, row_weight = target >= 3, torch.tensor(0.1)
+    running_max, running_sum = torch.full((rows, 1), float("-inf")), torch.zeros(rows, 1)
+    weighted_rows = torch.zeros(rows, hidden)
+    fused, args = {
+        "rows": (module._FUSED_SOFTMAX_GRADIENT, (products, None, 0.0, target, valid, row_weight, torch.float32)),
+        "online_chunk": (module._FUSED_ONLINE_CHUNK, (products, torch.randn(vocab, hidden).to(dtype), running_max,
+                                                      running_sum, weighted_rows, torch.float32)),
+        "online_block_end": (module._FUSED_ONLINE_BLOCK_END, (
+            torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype), valid, row_weight,
+            torch.zeros(rows, 1), torch.ones(rows, 1), weighted_rows, torch.float32)),
+    }[block]
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cache hit would generate no code to read
+        _, codes = run_and_get_code(fused.compiled, *args)
+    (code,) = codes
+    call = code[code.index("def call("):]
+    assert len(re.findall(r"\bcpp_fused_\w+\(", call)) == 1
+    assert "aten." not in call and "extern_kernels." not in call
