@@ -10,6 +10,7 @@ from fxmem.kernels.lowrank import check_lowrank
 from fxmem.kernels.quantize import BITS_CHOICES
 
 RUNLORA_CHOICES = ("off", "flops", "time")
+LORA_HALF_PRODUCTS_CHOICES = ("off", "auto", "on")
 CALIBRATION_CHOICES = ("dynamic", "static")
 ROTATION_CHOICES = (8, 16, 32, 64, 128, 256)
 
@@ -83,6 +84,12 @@ class Config:
         stream between blocks is saved (at no fewer than 8 bits under a quantizing preset), and backward recomputes
         each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
         with ``mlp_chunk`` the recomputed block holds one chunk of its MLP at a time. False (every preset) is off.
+    lora_half_products: the products of PEFT's fp32 adapters on a bf16 or fp16 model (x A^T, its product with B,
+        and their backward products) run with inputs in the model's dtype and float32 accumulation, as a GPU's tensor
+        cores run them, each result rounded to the model's dtype (passes/lora_half_products.py): "auto" for each
+        product the cost model measured faster so on the device (none on a CPU without half-precision matrix
+        units), "on" for every one, "off" in float32 as PEFT runs them. "auto" in the lossy presets, "off" in exact
+        and runlora.
     return_logits: False returns an empty tensor where the model returns its logits (as Liger-Kernel and
         Unsloth do in training), so that chunk_loss applies to a model that returns them, such as every HF
         ``...ForCausalLM``; True keeps them, and such a loss is left whole.
@@ -109,6 +116,7 @@ class Config:
     chunk_loss: bool = True
     mlp_chunk: int | None = None
     block_checkpoint: bool = False
+    lora_half_products: str = "off"
     return_logits: bool = True
 
     def __post_init__(self) -> None:
@@ -146,6 +154,7 @@ class Config:
         if not self.prenorm_sharing and self.lowrank is None:
             raise ValueError("prenorm_sharing=False turns off a part of lowrank: set lowrank too")
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)
+        _check_choice("lora_half_products", self.lora_half_products, LORA_HALF_PRODUCTS_CHOICES)
         if self.mlp_chunk is not None and (_is_bool(self.mlp_chunk) or not isinstance(self.mlp_chunk, int)
                                            or self.mlp_chunk < 1):
             raise ValueError(f"mlp_chunk must be an integer number of tokens >= 1 or None (off); got "
@@ -213,14 +222,16 @@ def _check_fraction(name: str, value: Any, *, low_open: bool, high: float, high_
 
 PRESETS: dict[str, Config] = {
     "exact": Config(),
-    "hyclora-4bit": Config(bits=4, attn_sparsity=0.05, lora_reorder=True, rebuild_from_x=True),
-    "hyclora-2bit": Config(bits=2, attn_sparsity=0.05, lora_reorder=True, rebuild_from_x=True),
+    "hyclora-4bit": Config(bits=4, attn_sparsity=0.05, lora_reorder=True, rebuild_from_x=True,
+                           lora_half_products="auto"),
+    "hyclora-2bit": Config(bits=2, attn_sparsity=0.05, lora_reorder=True, rebuild_from_x=True,
+                           lora_half_products="auto"),
     # LoRAct's factors, and 8-bit codes beside them: attention's q, k and v are never factored then (propose_lowrank
     # leaves them to qkv_bits), and every other tensor takes the smaller of its factors and its codes (factors for
     # most bf16 activations; codes for fp32 ones with fewer rows than channels). GQA's narrow k and v at rank 1/8 (16
     # of 128 channels) were the worst gradients on real text (llama3-bf16-small: worst LoRA-gradient cosine 0.940 ->
     # 0.9995, saved bytes +8%; docs/loract.md).
-    "loract": Config(lowrank=0.125, bits=8),
+    "loract": Config(lowrank=0.125, bits=8, lora_half_products="auto"),
     "runlora": Config(runlora="flops"),
 }
 

@@ -18,6 +18,7 @@ from fxmem.passes import (
     ChunkMlp,
     FuseEpilogue,
     GraphPass,
+    LoraHalfProducts,
     LoraReorder,
     LowRankSaved,
     OnednnMatmul,
@@ -67,21 +68,25 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("chunk_mlp", ("mlp_chunk",), lambda config: config.mlp_chunk is not None, ("chunk_mlp",)),
     Technique("block_checkpoint", ("block_checkpoint",), lambda config: config.block_checkpoint,
               ("checkpoint_blocks",)),
+    # PEFT's fp32 adapters on a half-precision model: their products with half-precision inputs (tensor cores).
+    Technique("lora_half_products", ("lora_half_products",), lambda config: config.lora_half_products != "off",
+              ("lora_half_products",)),
     Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
               (*_COMPRESSION_RECOMPUTES, "quantize"), refine=planner.fit_budget),
 )
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
     CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, RecomputeAdapterCast, LoraReorder, RunLora,
-    RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, OnednnMatmul)}
+    RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue,
+    LoraHalfProducts, OnednnMatmul)}
 # The dynamo passes first (they change what AOTAutograd traces), then the joint passes (recompute_adapter_cast first:
 # its must-save of x is a default the later ones may override; lora_reorder tags what runlora must leave alone;
 # checkpoint_blocks last: its tags override theirs inside a block), then the partitioned ones: sparsify, quantize
-# and lowrank rewrite saved tensors that fuse_epilogue then fuses, and onednn_matmul swaps the products of the
-# finished graphs.
+# and lowrank rewrite saved tensors that fuse_epilogue then fuses, lora_half_products and onednn_matmul swap the
+# products of the finished graphs.
 PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "recompute_adapter_cast", "lora_reorder", "runlora",
               "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize", "lowrank",
-              "fuse_epilogue", "onednn_matmul")
+              "fuse_epilogue", "lora_half_products", "onednn_matmul")
 
 
 # A pass runs when one of the techniques it serves is on, wherever it is built.

@@ -19,11 +19,13 @@ def test_every_pass_is_declared_once_in_the_order_and_served_by_a_technique():
 
 @pytest.mark.parametrize("preset, names, passes", [
     ("exact", ["adapter_cast", "causal_mask", "chunk_loss"], ["causal_mask", "chunk_loss", "recompute_adapter_cast"]),
-    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", "adapter_cast", "causal_mask", "chunk_loss"],
+    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", "adapter_cast", "causal_mask", "chunk_loss",
+                      "lora_half_products"],
      ["causal_mask", "chunk_loss", "recompute_adapter_cast", "lora_reorder", "recompute_logits", "recompute_attention",
-      "sparsify_attention", "quantize", "fuse_epilogue"]),
-    ("loract", ["quantize", "lowrank", "adapter_cast", "causal_mask", "chunk_loss"],
-     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "recompute_logits", "recompute_attention", "quantize", "lowrank"]),
+      "sparsify_attention", "quantize", "fuse_epilogue", "lora_half_products"]),
+    ("loract", ["quantize", "lowrank", "adapter_cast", "causal_mask", "chunk_loss", "lora_half_products"],
+     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "recompute_logits", "recompute_attention", "quantize",
+      "lowrank", "lora_half_products"]),
     ("runlora", ["runlora", "adapter_cast", "causal_mask", "chunk_loss"],
      ["causal_mask", "chunk_loss", "recompute_adapter_cast", "runlora", "onednn_matmul"]),
 ])

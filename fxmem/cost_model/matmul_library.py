@@ -1,4 +1,5 @@
-"""Which library runs a CPU fp32 matrix product faster on this machine: aten's (MKL) or oneDNN's.
+"""Which library runs a CPU fp32 matrix product faster on this machine: aten's (MKL) or oneDNN's; and whether a
+product of fp32 operands runs faster with half-precision inputs (``half_product_faster``).
 
 FLOPs cannot rank two libraries computing the same product, and the answer
 differs between CPUs (MKL is fast on Intel, slow on AMD), so it is measured:
@@ -68,3 +69,33 @@ def weight_libraries(x: torch.Tensor, weight: torch.Tensor) -> tuple[str, str]:
     out_features, in_features = weight.shape
     return (cpu_matmul_library(rows, in_features, out_features, b_transposed=True, dtype=weight.dtype),
             cpu_matmul_library(rows, out_features, in_features, b_transposed=False, dtype=weight.dtype))
+
+
+_HALF_CHOICES: dict[tuple[int, int, int, torch.dtype, str], bool] = {}
+
+
+def half_product_faster(rows: int, inner: int, cols: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether (rows x inner) @ (inner x cols) runs faster with ``dtype`` (bf16 or fp16) inputs than in fp32 on
+    ``device``, measured once per process for each shape: a GPU's tensor cores take half-precision inputs (and
+    accumulate in fp32); a CPU without half-precision matrix units runs them far slower. The operands' casts are
+    not timed: one is the model's own half-precision x, the other a rank-r factor or gradient. A device that runs
+    no kernels (meta) measures nothing: False."""
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        return False
+    rows = min(rows, MAX_PROBE_ROWS, max(MIN_PROBE_ROWS, PROBE_FLOPS // (2 * inner * cols)))
+    key = (rows, inner, cols, dtype, str(device))
+    if key in _HALF_CHOICES:
+        return _HALF_CHOICES[key]
+    with _disable_current_modes(), torch.no_grad():
+        generator = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(rows, inner, generator=generator, device=device)
+        b = torch.randn(inner, cols, generator=generator, device=device)
+        a_half, b_half = a.to(dtype), b.to(dtype)
+        candidates = {"fp32": lambda: a @ b, "half": lambda: (a_half @ b_half).float()}
+        once = max(step_times(product, steps=1, device=device)[0] for product in candidates.values())
+        rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(PROBE_SECONDS / max(once, 1e-9))))
+        times = interleaved_step_times(candidates, steps=rounds, warmup=0, device=device)
+    faster = median(times["half"]) < median(times["fp32"])
+    _HALF_CHOICES[key] = faster
+    return faster

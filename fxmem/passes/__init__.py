@@ -7,6 +7,7 @@ from fxmem.passes.checkpoint_blocks import CheckpointBlocks
 from fxmem.passes.chunk_loss import ChunkLoss
 from fxmem.passes.chunk_mlp import ChunkMlp
 from fxmem.passes.fuse_epilogue import FuseEpilogue
+from fxmem.passes.lora_half_products import LoraHalfProducts
 from fxmem.passes.lora_reorder import LoraReorder
 from fxmem.passes.lowrank import LowRankSaved
 from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineState
@@ -17,6 +18,6 @@ from fxmem.passes.recompute_logits import RecomputeLogits
 from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
-__all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "FuseEpilogue", "GraphPass", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager",
-           "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention",
+__all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "FuseEpilogue", "GraphPass",
+           "LoraHalfProducts", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention",
            "RecomputeLogits", "RunLora", "SparsifyAttention"]

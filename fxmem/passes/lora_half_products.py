@@ -1,0 +1,118 @@
+"""Run the products of PEFT's fp32 adapters on a half-precision model with half-precision inputs.
+
+PEFT keeps the adapters in fp32 on a bf16 or fp16 model: x is cast to fp32, and the LoRA's products (x A^T, its
+product with B, and their backward products) run as fp32 GEMMs, on a GPU's CUDA cores instead of its tensor
+cores (about 17% of torch.compile's own step at Llama-3-8B's layer shape on an H100). This pass runs each such
+product as ``mm(a.to(half), b.to(half)).to(float32)``: the operands rounded to the model's dtype (x itself where
+the operand is x's cast), the product accumulated in float32, as tensor cores accumulate, and its result rounded
+to the model's dtype before it is widened again, so that the graphs around it are unchanged. The adapters, their
+gradients and the optimizer's state stay fp32.
+
+Which products: in the forward graph, x A^T and (x A^T) B^T of each LoRA linear (analysis/lora.py) whose factors
+are fp32 and whose x is a widening cast of a half-precision tensor; in the backward graph, every product that reads
+one of those factors, x A^T, or the cast. The partitioner gives a node the same name in both graphs, so the
+backward's are found by name. Under ``lora_half_products="auto"`` a product changes only where the cost model
+measured the half-precision product faster for its shape on the device (cost_model/matmul_library.py); "on"
+changes every one (to measure the fidelity on a machine where it does not pay).
+
+TF32 (fp32 operands rounded to 10 mantissa bits inside the tensor cores) is not offered: torch sets it for every
+fp32 product of the process (``torch.backends.cuda.matmul``), not for one product of a graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Graph, Node
+
+from fxmem.analysis.graph import DTYPE_CASTS, aten, hint, is_view, prims, strip, tensor_val, view_source
+from fxmem.analysis.lora import matmul_operands
+from fxmem.cost_model.matmul_library import half_product_faster
+from fxmem.passes.adapter_cast import widening_cast
+from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.saved_rewrite import call
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class LoraHalfProducts(GraphPass):
+    name = "lora_half_products"
+    stage = "partitioned"
+
+    def run(self, state: PipelineState) -> str:
+        operands = _lora_operands(state)
+        if not operands:
+            return ""
+        measured = state.config.lora_half_products == "auto"
+        changed = total = 0
+        dtypes = set()
+        for gm in (state.fw, state.bw):
+            for node in list(gm.graph.find_nodes(op="call_function", target=aten.mm.default)):
+                dtype = next((operands[n.name] for n in map(strip_views, node.args) if n.name in operands), None)
+                if dtype is None:
+                    continue
+                total += 1
+                if measured and not _faster(node, dtype):
+                    continue
+                _half_product(gm.graph, node, dtype)
+                changed += 1
+                dtypes.add(str(dtype).removeprefix("torch."))
+            gm.graph.eliminate_dead_code()
+        if not total:
+            return ""
+        if not changed:
+            return (f"the {total} LoRA product(s) of fp32 adapters on a half-precision model stay float32: measured "
+                    f"faster than with half-precision inputs here")
+        kept = f"; {total - changed} stay float32 (measured faster here)" if changed < total else ""
+        why = " (measured faster here)" if measured else ""
+        return (f"{changed} of {total} LoRA product(s) of fp32 adapters run with {'/'.join(sorted(dtypes))} inputs "
+                f"and float32 accumulation{why}{kept}")
+
+
+def strip_views(node: object) -> Node:
+    return strip(node, casts=False)
+
+
+def _lora_operands(state: PipelineState) -> dict[str, torch.dtype]:
+    """Name -> half dtype of what a LoRA product reads: each LoRA linear's factors, x A^T, and x's cast (the
+    analysis matched the LoRA linears on the forward graph)."""
+    operands = {}
+    for lora in state.analysis.loras if state.analysis is not None else ():
+        x_lora, _ = matmul_operands(lora.xa)
+        chain = widening_cast(x_lora)
+        if not chain:
+            continue
+        half = tensor_val(chain[-1].args[0]).dtype
+        factors = (tensor_val(lora.lora_a), tensor_val(lora.lora_b))
+        if half not in HALF_DTYPES or any(f is None or f.dtype != torch.float32 for f in factors):
+            continue
+        for node in (lora.lora_a, lora.lora_b, lora.xa, chain[-1]):
+            operands[node.name] = half
+    return operands
+
+
+def _faster(node: Node, dtype: torch.dtype) -> bool:
+    a, b = (tensor_val(n) for n in node.args)
+    return half_product_faster(hint(a.shape[0]), hint(a.shape[1]), hint(b.shape[1]), dtype, a.device)
+
+
+def _half_product(graph: Graph, node: Node, dtype: torch.dtype) -> None:
+    with graph.inserting_before(node):
+        product = call(graph, aten.mm.default, tuple(_in_dtype(graph, operand, dtype) for operand in node.args))
+        wide = call(graph, prims.convert_element_type.default, (product, torch.float32))
+    node.replace_all_uses_with(wide)
+    graph.erase_node(node)
+
+
+def _in_dtype(graph: Graph, operand: Node, dtype: torch.dtype) -> Node:
+    """``operand`` in ``dtype``: the views of a widening cast of a ``dtype`` tensor taken of that tensor itself (no
+    copy), any other operand cast."""
+    views, source = [], operand
+    while is_view(source) and source.target is not None and view_source(source) is source.args[0]:
+        views.append(source)
+        source = source.args[0]
+    if source.target in DTYPE_CASTS and tensor_val(source.args[0]).dtype == dtype:
+        rebuilt = source.args[0]
+        for view in reversed(views):
+            rebuilt = call(graph, view.target, (rebuilt, *view.args[1:]), kwargs=dict(view.kwargs))
+        return rebuilt
+    return call(graph, prims.convert_element_type.default, (operand, dtype))
