@@ -28,6 +28,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int_at_least(1), default=5, help="timed steps of each variant")
     parser.add_argument("--top", type=int_at_least(1), default=15, help="ops and kernels listed")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--drop-logits", action="store_true",
+                        help="fxmem returns no logits (return_logits=False), so that it chunks the loss")
     add_outputs(parser)
     parser.set_defaults(run=run)
 
@@ -36,15 +38,19 @@ def run(args: argparse.Namespace) -> int:
     workload = get_workload(args.workload)
     with console.status("profiling") as status:
         result = profile_step(workload, args.preset, steps=args.steps, top=args.top, device=args.device,
-                              progress=lambda message: status.update(message))
+                              return_logits=not args.drop_logits, progress=lambda message: status.update(message))
     rows = [[name, f"{seconds * 1000:.1f} ms", f"{seconds / result.profiled_seconds:.1%}", str(calls)]
             for name, seconds, calls in result.top]
     step, plain = median(result.step_samples), median(result.uncompressed_samples)
     compiled = median(result.compile_samples)
-    legend = (f"{workload.name}, preset {args.preset}: step {step:.3f} s ({step / compiled:.2f}x torch.compile's "
+    logits = ", fxmem returning no logits" if args.drop_logits else ""
+    legend = (f"{workload.name}, preset {args.preset}{logits}: step {step:.3f} s ({step / compiled:.2f}x torch.compile's "
               f"{compiled:.3f} s), the same without the compression passes ({', '.join(COMPRESSION_PASSES)}) "
               f"{plain:.3f} s ({plain / compiled:.2f}x), medians of {args.steps} interleaved steps: compressing and "
-              f"decompressing take {result.compression_seconds:.3f} s, {result.compression_share:.1%} of the step."
+              f"decompressing take {result.compression_seconds:.3f} s, {result.compression_share:.1%} of the step. "
+              f"Kernels launched by a forward and backward: {result.launches} (torch.compile: "
+              f"{result.compile_launches}; on the CPU, what a GPU would launch: inductor's kernels and the aten ops "
+              f"that run one)."
               "\nop or kernel: the profiler's self CPU time in one "
               "profiled step (inductor's kernels by name: cpp_fused_<ops>); share: of that step's total self time.")
     print_table(f"fxmem bench profile: {workload.name}, {args.preset}", COLUMNS, rows, legend, args, args.device)
