@@ -16,6 +16,7 @@ from fxmem.cli.bench import (
     distributed,
     fidelity,
     finetune,
+    gpu_check,
     hift,
     loqt,
     lora,
@@ -30,7 +31,7 @@ from fxmem.cli.bench import (
 
 EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
                                                   lowrank_error, lowrank_saved, ptxas, distributed,
-                                                  coverage, pretrain, fidelity, report, context)}
+                                                  coverage, pretrain, fidelity, report, context, gpu_check)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
