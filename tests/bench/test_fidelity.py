@@ -73,11 +73,11 @@ def test_the_command_writes_a_row_per_method_and_json_as_each_method_ends(monkey
     monkeypatch.setattr(command, "write_json", lambda results, *a, **k: (written.append([r.method for r in results]),
                                                                        write_json(results, *a, **k)))
     assert cli.main(["bench", "fidelity", "--methods", "eager", "loract", "--lowering", "eager", "--time", "1",
-                     "--no-logits", "--json", str(path)]) == 0
+                     "--no-logits", "--set", "lora_half_products=on", "--json", str(path)]) == 0
     assert written == [["eager"], ["eager", "loract"]]  # as each method ends
     out = capsys.readouterr().out
     assert "fxmem bench fidelity" in out and "min cos vs fp32" in out and "step vs eager" in out
     data = json.loads(path.read_text())
     assert [r["method"] for r in data["results"]] == ["eager", "loract"]
-    assert data["options"] == {"return_logits": False} and data["tokens"] == "text"
+    assert data["options"] == {"lora_half_products": "on", "return_logits": False} and data["tokens"] == "text"
     assert all(r["step_seconds"] > 0 for r in data["results"])

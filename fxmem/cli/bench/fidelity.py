@@ -8,6 +8,7 @@ from fxmem.bench.fidelity import BASELINES, LEARNING_RATE, TOKENS, FidelityResul
 from fxmem.cli.common import (
     add_device,
     add_outputs,
+    config_override,
     console,
     get_workload,
     int_at_least,
@@ -35,6 +36,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
                              "a ratio to torch.compile's (else to the first method's)")
     parser.add_argument("--no-logits", action="store_true",
                         help="fxmem presets with return_logits=False (the loss chunked; the gradients the same)")
+    parser.add_argument("--set", action="append", type=config_override, default=[], metavar="NAME=VALUE",
+                        help="override a Config field of every fxmem preset (e.g. --set lora_half_products='on'); "
+                             "repeatable")
     parser.add_argument("--tokens", choices=TOKENS, default="text",
                         help="the batches: the workload's real text, or token ids drawn uniformly from the vocabulary")
     parser.add_argument("--lowering", choices=["inductor", "eager"], default="inductor")
@@ -45,7 +49,7 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     workload = get_workload(args.workload)
-    options = {"return_logits": False} if args.no_logits else {}
+    options = {**dict(args.set), **({"return_logits": False} if args.no_logits else {})}
     done: list[FidelityResult] = []
 
     def show(result: FidelityResult) -> None:  # each result written as it comes: a long GPU run may be cut short
