@@ -84,7 +84,7 @@ class Config:
         stream between blocks is saved (at no fewer than 8 bits under a quantizing preset), and backward recomputes
         each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
         with ``mlp_chunk`` the recomputed block holds one chunk of its MLP at a time. False (every preset) is off.
-    lora_half_products: the products of PEFT's fp32 adapters on a bf16 or fp16 model (x A^T, its product with B,
+    lora_half_products: the products of PEFT's fp32 adapters on a bf16 model (x A^T, its product with B,
         and their backward products) run with inputs in the model's dtype and float32 accumulation, as a GPU's tensor
         cores run them, each result rounded to the model's dtype (passes/lora_half_products.py): "auto" for each
         product the cost model measured faster so on the device (none on a CPU without half-precision matrix

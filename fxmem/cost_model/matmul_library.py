@@ -79,9 +79,9 @@ def half_product_faster(rows: int, inner: int, cols: int, dtype: torch.dtype, de
     ``device``, measured once per process for each shape: a GPU's tensor cores take half-precision inputs (and
     accumulate in fp32); a CPU without half-precision matrix units runs them far slower. The operands' casts are
     not timed: one is the model's own half-precision x, the other a rank-r factor or gradient. A device that runs
-    no kernels (meta) measures nothing: False."""
+    no kernels (meta), or a CPU without matrix instructions for ``dtype``, measures nothing: False."""
     device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in ("cpu", "cuda") or device.type == "cpu" and not cpu_half_matmul_units(dtype):
         return False
     rows = min(rows, MAX_PROBE_ROWS, max(MIN_PROBE_ROWS, PROBE_FLOPS // (2 * inner * cols)))
     key = (rows, inner, cols, dtype, str(device))
@@ -99,3 +99,11 @@ def half_product_faster(rows: int, inner: int, cols: int, dtype: torch.dtype, de
     faster = median(times["half"]) < median(times["fp32"])
     _HALF_CHOICES[key] = faster
     return faster
+
+
+def cpu_half_matmul_units(dtype: torch.dtype) -> bool:
+    """Whether this CPU has instructions that multiply ``dtype`` matrices natively (AVX512-BF16 or AMX for bf16,
+    AMX-FP16 for fp16); without them a half-precision product is converted and runs slower than fp32's."""
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return dtype == torch.float16 and torch.cpu._is_amx_fp16_supported()

@@ -150,7 +150,8 @@ def _online_chunk(products: Tensor, chunk: Tensor, running_max: Tensor, running_
 def _online_block_end(x_block: Tensor, target_rows: Tensor, valid: Tensor, row_weight: Tensor, running_max: Tensor,
                       running_sum: Tensor, weighted_rows: Tensor | None, logits_dtype: torch.dtype
                       ) -> tuple[Tensor, Tensor | None]:
-    """A block's summed loss and, with ``weighted_rows``, its rows of d loss / d x in x's dtype."""
+    """A block's summed loss and, with ``weighted_rows``, its rows of d loss / d x in x's dtype (written over
+    ``weighted_rows`` where that is their dtype)."""
     compute = running_sum.dtype
     # the target's logit as torch has it: accumulated in float32, rounded to the model's dtype
     picked = torch.linalg.vecdot(x_block.to(compute), target_rows.to(compute)).to(x_block.dtype).to(logits_dtype)
@@ -158,9 +159,10 @@ def _online_block_end(x_block: Tensor, target_rows: Tensor, valid: Tensor, row_w
     loss = torch.where(valid, lse - picked.to(compute), 0).sum().float()
     if weighted_rows is None:
         return loss, None
-    # softmax-weighted rows minus the target's, by each token's weight
+    # softmax-weighted rows minus the target's, by each token's weight; over the weighted rows in x's dtype
     scale = torch.where(valid, row_weight, 0).unsqueeze(1).to(compute)
-    return loss, ((weighted_rows / running_sum - target_rows.to(compute)) * scale).to(x_block.dtype)
+    grad = (weighted_rows / running_sum - target_rows.to(compute)) * scale
+    return loss, weighted_rows.copy_(grad) if x_block.dtype == compute else grad.to(x_block.dtype)
 
 
 _FUSED_SOFTMAX_GRADIENT = _Fused(_softmax_gradient_)

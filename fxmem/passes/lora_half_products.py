@@ -1,6 +1,6 @@
-"""Run the products of PEFT's fp32 adapters on a half-precision model with half-precision inputs.
+"""Run the products of PEFT's fp32 adapters on a bf16 model with bf16 inputs and float32 accumulation.
 
-PEFT keeps the adapters in fp32 on a bf16 or fp16 model: x is cast to fp32, and the LoRA's products (x A^T, its
+PEFT keeps the adapters in fp32 on a bf16 model: x is cast to fp32, and the LoRA's products (x A^T, its
 product with B, and their backward products) run as fp32 GEMMs, on a GPU's CUDA cores instead of its tensor
 cores (about 17% of torch.compile's own step at Llama-3-8B's layer shape on an H100). This pass runs each such
 product as ``mm(a.to(half), b.to(half)).to(float32)``: the operands rounded to the model's dtype (x itself where
@@ -9,9 +9,9 @@ to the model's dtype before it is widened again, so that the graphs around it ar
 gradients and the optimizer's state stay fp32.
 
 Which products: in the forward graph, x A^T and (x A^T) B^T of each LoRA linear (analysis/lora.py) whose factors
-are fp32 and whose x is a widening cast of a half-precision tensor; in the backward graph, every product that reads
-one of those factors, x A^T, or the cast. The partitioner gives a node the same name in both graphs, so the
-backward's are found by name. Under ``lora_half_products="auto"`` a product changes only where the cost model
+are fp32 and whose x is a widening cast of a bf16 tensor (not fp16: its range could overflow where fp32's holds);
+in the backward graph, every product that reads one of those factors, x A^T, or the cast. The partitioner gives a
+node the same name in both graphs, so the backward's are found by name. Under ``lora_half_products="auto"`` a product changes only where the cost model
 measured the half-precision product faster for its shape on the device (cost_model/matmul_library.py); "on"
 changes every one (to measure the fidelity on a machine where it does not pay).
 
@@ -31,7 +31,8 @@ from fxmem.passes.adapter_cast import widening_cast
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import call
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)
+# bf16 only: fp16's range (65504) could overflow in a product fp32 holds (a gradient under loss scaling)
+HALF_DTYPES = (torch.bfloat16,)
 
 
 class LoraHalfProducts(GraphPass):
