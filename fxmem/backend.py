@@ -46,7 +46,8 @@ LOWERINGS = ("inductor", "eager")
 
 # Attention is recomputed in backward only so that its saved output agrees with compressed q, k and v
 # (passes/recompute_attention.py). A memory_budget plan is made first without it, and kept when q, k and v stay
-# exact: that saves an attention forward per layer in backward where the budget is loose.
+# exact; else it runs in the layers whose q, k or v that plan compressed, and the others keep theirs exact: an
+# attention forward per layer in backward is spent only where the budget needs those bytes.
 _DEFERRED_UNDER_BUDGET = {"recompute_attention": "not run: q, k and v stay exact under memory_budget"}
 
 
@@ -59,9 +60,19 @@ class _Partition:
     recomputed: list[tuple[SavedTensor, Plan]] = dataclasses.field(default_factory=list)
     failure: str | None = None  # the analysis or planning failed: the graphs are min-cut's, unplanned
 
-    def compresses_attention_inputs(self) -> bool:
-        return any(saved.feeds_attention is not None and plan.action not in ("keep", "recompute")
-                   for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True))
+    def compressed_attention_layers(self) -> frozenset[str]:
+        """The layers (analysis.graph.layer_of) whose attention q, k or v the plan stores lossily."""
+        return frozenset(saved.layer for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True)
+                         if saved.feeds_attention is not None and plan.action not in ("keep", "recompute"))
+
+    def keep_attention_inputs_outside(self, layers: frozenset[str]) -> None:
+        """Attention's q, k and v kept exact in the layers whose attention is not recomputed: backward reads them
+        beside its exact saved output, and the two must agree (passes/recompute_attention.py)."""
+        keep = Plan("keep", "attention's input in a layer whose attention is not recomputed (memory_budget): "
+                            "kept exact beside its saved output")
+        self.state.plans = [keep if saved.feeds_attention is not None and saved.layer not in layers
+                            and plan.action not in ("keep", "recompute") else plan
+                            for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True)]
 
 
 class _Partitioner(CustomPartitionerFn):
@@ -88,8 +99,12 @@ class _Partitioner(CustomPartitionerFn):
         else:
             chosen = self._partition(copy_graph_module(joint), joint_inputs, kwargs, exact_bytes,
                                      deferred=_DEFERRED_UNDER_BUDGET)
-            if chosen.failure is not None or chosen.compresses_attention_inputs():
+            if chosen.failure is not None:
                 chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes)
+            elif layers := chosen.compressed_attention_layers():  # attention recomputed in those layers alone
+                chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes, attention_layers=layers)
+                if chosen.failure is None:
+                    chosen.keep_attention_inputs_outside(layers)
         region.passes += chosen.records
         state = chosen.state
         if chosen.failure is not None:
@@ -122,12 +137,14 @@ class _Partitioner(CustomPartitionerFn):
         return fw, bw
 
     def _partition(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
-                   exact_bytes: int | None, deferred: Mapping[str, str] | None = None) -> _Partition:
-        """The joint passes but ``deferred``, torch's min-cut, the analysis and the plan (with a second min-cut
-        for the planner's recomputations)."""
+                   exact_bytes: int | None, deferred: Mapping[str, str] | None = None,
+                   attention_layers: frozenset[str] | None = None) -> _Partition:
+        """The joint passes but ``deferred`` (recompute_attention in ``attention_layers`` only, where given),
+        torch's min-cut, the analysis and the plan (with a second min-cut for the planner's recomputations)."""
         config = self.region.config
         state = PipelineState(config=config, joint=joint, joint_inputs=joint_inputs,
-                              num_fwd_outputs=kwargs["num_fwd_outputs"], probes=[] if self.fidelity_probes else None)
+                              num_fwd_outputs=kwargs["num_fwd_outputs"], probes=[] if self.fidelity_probes else None,
+                              attention_layers=attention_layers)
         records = self.passes.run("joint", state, skip=deferred)
         # min-cut marks the graph it partitions: a copy to partition again with the planner's recomputations
         joint_for_recompute = copy_graph_module(state.joint) if config.compresses else None

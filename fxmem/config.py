@@ -71,8 +71,8 @@ class Config:
         starts from the exact plan and spends down to the target cheapest first: tensors backward can rebuild
         element-wise from what stays saved, then quantization 8, 4, 2 bits, least sensitive roles and largest
         tensors first (cost_model.planner.fit_budget); the preset's structural passes (lora_reorder, the
-        recomputed logits) stay, and attention is recomputed only where the plan compresses q, k or v. The
-        report says whether the target was met. None is no target: the preset's plan.
+        recomputed logits) stay, and attention is recomputed only in the layers whose q, k or v the plan
+        compresses. The report says whether the target was met. None is no target: the preset's plan.
     chunk_loss: compute an LM head and its cross-entropy a chunk of tokens at a time, so that the (tokens x
         vocabulary) logits never exist whole (passes/chunk_loss.py). Exact; on in every preset.
     mlp_chunk: run each SwiGLU MLP with a LoRA on its three linears (Llama's) this many tokens at a time, its

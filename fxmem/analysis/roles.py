@@ -105,14 +105,20 @@ NONLINEAR_POINTWISE = frozenset({"tanh", "exp", "sigmoid", "erf", "log1p", "expm
 BATCHED_MATMULS = frozenset({aten.bmm.default, aten.baddbmm.default})
 
 
-def dropout_probability(node: Node) -> float:
-    """The ``dropout_p`` an op is called with (fused attention's), 0.0 for an op without one; 1.0 when symbolic."""
+def op_argument(node: Node, name: str, default: object = None) -> object:
+    """The argument ``name`` of an aten op's call, by its schema (positional or keyword); ``default`` where the op
+    has no such argument or the call leaves it out."""
     schema = getattr(node.target, "_schema", None)
     names = [a.name for a in schema.arguments] if schema is not None else []
-    if "dropout_p" not in names:
-        return 0.0
-    index = names.index("dropout_p")
-    value = node.args[index] if index < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+    if name not in names:
+        return default
+    index = names.index(name)
+    return node.args[index] if index < len(node.args) else node.kwargs.get(name, default)
+
+
+def dropout_probability(node: Node) -> float:
+    """The ``dropout_p`` an op is called with (fused attention's), 0.0 for an op without one; 1.0 when symbolic."""
+    value = op_argument(node, "dropout_p", 0.0)
     return float(value) if isinstance(value, (int, float)) else 1.0
 
 

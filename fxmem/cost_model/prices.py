@@ -61,6 +61,14 @@ def recompute_seconds(input_bytes: int, device: str = "cpu") -> float:
     return input_bytes / memory_bandwidth(device)
 
 
+def attention_seconds(batch: int, heads: int, queries: int, keys: int, head_dim: int, *, causal: bool,
+                      device: str = "cpu") -> float:
+    """One attention forward (QK^T and PV: 4 x batch x heads x queries x keys x head_dim flops, half of them under a
+    causal mask) at the device's measured fp32 matmul rate: an upper bound where fused attention runs in bf16."""
+    flops = 4 * batch * heads * queries * keys * head_dim / (2 if causal else 1)
+    return flops / matmul_rate(device)
+
+
 def product_seconds(rows: int, inner: int, cols: int, device: str = "cpu") -> float:
     """A (rows x inner) by (inner x cols) matmul replayed in backward, at the device's measured matmul rate."""
     return 2 * rows * inner * cols / matmul_rate(device)

@@ -50,6 +50,8 @@ class PipelineState:
     dequantized: dict[Node, tuple] = field(default_factory=dict)
     # fidelity probes (fxmem.kernels.probe) inserted, as (probe id, saved tensor name); None: insert none
     probes: list[tuple[int, str]] | None = None
+    # recompute_attention: the layers (analysis.graph.layer_of) whose attention it recomputes; None: every layer
+    attention_layers: frozenset[str] | None = None
 
     def graphs(self, stage: Stage) -> dict[str, GraphModule]:
         if stage == "dynamo":

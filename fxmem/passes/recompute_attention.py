@@ -9,15 +9,23 @@ LoRA gradient cosine 0.65 with O saved exact). Tagging the attention op as
 must-recompute makes min-cut save q, k, v (which the quantize or lowrank pass
 then compresses) and rerun the forward in backward on the very values backward
 uses: consistent, and O and its log-sum-exp are no longer saved at all. The
-price is one more attention forward per layer in backward. Attention with
-dropout is left alone: its random mask would not be replayed.
+price is one more attention forward per layer in backward, priced in the summary at the device's measured
+matmul rate. Attention with dropout is left alone: its random mask would not be replayed.
+
+Under ``memory_budget`` the region is planned first without this pass; it then runs only in the layers whose
+q, k or v that plan compressed (``PipelineState.attention_layers``): elsewhere attention's q, k, v and output stay
+saved exact, and backward runs no second attention forward there (backend.py).
 """
 
 from __future__ import annotations
 
 import operator
 
-from fxmem.analysis.roles import dropout_probability, is_fused_attention
+from torch.fx import Node
+
+from fxmem.analysis.graph import hint, layer_of, module_path, tensor_val
+from fxmem.analysis.roles import dropout_probability, is_fused_attention, op_argument
+from fxmem.cost_model.prices import attention_seconds
 from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
 
 
@@ -26,16 +34,37 @@ class RecomputeAttention(GraphPass):
     stage = "joint"
 
     def run(self, state: PipelineState) -> str:
-        tagged = skipped = 0
+        tagged = skipped = exact = 0
+        seconds = 0.0
         for node in state.joint.graph.nodes:
             if node.target is operator.getitem or not is_fused_attention(node):
                 continue  # a getitem carries its op's original_aten: count the op once
             if dropout_probability(node):
                 skipped += 1
                 continue
+            if state.attention_layers is not None and layer_of(module_path(node)) not in state.attention_layers:
+                exact += 1
+                continue
             tag_must_recompute([node, *(u for u in node.users if u.target is operator.getitem)])
             tagged += 1
-        parts = [f"{tagged} attention op(s) recomputed in backward"] if tagged else []
+            seconds += forward_seconds(node)
+        parts = []
+        if tagged:
+            parts.append(f"{tagged} attention op(s) recomputed in backward (about {seconds * 1000:.2f} ms of "
+                         f"attention forward a step at the measured matmul rate)")
+        if exact:
+            parts.append(f"{exact} left saving q, k, v and the output exact (memory_budget: their q, k and v stay "
+                         f"exact)")
         if skipped:
             parts.append(f"{skipped} with dropout left as is")
         return "; ".join(parts)
+
+
+def forward_seconds(node: Node) -> float:
+    """One forward of a fused attention op, from its query's and key's (batch, heads, length, head_dim) shapes."""
+    query, key = (tensor_val(n) for n in node.args[:2])
+    if query is None or key is None or query.dim() != 4 or key.dim() != 4:
+        return 0.0
+    batch, heads, queries, head_dim = (hint(size) for size in query.shape)
+    return attention_seconds(batch, heads, queries, hint(key.shape[2]), head_dim,
+                             causal=op_argument(node, "is_causal", False) is True, device=query.device.type)

@@ -45,7 +45,8 @@ def test_loract_saves_what_the_plan_says_and_gradients_stay_close():
     assert saved < 0.5 * exact_saved  # LoRA x@A, the final norm's input and small statistics stay as they are
     passes = _passes(backend)
     assert passes["recompute_logits"].startswith("1 logits tensor")  # recomputed, not saved
-    assert passes["recompute_attention"] == "2 attention op(s) recomputed in backward"  # its output is not saved
+    # its output is not saved
+    assert passes["recompute_attention"].startswith("2 attention op(s) recomputed in backward (about ")
     assert torch.equal(loss, exact_loss)  # the forward is untouched
     # Random weights and random tokens give activations far from low rank (the worst gradient, layer 0's q_proj
     # LoRA A, reads rank-16 factors of 128 near-random embeddings: cosine 0.63). Checked by hand: a rebuild

@@ -61,7 +61,7 @@ def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     assert not [s for s, _ in rows if s.role in (Role.LOSS_INPUT, Role.ATTN_OUT)]
     passes = {p.name: p.summary for p in backend.regions[0].passes}
     assert passes["recompute_logits"].startswith("1 logits tensor")
-    assert passes["recompute_attention"] == "2 attention op(s) recomputed in backward"
+    assert passes["recompute_attention"].startswith("2 attention op(s) recomputed in backward (about ")
 
 
 def test_qkv_bits_none_quantizes_q_and_k_like_the_rest():
