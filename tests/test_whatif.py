@@ -108,10 +108,11 @@ def test_predicted_saved_bytes_are_within_10_percent_of_a_real_compiled_step(tin
         assert abs(cost.saved_activations / measured - 1) <= 0.10, (cost.preset, cost.saved_activations, measured)
 
 
-@pytest.mark.parametrize("preset", ["exact", "hyclora-4bit"])
-def test_a_deep_model_traced_at_a_few_depths_and_scaled_matches_the_whole_trace(tmp_path, preset):
+def test_a_deep_model_traced_at_a_few_depths_and_scaled_matches_the_whole_trace(tmp_path):
+    # the scaling is the same code for every preset: hyclora-4bit's plan (quantized, rebuilt, recomputed) is the
+    # case where the blocks' bytes are hardest to keep alike
     config = hf_config(str(tiny_config_file(tmp_path, layers=SCALING_DEPTHS[-1] + 2)))
-    shape = {"rank": 8, "dtype": torch.float32, "batch": 2, "seq": 32, "preset": Config.from_preset(preset)}
+    shape = {"rank": 8, "dtype": torch.float32, "batch": 2, "seq": 32, "preset": Config.from_preset("hyclora-4bit")}
     scaled, how = layer_scaled_activation_bytes(config, **shape)
     assert how.startswith("traced at 2, 3, 4 layers") and how.endswith("scaled to 6")
     assert scaled == traced_activation_bytes(config, layers=6, **shape)  # the transients too: one block at a time
