@@ -70,9 +70,12 @@ class _Partition:
         beside its exact saved output, and the two must agree (passes/recompute_attention.py)."""
         keep = Plan("keep", "attention's input in a layer whose attention is not recomputed (memory_budget): "
                             "kept exact beside its saved output")
-        self.state.plans = [keep if saved.feeds_attention is not None and saved.layer not in layers
-                            and plan.action not in ("keep", "recompute") else plan
-                            for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True)]
+        saved_plans = list(zip(self.state.analysis.saved, self.state.plans, strict=True))
+        # whole storages: the planner plans a storage once, for every saved view of it
+        storages = {saved.storage for saved, plan in saved_plans if saved.feeds_attention is not None
+                    and saved.layer not in layers and plan.action not in ("keep", "recompute")}
+        self.state.plans = [keep if saved.storage in storages and plan.action != "recompute" else plan
+                            for saved, plan in saved_plans]
 
 
 class _Partitioner(CustomPartitionerFn):

@@ -14,13 +14,14 @@ and, when they train, the head's weight and LoRA gradients. Two ways to chunk:
   chunk at a time, the log-sum-exp and the softmax-weighted sum of the head's rows accumulated online, as flash
   attention accumulates its softmax: ``d loss / d x = sum_v softmax_v W_v - W_target``. A chunk holds rows x
   ``vocab_chunk`` logits; the head's products stay as thick as whole-vocabulary ones, and the vocabulary is read
-  once per block. Ignored tokens are skipped, not computed and masked (outside a CUDA graph capture, which
-  cannot take the count's host sync).
+  once per block. On the CPU ignored tokens are skipped; elsewhere they are computed and masked (their count would
+  be a host sync).
 
 Between the head's products, each chunk's element-wise work (the log-sum-exp, the loss, the logits' gradient;
-the running sums of the online softmax) is one function compiled by inductor (``_fused``): fused kernels (C++ on
+the running sums of the online softmax) is one function compiled by inductor (``_Fused``): fused kernels (C++ on
 the CPU, Triton on a GPU) instead of a dozen aten passes over the chunk, with no host sync. Where inductor cannot
-compile it, the same function runs eagerly, after one warning.
+compile it, the same function runs eagerly, after one warning (unfused: its intermediates then take a few chunks of
+memory).
 
 ``linear_cross_entropy_reference`` is the unfused torch computation both are tested against.
 """
@@ -87,9 +88,22 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, *, lora: Hea
                        vocab_chunk or 0, logits_dtype, x.requires_grad, weight.requires_grad, lora_grad)[0]
 
 
+def _compile_errors() -> tuple[type[Exception], ...]:
+    """What torch.compile raises when it cannot compile a function (dynamo, the backend, inductor): raised before any
+    kernel runs, so the eager function may run in its place on the untouched inputs."""
+    from torch._dynamo import exc as dynamo_errors
+    from torch._inductor import exc as inductor_errors
+    found = (getattr(dynamo_errors, "BackendCompilerFailed", None), getattr(dynamo_errors, "Unsupported", None),
+             getattr(dynamo_errors, "InternalTorchDynamoError", None), getattr(inductor_errors, "InductorError", None),
+             getattr(inductor_errors, "CppCompileError", None))
+    return tuple(error for error in found if error is not None)
+
+
 class _Fused:
     """``function`` compiled by inductor at its first call (shapes dynamic: a chunk's rows and classes vary), or
-    ``function`` itself where that compilation fails (no C++ compiler, a torch without inductor), after a warning."""
+    ``function`` itself where that compilation fails (no C++ compiler, a torch without inductor), after a warning.
+    Any other error (out of memory, a failure while a CUDA graph is captured) propagates: the function writes into
+    its inputs, and running it again after a partial run would count a chunk twice."""
 
     def __init__(self, function: Callable) -> None:
         self.function = function
@@ -101,7 +115,7 @@ class _Fused:
         if self.compiled is not None:
             try:
                 return self.compiled(*args)
-            except Exception as error:  # noqa: BLE001 - any compiler failure: the eager function computes the same
+            except _compile_errors() as error:
                 self.compiled = None
                 warnings.warn(f"fxmem's chunked loss runs {self.function.__name__} eagerly: inductor could not "
                               f"compile it ({type(error).__name__}: {error})", RuntimeWarning, stacklevel=2)

@@ -21,6 +21,8 @@ fp32 product of the process (``torch.backends.cuda.matmul``), not for one produc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.fx import Graph, Node
 
@@ -47,7 +49,7 @@ class LoraHalfProducts(GraphPass):
         changed = total = 0
         for gm in (state.fw, state.bw):
             for node in list(gm.graph.find_nodes(op="call_function", target=aten.mm.default)):
-                dtype = next((operands[n.name] for n in map(strip_views, node.args) if n.name in operands), None)
+                dtype = _lora_product(node, operands)
                 if dtype is None:
                     continue
                 total += 1
@@ -69,9 +71,36 @@ def strip_views(node: object) -> Node:
     return strip(node, casts=False)
 
 
-def _lora_operands(state: PipelineState) -> dict[str, torch.dtype]:
-    """Name -> half dtype of what a LoRA product reads: each LoRA linear's factors, x A^T, and x's cast (the
-    analysis matched the LoRA linears on the forward graph)."""
+@dataclass(frozen=True)
+class _Operand:
+    """What a LoRA product reads, as the forward graph has it: a node of another graph with its name is the same
+    tensor only with its shape and dtype too (a pass may have named a backward node alike)."""
+
+    half: torch.dtype  # the dtype its products take
+    shape: tuple[str, ...]  # as text: comparing symbolic sizes themselves would add guards
+    dtype: torch.dtype
+
+
+def _lora_product(node: Node, operands: dict[str, _Operand]) -> torch.dtype | None:
+    """The half dtype to run ``node`` in, if it is an fp32 product reading one of the LoRA operands; else None."""
+    value = tensor_val(node)
+    if value is None or value.dtype != torch.float32:
+        return None
+    for operand in map(strip_views, node.args):
+        known = operands.get(operand.name) if isinstance(operand, Node) else None
+        operand_value = tensor_val(operand) if known is not None else None
+        if operand_value is not None and (_shape(operand_value), operand_value.dtype) == (known.shape, known.dtype):
+            return known.half
+    return None
+
+
+def _shape(value: torch.Tensor) -> tuple[str, ...]:
+    return tuple(map(str, value.shape))
+
+
+def _lora_operands(state: PipelineState) -> dict[str, _Operand]:
+    """Name -> what a LoRA product reads: each LoRA linear's factors, x A^T, and x's cast (the analysis matched the
+    LoRA linears on the forward graph)."""
     operands = {}
     for lora in state.analysis.loras if state.analysis is not None else ():
         x_lora, _ = matmul_operands(lora.xa)
@@ -83,13 +112,19 @@ def _lora_operands(state: PipelineState) -> dict[str, torch.dtype]:
         if half not in HALF_DTYPES or any(f is None or f.dtype != torch.float32 for f in factors):
             continue
         for node in (lora.lora_a, lora.lora_b, lora.xa, chain[-1]):
-            operands[node.name] = half
+            value = tensor_val(node)
+            operands[node.name] = _Operand(half, _shape(value), value.dtype)
     return operands
 
 
 def _faster(node: Node, dtype: torch.dtype) -> bool:
+    """The cost model's answer; no where it cannot measure (a probe out of memory): the product stays as traced, and
+    the passes before this one keep their rewrites."""
     a, b = (tensor_val(n) for n in node.args)
-    return half_product_faster(hint(a.shape[0]), hint(a.shape[1]), hint(b.shape[1]), dtype, a.device)
+    try:
+        return half_product_faster(hint(a.shape[0]), hint(a.shape[1]), hint(b.shape[1]), dtype, a.device)
+    except (torch.OutOfMemoryError, RuntimeError):
+        return False
 
 
 def _half_product(graph: Graph, node: Node, dtype: torch.dtype) -> None:

@@ -219,3 +219,28 @@ def test_each_loss_block_is_one_generated_kernel_with_no_aten_op_between(block, 
     call = code[code.index("def call("):]
     assert len(re.findall(r"\bcpp_fused_\w+\(", call)) == 1
     assert "aten." not in call and "extern_kernels." not in call
+
+
+def test_a_block_inductor_cannot_compile_runs_eagerly_after_a_warning_and_other_errors_propagate(monkeypatch):
+    from fxmem.kernels import linear_cross_entropy as module
+    x, weight, target, _ = _inputs(torch.float32, lora=False, train_weight=False)
+    ref_loss, (ref_grad,) = _loss_and_grads(linear_cross_entropy_reference, x, weight, target, None)
+    fused = module._Fused(module._online_chunk)
+    monkeypatch.setattr(module, "_FUSED_ONLINE_CHUNK", fused)
+
+    def cannot_compile(*args):
+        raise torch._dynamo.exc.Unsupported("no C++ compiler here")
+
+    monkeypatch.setattr(fused, "compiled", cannot_compile)
+    with pytest.warns(RuntimeWarning, match="runs _online_chunk eagerly: inductor could not compile it "
+                                            r"\(Unsupported: no C\+\+ compiler here"):
+        loss, (grad,) = _loss_and_grads(linear_cross_entropy, x, weight, target, None, chunk_rows=8, vocab_chunk=7)
+    assert fused.compiled is None  # once: the eager function from then on
+    assert abs(float(loss - ref_loss)) <= 1e-6 * abs(float(ref_loss)) and _relative_error(grad, ref_grad) < 1e-5
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(fused, "compiled", out_of_memory)  # not a compile error: it may have written its inputs
+    with pytest.raises(torch.OutOfMemoryError):
+        linear_cross_entropy(x, weight, target, chunk_rows=8, vocab_chunk=7)
