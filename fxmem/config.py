@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +191,12 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def overrides_text(overrides: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> str:
+    """Config overrides as a run's label names them: ", name=value" each, in order ("" for none)."""
+    items = overrides.items() if isinstance(overrides, Mapping) else overrides
+    return "".join(f", {name}={value!r}" for name, value in items)
 
 
 def _is_bool(value: Any) -> bool:

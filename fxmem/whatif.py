@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxmem.config import Config
+from fxmem.config import Config, overrides_text
 from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes, loss_chunks, unfused_loss_bytes
 from fxmem.fitting import Probe, longest_fitting
@@ -252,7 +252,7 @@ def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16",
         activations, how = traced[fit.longest] if fit.longest else (ActivationBytes(0, 0), "")
         if not fit.converged:
             how = f"{how}; the search stopped before the bracket closed".lstrip("; ")
-        label = preset + "".join(f", {name}={value!r}" for name, value in (options or {}).items())
+        label = preset + overrides_text(options or {})
         fits.append(ContextFit(label, fit.longest, fit.shortest_failing, weights, state, activations.saved,
                                activations.transient, how))
     return fits

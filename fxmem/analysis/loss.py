@@ -104,7 +104,7 @@ def _match(loss: Node) -> HeadLoss | UnchunkedLoss:
     x_value, weight_value = example_tensor(x), example_tensor(weight)
     if x_value is None or weight_value is None or x_value.dtype != weight_value.dtype:
         return unchunked("the head's input and weight differ in dtype")
-    if lora is not None and any(example_tensor(n) is None or example_tensor(n).dtype != x_value.dtype for n in lora[:2]):
+    if lora is not None and any(getattr(example_tensor(n), "dtype", None) != x_value.dtype for n in lora[:2]):
         return unchunked("the head's LoRA factors differ in dtype from its input")
     vocab, hidden = weight_value.shape
     if not (statically_known_true(logits.shape[1] == vocab)

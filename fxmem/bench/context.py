@@ -17,7 +17,7 @@ import torch
 
 from fxmem.bench.compare import METHOD_DESCRIPTIONS, forward_for_method
 from fxmem.bench.workloads import Workload
-from fxmem.config import PUBLISHED_MIN_COSINE, Config
+from fxmem.config import PUBLISHED_MIN_COSINE, Config, overrides_text
 from fxmem.fitting import Probe, longest_fitting
 from fxmem.measure import Fidelity, gradient_fidelity, peak_memory, static_bytes, trainable_gradients
 from fxmem.timing import step_times
@@ -115,9 +115,8 @@ def run_context(workload: Workload, memory_cap: int, *, presets: Sequence[str] =
         raise ValueError("nothing to measure: give at least one preset or baseline")
     runs = [(b, b, Config(), None) for b in baselines]
     options = dict(options or {})
-    set_text = "".join(f", {name}={value!r}" for name, value in options.items())
-    runs += [(f"fxmem {p}{set_text}", "fxmem", Config.from_preset(p, return_logits=return_logits, **options), p)
-             for p in presets]
+    runs += [(f"fxmem {p}{overrides_text(options)}", "fxmem",
+              Config.from_preset(p, return_logits=return_logits, **options), p) for p in presets]
     results = []
     for label, method, config, preset in runs:
         best: dict[str, Any] = {}  # the longest fitting length's timed step and first gradients

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fxmem.bench.compare import MethodResult, prepare_method, time_interleaved
-from fxmem.bench.profile import launched_kernels
+from fxmem.bench.profile import launched_kernels, profiled
 from fxmem.bench.workloads import Workload
 from fxmem.config import Config
 from fxmem.timing import median, warm_up_compiler
@@ -133,11 +133,7 @@ def run_gpu_check(workload: Workload, *, device: torch.device | str = "cuda", ke
 
 
 def _profile(key: str, step: Callable[[], None], device: torch.device, top: int) -> Profiled:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
-        step()
+    profiler = profiled(step, device)
     events = list(profiler.events())
     on_device = device.type == "cuda"
 

@@ -109,13 +109,18 @@ def launched_kernels(events: list[Any], device: torch.device) -> int:
     return sum(kernels_within(e) for e in events if e.cpu_parent is None)
 
 
-def _launches(forward_backward: Callable[[], None], device: torch.device) -> int:
+def profiled(run: Callable[[], object], device: torch.device) -> torch.profiler.profile:
+    """``run`` once under the profiler: its CPU events, and on a GPU the device's too."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profiler:
-        forward_backward()
-    return launched_kernels(list(profiler.events()), device)
+        run()
+    return profiler
+
+
+def _launches(forward_backward: Callable[[], None], device: torch.device) -> int:
+    return launched_kernels(list(profiled(forward_backward, device).events()), device)
 
 
 def profile_step(workload: Workload, preset: str, *, steps: int = 5, top: int = 15, device: str = "cpu",

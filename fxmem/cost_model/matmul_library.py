@@ -14,6 +14,7 @@ time, and gives small products more rounds (their times are noisier).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -41,7 +42,7 @@ def cpu_matmul_library(rows: int, inner: int, cols: int, *, b_transposed: bool,
     """
     if dtype not in ONEDNN_DTYPES or not onednn_available():
         return "aten"
-    rows = min(rows, MAX_PROBE_ROWS, max(MIN_PROBE_ROWS, PROBE_FLOPS // (2 * inner * cols)))
+    rows = _probe_rows(rows, inner, cols)
     key = (rows, inner, cols, b_transposed, dtype)
     if key in _CHOICES:
         return _CHOICES[key]
@@ -51,13 +52,25 @@ def cpu_matmul_library(rows: int, inner: int, cols: int, *, b_transposed: bool,
         a = torch.randn(rows, inner, generator=generator, dtype=dtype)
         b = (torch.randn(cols, inner, generator=generator, dtype=dtype).t() if b_transposed
              else torch.randn(inner, cols, generator=generator, dtype=dtype))
-        candidates = {"aten": lambda: a @ b, "onednn": lambda: onednn_mm(a, b)}
-        once = max(step_times(product, steps=1)[0] for product in candidates.values())  # and a warm-up each
-        rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(PROBE_SECONDS / max(once, 1e-9))))
-        times = interleaved_step_times(candidates, steps=rounds, warmup=0)
-    choice: MatmulLibrary = "onednn" if median(times["onednn"]) < median(times["aten"]) else "aten"
+        times = _median_times({"aten": lambda: a @ b, "onednn": lambda: onednn_mm(a, b)})
+    choice: MatmulLibrary = "onednn" if times["onednn"] < times["aten"] else "aten"
     _CHOICES[key] = choice
     return choice
+
+
+def _probe_rows(rows: int, inner: int, cols: int) -> int:
+    """The rows a probe times: at most MAX_PROBE_ROWS, fewer for wide products, never below MIN_PROBE_ROWS."""
+    return min(rows, MAX_PROBE_ROWS, max(MIN_PROBE_ROWS, PROBE_FLOPS // (2 * inner * cols)))
+
+
+def _median_times(candidates: dict[str, Callable[[], object]], device: torch.device | str = "cpu"
+                  ) -> dict[str, float]:
+    """Each candidate's median time, taken interleaved: after one warm-up each, as many rounds as PROBE_SECONDS
+    allows the slowest (from MIN_ROUNDS to MAX_ROUNDS)."""
+    once = max(step_times(product, steps=1, device=device)[0] for product in candidates.values())
+    rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(PROBE_SECONDS / max(once, 1e-9))))
+    times = interleaved_step_times(candidates, steps=rounds, warmup=0, device=device)
+    return {name: median(samples) for name, samples in times.items()}
 
 
 def weight_libraries(x: torch.Tensor, weight: torch.Tensor) -> tuple[str, str]:
@@ -83,7 +96,7 @@ def half_product_faster(rows: int, inner: int, cols: int, dtype: torch.dtype, de
     device = torch.device(device)
     if device.type not in ("cpu", "cuda") or device.type == "cpu" and not cpu_half_matmul_units(dtype):
         return False
-    rows = min(rows, MAX_PROBE_ROWS, max(MIN_PROBE_ROWS, PROBE_FLOPS // (2 * inner * cols)))
+    rows = _probe_rows(rows, inner, cols)
     key = (rows, inner, cols, dtype, str(device))
     if key in _HALF_CHOICES:
         return _HALF_CHOICES[key]
@@ -92,11 +105,8 @@ def half_product_faster(rows: int, inner: int, cols: int, dtype: torch.dtype, de
         a = torch.randn(rows, inner, generator=generator, device=device)
         b = torch.randn(inner, cols, generator=generator, device=device)
         a_half, b_half = a.to(dtype), b.to(dtype)
-        candidates = {"fp32": lambda: a @ b, "half": lambda: (a_half @ b_half).float()}
-        once = max(step_times(product, steps=1, device=device)[0] for product in candidates.values())
-        rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(PROBE_SECONDS / max(once, 1e-9))))
-        times = interleaved_step_times(candidates, steps=rounds, warmup=0, device=device)
-    faster = median(times["half"]) < median(times["fp32"])
+        times = _median_times({"fp32": lambda: a @ b, "half": lambda: (a_half @ b_half).float()}, device)
+    faster = times["half"] < times["fp32"]
     _HALF_CHOICES[key] = faster
     return faster
 

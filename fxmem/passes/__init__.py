@@ -19,5 +19,6 @@ from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
 __all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "FuseEpilogue", "GraphPass",
-           "LoraHalfProducts", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention",
-           "RecomputeLogits", "RunLora", "SparsifyAttention"]
+           "LoraHalfProducts", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord",
+           "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention", "RecomputeLogits", "RunLora",
+           "SparsifyAttention"]

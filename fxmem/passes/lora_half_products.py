@@ -11,9 +11,9 @@ gradients and the optimizer's state stay fp32.
 Which products: in the forward graph, x A^T and (x A^T) B^T of each LoRA linear (analysis/lora.py) whose factors
 are fp32 and whose x is a widening cast of a bf16 tensor (not fp16: its range could overflow where fp32's holds);
 in the backward graph, every product that reads one of those factors, x A^T, or the cast. The partitioner gives a
-node the same name in both graphs, so the backward's are found by name. Under ``lora_half_products="auto"`` a product changes only where the cost model
-measured the half-precision product faster for its shape on the device (cost_model/matmul_library.py); "on"
-changes every one (to measure the fidelity on a machine where it does not pay).
+node the same name in both graphs, so the backward's are found by name. Under ``lora_half_products="auto"`` a
+product changes only where the cost model measured the bf16 product faster for its shape on the device
+(cost_model/matmul_library.py); "on" changes every one (to measure the fidelity on a machine where it does not pay).
 
 TF32 (fp32 operands rounded to 10 mantissa bits inside the tensor cores) is not offered: torch sets it for every
 fp32 product of the process (``torch.backends.cuda.matmul``), not for one product of a graph.
@@ -34,7 +34,7 @@ from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import call
 
 # bf16 only: fp16's range (65504) could overflow in a product fp32 holds (a gradient under loss scaling)
-HALF_DTYPES = (torch.bfloat16,)
+HALF = torch.bfloat16
 
 
 class LoraHalfProducts(GraphPass):
@@ -49,13 +49,12 @@ class LoraHalfProducts(GraphPass):
         changed = total = 0
         for gm in (state.fw, state.bw):
             for node in list(gm.graph.find_nodes(op="call_function", target=aten.mm.default)):
-                dtype = _lora_product(node, operands)
-                if dtype is None:
+                if not _lora_product(node, operands):
                     continue
                 total += 1
-                if measured and not _faster(node, dtype):
+                if measured and not _faster(node):
                     continue
-                _half_product(gm.graph, node, dtype)
+                _half_product(gm.graph, node)
                 changed += 1
             gm.graph.eliminate_dead_code()
         if not total:
@@ -76,22 +75,21 @@ class _Operand:
     """What a LoRA product reads, as the forward graph has it: a node of another graph with its name is the same
     tensor only with its shape and dtype too (a pass may have named a backward node alike)."""
 
-    half: torch.dtype  # the dtype its products take
     shape: tuple[str, ...]  # as text: comparing symbolic sizes themselves would add guards
     dtype: torch.dtype
 
 
-def _lora_product(node: Node, operands: dict[str, _Operand]) -> torch.dtype | None:
-    """The half dtype to run ``node`` in, if it is an fp32 product reading one of the LoRA operands; else None."""
+def _lora_product(node: Node, operands: dict[str, _Operand]) -> bool:
+    """Whether ``node`` is an fp32 product reading one of the LoRA operands."""
     value = tensor_val(node)
     if value is None or value.dtype != torch.float32:
-        return None
+        return False
     for operand in map(strip_views, node.args):
         known = operands.get(operand.name) if isinstance(operand, Node) else None
         operand_value = tensor_val(operand) if known is not None else None
         if operand_value is not None and (_shape(operand_value), operand_value.dtype) == (known.shape, known.dtype):
-            return known.half
-    return None
+            return True
+    return False
 
 
 def _shape(value: torch.Tensor) -> tuple[str, ...]:
@@ -107,44 +105,43 @@ def _lora_operands(state: PipelineState) -> dict[str, _Operand]:
         chain = widening_cast(x_lora)
         if not chain:
             continue
-        half = tensor_val(chain[-1].args[0]).dtype
         factors = (tensor_val(lora.lora_a), tensor_val(lora.lora_b))
-        if half not in HALF_DTYPES or any(f is None or f.dtype != torch.float32 for f in factors):
+        if tensor_val(chain[-1].args[0]).dtype != HALF or any(f is None or f.dtype != torch.float32 for f in factors):
             continue
         for node in (lora.lora_a, lora.lora_b, lora.xa, chain[-1]):
             value = tensor_val(node)
-            operands[node.name] = _Operand(half, _shape(value), value.dtype)
+            operands[node.name] = _Operand(_shape(value), value.dtype)
     return operands
 
 
-def _faster(node: Node, dtype: torch.dtype) -> bool:
+def _faster(node: Node) -> bool:
     """The cost model's answer; no where it cannot measure (a probe out of memory): the product stays as traced, and
     the passes before this one keep their rewrites."""
     a, b = (tensor_val(n) for n in node.args)
     try:
-        return half_product_faster(hint(a.shape[0]), hint(a.shape[1]), hint(b.shape[1]), dtype, a.device)
+        return half_product_faster(hint(a.shape[0]), hint(a.shape[1]), hint(b.shape[1]), HALF, a.device)
     except (torch.OutOfMemoryError, RuntimeError):
         return False
 
 
-def _half_product(graph: Graph, node: Node, dtype: torch.dtype) -> None:
+def _half_product(graph: Graph, node: Node) -> None:
     with graph.inserting_before(node):
-        product = call(graph, aten.mm.default, tuple(_in_dtype(graph, operand, dtype) for operand in node.args))
+        product = call(graph, aten.mm.default, tuple(_in_half(graph, operand) for operand in node.args))
         wide = call(graph, prims.convert_element_type.default, (product, torch.float32))
     node.replace_all_uses_with(wide)
     graph.erase_node(node)
 
 
-def _in_dtype(graph: Graph, operand: Node, dtype: torch.dtype) -> Node:
-    """``operand`` in ``dtype``: the views of a widening cast of a ``dtype`` tensor taken of that tensor itself (no
-    copy), any other operand cast."""
+def _in_half(graph: Graph, operand: Node) -> Node:
+    """``operand`` in bf16: the views of a widening cast of a bf16 tensor taken of that tensor itself (no copy), any
+    other operand cast."""
     views, source = [], operand
     while is_view(source) and source.target is not None and view_source(source) is source.args[0]:
         views.append(source)
         source = source.args[0]
-    if source.target in DTYPE_CASTS and tensor_val(source.args[0]).dtype == dtype:
+    if source.target in DTYPE_CASTS and tensor_val(source.args[0]).dtype == HALF:
         rebuilt = source.args[0]
         for view in reversed(views):
             rebuilt = call(graph, view.target, (rebuilt, *view.args[1:]), kwargs=dict(view.kwargs))
         return rebuilt
-    return call(graph, prims.convert_element_type.default, (operand, dtype))
+    return call(graph, prims.convert_element_type.default, (operand, HALF))

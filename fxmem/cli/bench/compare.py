@@ -23,7 +23,7 @@ from fxmem.cli.common import (
     workload_names,
     write_json,
 )
-from fxmem.config import Config
+from fxmem.config import Config, overrides_text
 from fxmem.measure import format_bytes
 from fxmem.timing import round_ratio
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                                     progress=lambda message: status.update(message))
     logits = "; fxmem returns no logits (--drop-logits)" if args.drop_logits else ""
     dtype = f"; in {args.dtype}" if args.dtype else ""
-    overrides = "".join(f", {name}={value!r}" for name, value in args.set)
+    overrides = overrides_text(args.set)
     legend = f"preset {args.preset}{overrides}{logits}{dtype}; {args.steps} timed steps\n" + "\n".join(
         f"- {name}: {meaning}" for name, meaning in {**METHOD_DESCRIPTIONS, **LEGEND}.items())
     print_table("fxmem bench compare", COLUMNS, rows(results), legend, args, device)

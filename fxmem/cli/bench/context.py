@@ -17,7 +17,7 @@ from fxmem.cli.common import (
     workload_names,
     write_json,
 )
-from fxmem.config import PRESETS
+from fxmem.config import PRESETS, overrides_text
 from fxmem.measure import format_bytes
 
 NAME = "context"
@@ -99,4 +99,4 @@ def legend(args: argparse.Namespace) -> str:
             "PEFT's at the same length, weights and batch.\n"
             + "".join(f"\n- {m}: {BASELINE_DESCRIPTIONS[m]}" for m in args.baselines)
             + ("\n- fxmem P: torch.compile(backend=fxmem) with preset P and return_logits=False (the loss chunked)"
-               + "".join(f", {name}={value!r}" for name, value in args.set) if args.presets else ""))
+               + overrides_text(args.set) if args.presets else ""))

@@ -1,4 +1,4 @@
-"""`fxmem bench gpu-check`: the GPU step table at Llama-3-8B's layer shape, in one command (fxmem/bench/gpu_check.py)."""
+"""`fxmem bench gpu-check`: the GPU step table at Llama-3-8B's layer shape in one command (bench/gpu_check.py)."""
 
 from __future__ import annotations
 

@@ -44,10 +44,11 @@ def run(args: argparse.Namespace) -> int:
     step, plain = median(result.step_samples), median(result.uncompressed_samples)
     compiled = median(result.compile_samples)
     logits = ", fxmem returning no logits" if args.drop_logits else ""
-    legend = (f"{workload.name}, preset {args.preset}{logits}: step {step:.3f} s ({step / compiled:.2f}x torch.compile's "
-              f"{compiled:.3f} s), the same without the compression passes ({', '.join(COMPRESSION_PASSES)}) "
-              f"{plain:.3f} s ({plain / compiled:.2f}x), medians of {args.steps} interleaved steps: compressing and "
-              f"decompressing take {result.compression_seconds:.3f} s, {result.compression_share:.1%} of the step. "
+    legend = (f"{workload.name}, preset {args.preset}{logits}: step {step:.3f} s ({step / compiled:.2f}x "
+              f"torch.compile's {compiled:.3f} s), the same without the compression passes "
+              f"({', '.join(COMPRESSION_PASSES)}) {plain:.3f} s ({plain / compiled:.2f}x), medians of {args.steps} "
+              f"interleaved steps: compressing and decompressing take {result.compression_seconds:.3f} s, "
+              f"{result.compression_share:.1%} of the step. "
               f"Kernels launched by a forward and backward: {result.launches} (torch.compile: "
               f"{result.compile_launches}; on the CPU, what a GPU would launch: inductor's kernels and the aten ops "
               f"that run one)."
