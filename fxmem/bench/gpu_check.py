@@ -26,6 +26,7 @@ from fxmem.bench.compare import MethodResult, prepare_method, time_interleaved
 from fxmem.bench.profile import launched_kernels, profiled
 from fxmem.bench.workloads import Workload
 from fxmem.config import Config
+from fxmem.measure import format_bytes
 from fxmem.timing import median, warm_up_compiler
 
 
@@ -77,6 +78,7 @@ class GpuCheck:
     results: list[MethodResult]
     keys: list[str]  # each result's point
     profiles: list[Profiled] = field(default_factory=list)
+    failures: dict[str, str] = field(default_factory=dict)  # point -> its error, where one failed to run
 
     def step_ratio(self, key: str) -> float | None:
         """A point's median step over torch.compile's; None where either did not run."""
@@ -92,7 +94,8 @@ class GpuCheck:
                            for key, result in zip(self.keys, self.results, strict=True)],
                 "profiles": [{"point": p.key, "launches": p.launches,
                               "top": [{"name": n, "seconds": s, "calls": c} for n, s, c in p.top]}
-                             for p in self.profiles]}
+                             for p in self.profiles],
+                "failures": self.failures}
 
 
 def check_points(keys: Sequence[str]) -> None:
@@ -112,16 +115,26 @@ def run_gpu_check(workload: Workload, *, device: torch.device | str = "cuda", ke
     points = [p for p in POINTS if p.key in keys]
     torch._dynamo.reset()
     warm_up_compiler()
-    prepared, reference = {}, None
+    prepared, reference, failures = {}, None, {}
     # inductor's CPU kernels appear in the profiler (and so in the launch count) only when compiled to
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": device.type == "cpu"}):
         for point in points:  # eager first (POINTS' order): the gradients' reference
             progress(f"{workload.name}: {point.label}")
-            done = prepare_method(workload, point.method, config=point.config(), device=device, lora_rank=lora_rank,
-                                  budget=point.budget, reference_grads=reference, label=point.label)
+            try:
+                done = prepare_method(workload, point.method, config=point.config(), device=device,
+                                      lora_rank=lora_rank, budget=point.budget, reference_grads=reference,
+                                      label=point.label)
+            except Exception as error:  # noqa: BLE001 -- one point's failure is a finding; the others still run
+                if point.key == "eager":
+                    raise  # the gradients' reference
+                failures[point.key] = f"{type(error).__name__}: {error}"
+                progress(f"{point.label} failed: {failures[point.key]}")
+                torch._dynamo.reset()
+                continue
             reference = done.grads if point.key == "eager" else reference
             done.grads = {}  # the reference alone is kept: a model's worth of gradients each
             prepared[point.key] = done
+            progress(_prepared_line(point.label, done.result))  # a run stopped later still leaves these
     progress(f"{workload.name}: timing {steps} interleaved steps")
     time_interleaved(prepared, steps=steps, device=device)
     profiles = []
@@ -129,7 +142,14 @@ def run_gpu_check(workload: Workload, *, device: torch.device | str = "cuda", ke
         progress(f"{workload.name}: profiling {key}")
         profiles.append(_profile(key, prepared[key].step, device, top))
     torch._dynamo.reset()
-    return GpuCheck(workload.name, str(device), [p.result for p in prepared.values()], list(prepared), profiles)
+    return GpuCheck(workload.name, str(device), [p.result for p in prepared.values()], list(prepared), profiles,
+                    failures)
+
+
+def _prepared_line(label: str, result: MethodResult) -> str:
+    cosine = f"{result.fidelity.min_cosine:.4f}" if result.fidelity else "(reference)"
+    return (f"{label}: step peak {format_bytes(result.peak_bytes)}, saved {format_bytes(result.saved_bytes)}, "
+            f"min LoRA-grad cos {cosine}, compile {result.compile_seconds:.0f} s")
 
 
 def _profile(key: str, step: Callable[[], None], device: torch.device, top: int) -> Profiled:

@@ -37,3 +37,24 @@ def test_the_check_runs_its_points_and_writes_the_table_targets_and_profiles(tin
 def test_bad_points_are_refused_naming_the_valid_ones(keys, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_points(keys)
+
+
+def test_a_failing_point_is_reported_and_the_others_still_run(tiny_workloads, monkeypatch):
+    from fxmem.bench import gpu_check
+    from fxmem.bench.workloads import get_workload
+
+    real_prepare = gpu_check.prepare_method
+
+    def prepare(workload, method, **kwargs):
+        if method == "compile":
+            raise RuntimeError("CUDA out of memory")
+        return real_prepare(workload, method, **kwargs)
+
+    monkeypatch.setattr(gpu_check, "prepare_method", prepare)
+    printed = []
+    check = gpu_check.run_gpu_check(get_workload("llama-tiny"), device="cpu", keys=["eager", "compile"],
+                                    progress=printed.append)
+    assert check.keys == ["eager"] and check.failures == {"compile": "RuntimeError: CUDA out of memory"}
+    assert check.to_dict()["failures"] == {"compile": "RuntimeError: CUDA out of memory"}
+    assert "torch.compile failed: RuntimeError: CUDA out of memory" in printed
+    assert any(line.startswith("eager PEFT: step peak ") and "(reference)" in line for line in printed)

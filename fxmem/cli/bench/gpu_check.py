@@ -40,9 +40,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with console.status("gpu-check") as status:
-            check = run_gpu_check(get_workload(args.workload), device=args.device, keys=args.points,
-                                  steps=args.steps, top=args.top, progress=lambda message: status.update(message))
+        check = run_gpu_check(get_workload(args.workload), device=args.device, keys=args.points, steps=args.steps,
+                              top=args.top, progress=console.print)
     except ValueError as error:
         console.print(f"[red]{error}[/red]")
         return 2
@@ -62,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         show_table(f"profile: {labels[profiled.key]}", ("kernel or op", "time", "calls"),
                    [[name[:90], f"{seconds * 1000:.2f} ms", str(calls)] for name, seconds, calls in profiled.top],
                    f"{profiled.launches} kernels launched by one training step")
+    for key, error in check.failures.items():
+        console.print(f"[red]{labels[key]} did not run: {error}[/red]")
     write_json([check], args, args.device)
     return 0
 
