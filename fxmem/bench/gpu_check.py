@@ -124,7 +124,7 @@ def run_gpu_check(workload: Workload, *, device: torch.device | str = "cuda", ke
                 done = prepare_method(workload, point.method, config=point.config(), device=device,
                                       lora_rank=lora_rank, budget=point.budget, reference_grads=reference,
                                       label=point.label)
-            except Exception as error:  # noqa: BLE001 -- one point's failure is a finding; the others still run
+            except Exception as error:  # one point's failure is a finding; the others still run
                 if point.key == "eager":
                     raise  # the gradients' reference
                 failures[point.key] = f"{type(error).__name__}: {error}"
