@@ -25,7 +25,7 @@ import torch
 from fxmem.bench.compare import MethodResult, prepare_method, time_interleaved
 from fxmem.bench.profile import launched_kernels, profiled
 from fxmem.bench.workloads import Workload
-from fxmem.config import Config
+from fxmem.config import PUBLISHED_MIN_COSINE, Config
 from fxmem.measure import format_bytes
 from fxmem.timing import median, warm_up_compiler
 
@@ -132,6 +132,8 @@ def run_gpu_check(workload: Workload, *, device: torch.device | str = "cuda", ke
                 torch._dynamo.reset()
                 continue
             reference = done.grads if point.key == "eager" else reference
+            if point.method == "fxmem":
+                done.result.fidelity_bound = PUBLISHED_MIN_COSINE[point.preset]
             done.grads = {}  # the reference alone is kept: a model's worth of gradients each
             prepared[point.key] = done
             progress(_prepared_line(point.label, done.result))  # a run stopped later still leaves these

@@ -18,6 +18,7 @@ def test_the_check_runs_its_points_and_writes_the_table_targets_and_profiles(tin
     assert list(points) == ["eager", "compile", "hyclora-4bit-no-logits"]
     assert points["eager"]["fidelity"] is None
     assert points["hyclora-4bit-no-logits"]["fidelity"]["min_cosine"] > 0.99
+    assert points["hyclora-4bit-no-logits"]["fidelity_bound"] == 0.995 and points["compile"]["fidelity_bound"] is None
     assert all(len(p["step_samples"]) == 3 and p["peak_bytes"] > 0 for p in points.values())
     ratio = points["hyclora-4bit-no-logits"]["step_vs_compile"]
     assert ratio == pytest.approx(statistics.median(points["hyclora-4bit-no-logits"]["step_samples"])
