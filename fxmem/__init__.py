@@ -15,9 +15,10 @@ from fxmem import (
 )
 from fxmem.backend import Backend, backend, compile_
 from fxmem.config import PRESETS, Config
+from fxmem.fallback import FallbackError, FallbackWarning
 from fxmem.fidelity import FidelityReport, check_fidelity
 from fxmem.inspection import inspect
 from fxmem.report import Report
 
-__all__ = ["PRESETS", "Backend", "Config", "FidelityReport", "Report", "__version__", "backend", "check_fidelity",
+__all__ = ["PRESETS", "Backend", "Config", "FallbackError", "FallbackWarning", "FidelityReport", "Report", "__version__", "backend", "check_fidelity",
            "compile_", "inspect", "measure"]

@@ -33,6 +33,7 @@ from fxmem.config import Config
 from fxmem.cost_model.memory import op_workspace_bytes
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.planner import budget_bytes, budget_note, plan_region
+from fxmem.fallback import fall_back
 from fxmem.measure import format_bytes
 from fxmem.passes import PassManager, PassRecord, PipelineState
 from fxmem.passes.manager import copy_graph_module, tag_must_recompute
@@ -108,7 +109,7 @@ class _Partitioner(CustomPartitionerFn):
                 chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes, attention_layers=layers)
                 if chosen.failure is None:
                     chosen.keep_attention_inputs_outside(layers)
-        region.passes += chosen.records
+        region.add_passes(chosen.records)
         state = chosen.state
         if chosen.failure is not None:
             return self._unplanned(chosen.failure, state.fw, state.bw)
@@ -121,7 +122,7 @@ class _Partitioner(CustomPartitionerFn):
             if not met:
                 warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
         region.notes += pinned_notes(pinned(state.analysis, state.fw.graph, kwargs["num_fwd_outputs"], joint.graph))
-        region.passes += self.passes.run("partitioned", state)
+        region.add_passes(self.passes.run("partitioned", state))
         region.liveness.append((graph_liveness(state.fw.graph, op_workspace_bytes),
                                 graph_liveness(state.bw.graph, op_workspace_bytes)))
         # Appended: inductor may partition nested subgraphs of the region through this same hook.
@@ -135,8 +136,8 @@ class _Partitioner(CustomPartitionerFn):
         """An unforeseen graph in the analysis or the plan: the region compiles min-cut's partition as inductor
         would, and the report and a warning say why."""
         note = f"saved-tensor analysis or planning failed ({failure}); this region compiles as plain inductor"
+        fall_back(f"fxmem region {self.region.index}: {note}", self.region.config, stacklevel=3)
         self.region.notes.append(note)
-        warnings.warn(f"fxmem region {self.region.index}: {note}", stacklevel=3)
         return fw, bw
 
     def _partition(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
@@ -250,7 +251,7 @@ def _lower_or_run_as_is(region: Region) -> Callable:
             message = str(error).splitlines()[0] if str(error) else ""
             note = (f"inductor could not lower a rewritten graph ({type(error).__name__}: {message}); "
                     "it runs as aten ops, unfused")
-            warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
+            fall_back(f"fxmem region {region.index}: {note}", region.config)
             region.notes.append(note)
             return run_eagerly(gm, example_inputs)
     return compile_inner
@@ -280,7 +281,7 @@ class Backend:
         region = Region(index=len(self.regions), config=config)
         self.regions.append(region)
         state = PipelineState(config=config, dynamo=gm)
-        region.passes += self.passes.run("dynamo", state)
+        region.add_passes(self.passes.run("dynamo", state))
         gm = state.dynamo
         patches: dict[str, Any] = {"custom_partitioner_fn": _Partitioner(region, self.passes, self.fidelity_probes)}
         if mode is not None:

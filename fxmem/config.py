@@ -94,6 +94,12 @@ class Config:
     return_logits: False returns an empty tensor where the model returns its logits (as Liger-Kernel and
         Unsloth do in training), so that chunk_loss applies to a model that returns them, such as every HF
         ``...ForCausalLM``; True keeps them, and such a loss is left whole.
+    strict: any fallback (a pass rolled back, a region compiled unplanned, a rewritten graph run unfused, a planned
+        rewrite left undone) or unsupported pattern (one an enabled technique targets, left as torch runs it)
+        raises fxmem.FallbackError, naming the pass and the reason, instead of a warning or a line in the report
+        (fxmem/fallback.py). The environment variable FXMEM_STRICT=1 turns it on for every config; the chunked
+        loss's blocks, compiled at their first call outside any region, follow the variable alone. False (every
+        preset) is off.
     """
 
     bits: int | None = None
@@ -119,6 +125,7 @@ class Config:
     block_checkpoint: bool = False
     lora_half_products: str = "off"
     return_logits: bool = True
+    strict: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("bits", self.bits, BITS_CHOICES + (None,))
@@ -138,7 +145,7 @@ class Config:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
         for name in ("lora_reorder", "rebuild_from_x", "fused_epilogue", "intra", "prenorm_sharing", "chunk_loss",
-                     "return_logits", "stochastic_rounding", "block_checkpoint"):
+                     "return_logits", "stochastic_rounding", "block_checkpoint", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
         for name in ("rotation", "stochastic_rounding"):

@@ -9,6 +9,7 @@ from fxmem.analysis import SavedTensor
 from fxmem.analysis.liveness import Liveness
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
+from fxmem.fallback import fall_back
 from fxmem.kernels.calibration import QuantSlot
 from fxmem.passes import PassRecord
 
@@ -31,6 +32,17 @@ class Region:
     # what the final forward and backward graphs hold at once beside their inputs (analysis/liveness.py), one pair
     # per partition (inductor may partition nested subgraphs of the region through the same hook)
     liveness: list[tuple[Liveness, Liveness]] = field(default_factory=list)
+
+    def add_passes(self, records: list[PassRecord]) -> None:
+        """Record passes; each one that failed (its stage rolled back) warns, once per region and pass."""
+        warned = {r.name for r in self.passes if r.error is not None}
+        for record in records:
+            if record.error is not None and record.name not in warned:
+                warned.add(record.name)
+                fall_back(f"fxmem region {self.index}: pass {record.name} failed and its {record.stage} stage was "
+                          f"rolled back, so none of that stage's rewrites apply here ({record.error})", self.config,
+                          stacklevel=3)
+        self.passes += records
 
     @property
     def transient_bytes(self) -> int:

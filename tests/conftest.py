@@ -6,6 +6,9 @@ import torch
 # fxmem's kernels are defined, so before fxmem is imported. A CUDA machine runs them for real.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite runs in strict mode: any fallback, rollback or unsupported pattern fails the test that meets it
+# (fxmem/fallback.py), unless the test asks for the fallback (the fixture lenient).
+os.environ.setdefault("FXMEM_STRICT", "1")
 
 import pytest
 
@@ -20,6 +23,12 @@ def tiny_workloads(monkeypatch):
     """Every workload name the CLI accepts runs the tiny Llama instead (the commands, not the sizes, are tested)."""
     from fxmem.bench import workloads
     monkeypatch.setattr(workloads, "get_workload", lambda name: TINY_LLAMA)
+
+
+@pytest.fixture
+def lenient(monkeypatch):
+    """Strict mode off (the suite runs with FXMEM_STRICT=1): for the tests of a fallback itself."""
+    monkeypatch.setenv("FXMEM_STRICT", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -28,12 +28,13 @@ memory).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from fxmem.fallback import fall_back
 
 
 class HeadLora(NamedTuple):
@@ -117,8 +118,8 @@ class _Fused:
                 return self.compiled(*args)
             except _compile_errors() as error:
                 self.compiled = None
-                warnings.warn(f"fxmem's chunked loss runs {self.function.__name__} eagerly: inductor could not "
-                              f"compile it ({type(error).__name__}: {error})", RuntimeWarning, stacklevel=2)
+                fall_back(f"fxmem's chunked loss runs {self.function.__name__} eagerly: inductor could not compile "
+                          f"it ({type(error).__name__}: {error})")
         return self.function(*args)
 
 

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis.blocks import find_blocks
 from fxmem.analysis.meta import BLOCK_SOURCE, RECOMPUTE
+from fxmem.fallback import unsupported
 from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
 
 
@@ -39,6 +40,7 @@ class CheckpointBlocks(GraphPass):
         left = [b for b in blocks if b.random is not None]
         if left:
             parts.append(f"{len(left)} block(s) left as they are: they draw random numbers ({left[0].random})")
+            unsupported(f"checkpoint_blocks: {parts[-1]}", state.config)
         return "; ".join(parts) if blocks else "no repeated blocks (model.layers.N) found in the forward"
 
 

@@ -33,6 +33,8 @@ class ChunkLoss(GraphPass):
             if isinstance(found, HeadLoss) and found.logits_outputs and state.config.return_logits:
                 found = UnchunkedLoss(found.loss, LOGITS_RETURNED)
             if isinstance(found, UnchunkedLoss):
+                # named in the summary, not raised in strict mode: most such losses (a classifier's, one over logits
+                # the model returns) have no vocabulary-wide transient to chunk
                 lines.append(f"{found.loss.name} left as torch runs it: {found.reason}")
                 continue
             chunks = loss_chunks(found.tokens, found.vocab, found.hidden, found.element_size,

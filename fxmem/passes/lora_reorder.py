@@ -45,6 +45,7 @@ from fxmem.analysis.roles import (
     rope_trig,
 )
 from fxmem.cost_model.planner import rebuild_refusal
+from fxmem.fallback import unsupported
 from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
 
 aten = torch.ops.aten
@@ -87,6 +88,7 @@ class LoraReorder(GraphPass):
             parts.append(f"{sum(kinds.values())} LoRA output(s) rebuilt in backward from x W and x A ({rebuilt})")
         if dropout:
             parts.append(f"left as is, dropout on the LoRA input: {', '.join(lora.module for lora in dropout)}")
+            unsupported(f"lora_reorder: {parts[-1]}", state.config)
         parts += [f"{count} {refusal}" for refusal, count in refused.items()]
         if linear_consumers:
             parts.append(f"{linear_consumers} feeding no activation, Hadamard product or fused attention left as is")

@@ -25,6 +25,7 @@ from fxmem.analysis import Analysis
 from fxmem.analysis.meta import RECOMPUTE
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
+from fxmem.fallback import FallbackError, fall_back
 from fxmem.kernels import probe as probe_kernel
 from fxmem.kernels.calibration import QuantSlot
 
@@ -137,6 +138,8 @@ class PassManager:
                 for gm in state.graphs(stage).values():
                     gm.graph.lint()
                     gm.recompile()
+            except FallbackError:  # strict mode, raised by the pass itself
+                raise
             except Exception as error:  # roll the stage back: the region compiles as if fxmem did nothing here
                 for key, gm in snapshot.items():
                     setattr(state, key, gm)
@@ -150,6 +153,9 @@ class PassManager:
                                           error=f"{type(error).__name__}: {error}"))
                 records.extend(PassRecord(p.name, stage, "not run: an earlier pass of this stage failed", 0.0)
                                for p in active[position + 1:])
+                # strict mode raises here, the pass's own error chained; otherwise the region warns (Region.add)
+                fall_back(f"pass {graph_pass.name} ({stage} stage) failed: {type(error).__name__}: {error}",
+                          state.config, warn=False)
                 return records + skipped
             records.append(PassRecord(graph_pass.name, stage, summary, time.perf_counter() - start))
         return records + skipped

@@ -26,6 +26,7 @@ from torch.fx import Node
 from fxmem.analysis.graph import hint, layer_of, module_path, tensor_val
 from fxmem.analysis.roles import dropout_probability, is_fused_attention, op_argument
 from fxmem.cost_model.prices import attention_seconds
+from fxmem.fallback import unsupported
 from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
 
 
@@ -57,6 +58,7 @@ class RecomputeAttention(GraphPass):
                          f"exact)")
         if skipped:
             parts.append(f"{skipped} with dropout left as is")
+            unsupported(f"recompute_attention: {parts[-1]}", state.config)
         return "; ".join(parts)
 
 

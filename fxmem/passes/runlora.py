@@ -31,6 +31,7 @@ from fxmem.analysis.lora import LoraLinear, find_lora_linears, matmul_operands
 from fxmem.analysis.meta import LORA_REORDERED
 from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.lora_timing import choose_by_time
+from fxmem.fallback import unsupported
 from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
 from fxmem.passes.saved_rewrite import call
 
@@ -68,7 +69,12 @@ class RunLora(GraphPass):
         params = joint_primals(graph)
         decisions: dict[tuple[LoraShape, str, str], int] = {}
         skipped: list[str] = []
+        unsupported_loras: list[str] = []  # of the skipped, those no other pass took
         for lora in find_lora_linears(graph, params):
+            if lora.base.meta.get(LORA_REORDERED):
+                skipped.append(f"{lora.module or lora.xa.name} (output rebuilt in backward by lora_reorder "
+                               f"({lora.base.meta[LORA_REORDERED]}))")
+                continue
             try:
                 backward = _find_backward(lora)
                 shape = _shape(lora)
@@ -77,6 +83,7 @@ class RunLora(GraphPass):
                 _rewrite(graph, lora, backward, choice)
             except UnsupportedLora as reason:
                 skipped.append(f"{lora.module or lora.xa.name} ({reason})")
+                unsupported_loras.append(skipped[-1])
                 continue
             key = (shape, choice.forward, choice.backward)
             decisions[key] = decisions.get(key, 0) + 1
@@ -88,6 +95,8 @@ class RunLora(GraphPass):
         summary = f"{sum(decisions.values())} LoRA linear(s) reordered, x A^T recomputed, not saved ({'; '.join(parts)})"
         if skipped:
             summary += f"; left as traced: {', '.join(skipped)}"
+            if unsupported_loras:
+                unsupported(f"runlora: left as traced: {', '.join(unsupported_loras)}", state.config)
         return summary
 
 
@@ -102,8 +111,6 @@ def _mm_users(node: Node) -> list[Node]:
 
 
 def _find_backward(lora: LoraLinear) -> LoraBackward:
-    if lora.base.meta.get(LORA_REORDERED):
-        raise UnsupportedLora(f"output rebuilt in backward by lora_reorder ({lora.base.meta[LORA_REORDERED]})")
     if lora.base.target is not MM and lora.base.target is not aten.addmm.default:
         raise UnsupportedLora(f"base matmul {lora.base.target}")
     x2d, _ = matmul_operands(lora.base)

@@ -22,6 +22,7 @@ from fxmem.analysis.graph import storage_base, tensor_val, view_chain
 from fxmem.analysis.meta import VALUE
 from fxmem.analysis.rope import Replay
 from fxmem.cost_model.plan import Plan
+from fxmem.fallback import fall_back
 from fxmem.kernels import probe as probe_kernel
 from fxmem.passes.manager import PipelineState
 
@@ -151,6 +152,8 @@ def rewrite_planned(state: PipelineState, action: str,
         except Unmappable as error:
             for i in indices:
                 state.plans[i] = Plan("keep", f"planned {action}, left as it was: {error}")
+            fall_back(f"{', '.join(m.name for m in members)}: planned {action}, left as it was (kept exact): {error}",
+                      state.config)
     return done
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fxmem import Backend, Config
+from fxmem import Backend, Config, FallbackError, FallbackWarning
 from fxmem.passes import GraphPass, PassManager, PipelineState
 
 
@@ -84,7 +84,7 @@ def test_passes_run_in_order_and_are_recorded():
     assert "pass negate-twice (joint): inserted 2 nodes" in backend.report().table()
 
 
-def test_a_failing_pass_rolls_its_stage_back_and_is_reported():
+def test_a_failing_pass_rolls_its_stage_back_and_is_reported(lenient):
     model, x, expected = _model_and_reference()
     backend = Backend(passes=PassManager([NegateTwice(), Breaks(), CountSavedTensors()]))
     _run(backend, model, x, expected)  # compiles and is correct despite the broken pass
@@ -95,7 +95,7 @@ def test_a_failing_pass_rolls_its_stage_back_and_is_reported():
     assert "synthetic pass bug" in backend.report().table()
 
 
-def test_a_failing_dynamo_pass_leaves_dynamos_graph_to_compile_as_captured():
+def test_a_failing_dynamo_pass_leaves_dynamos_graph_to_compile_as_captured(lenient):
     model, x, expected = _model_and_reference()
     backend = Backend(passes=PassManager([BreaksDynamo(), CountSavedTensors()]))
     _run(backend, model, x, expected)
@@ -122,7 +122,7 @@ class BreaksAfterQuantizing(GraphPass):
         raise RuntimeError("synthetic late bug")
 
 
-def test_a_rollback_also_undoes_the_plans_and_quantization_state_of_its_stage():
+def test_a_rollback_also_undoes_the_plans_and_quantization_state_of_its_stage(lenient):
     from fxmem.passes import QuantizeSaved
     model, x, expected = _model_and_reference()
     backend = Backend(Config(bits=4), passes=PassManager([QuantizeSaved(), BreaksAfterQuantizing()]))
@@ -135,7 +135,7 @@ def test_a_rollback_also_undoes_the_plans_and_quantization_state_of_its_stage():
     assert backend.report().planned_bytes == backend.report().activation_bytes
 
 
-def test_a_rollback_releases_the_fidelity_probes_its_stage_registered():
+def test_a_rollback_releases_the_fidelity_probes_its_stage_registered(lenient):
     from fxmem.kernels import probe
     from fxmem.passes import QuantizeSaved
     model, x, expected = _model_and_reference()
@@ -163,10 +163,59 @@ class Unlowerable(GraphPass):
         return "added zeros inductor cannot lower"
 
 
-def test_a_rewrite_inductor_cannot_lower_runs_as_aten_ops_with_a_note():
+def test_a_rewrite_inductor_cannot_lower_runs_as_aten_ops_with_a_note(lenient):
     model, x, expected = _model_and_reference()
     backend = Backend(passes=PassManager([Unlowerable()]))
-    with pytest.warns(UserWarning, match="it runs as aten ops, unfused"):
+    with pytest.warns(FallbackWarning, match="it runs as aten ops, unfused"):
         _run(backend, model, x, expected)  # still correct
     region = backend.regions[0]
     assert any("inductor could not lower a rewritten graph (InductorError" in note for note in region.notes)
+
+
+def _fallback_error(error: BaseException) -> FallbackError | None:
+    """The FallbackError an error is or was raised from (dynamo wraps a backend's errors)."""
+    while error is not None and not isinstance(error, FallbackError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def test_a_rolled_back_pass_warns_once_naming_the_pass_its_stage_and_its_error(lenient):
+    model, x, expected = _model_and_reference()
+    backend = Backend(passes=PassManager([Breaks(), BreaksAfterQuantizing()]))
+    with pytest.warns(FallbackWarning) as warned:
+        _run(backend, model, x, expected)
+    messages = [str(w.message) for w in warned if issubclass(w.category, FallbackWarning)]
+    assert messages == [
+        "fxmem region 0: pass breaks failed and its joint stage was rolled back, so none of that stage's rewrites "
+        "apply here (RuntimeError: synthetic pass bug)",
+        "fxmem region 0: pass breaks-late failed and its partitioned stage was rolled back, so none of that stage's "
+        "rewrites apply here (RuntimeError: synthetic late bug)"]
+
+
+@pytest.mark.parametrize("config, environment", [(Config(strict=True), "0"), (Config(), "1")])
+def test_strict_mode_makes_a_rollback_an_error_naming_the_pass_and_the_reason(monkeypatch, config, environment):
+    monkeypatch.setenv("FXMEM_STRICT", environment)
+    model, x, _ = _model_and_reference()
+    with pytest.raises(Exception) as raised:
+        torch.compile(model, backend=Backend(config, passes=PassManager([Breaks()])))(x)
+    error = _fallback_error(raised.value)
+    assert str(error) == ("pass breaks (joint stage) failed: RuntimeError: synthetic pass bug [strict mode: "
+                          "Config(strict=True) or FXMEM_STRICT=1 makes this an error]")
+    assert isinstance(error.__context__, RuntimeError) and str(error.__context__) == "synthetic pass bug"
+
+
+def test_strict_mode_makes_an_unlowerable_rewrite_an_error(monkeypatch):
+    monkeypatch.setenv("FXMEM_STRICT", "1")
+    model, x, _ = _model_and_reference()
+    with pytest.raises(Exception) as raised:
+        torch.compile(model, backend=Backend(passes=PassManager([Unlowerable()])))(x).sum().backward()
+    assert "inductor could not lower a rewritten graph" in str(_fallback_error(raised.value))
+
+
+def test_a_strict_setting_other_than_0_or_1_is_refused(monkeypatch):
+    from fxmem.fallback import strict
+    monkeypatch.setenv("FXMEM_STRICT", "yes")
+    with pytest.raises(ValueError, match=r"FXMEM_STRICT must be one of 0, 1 \(or unset\); got 'yes'"):
+        strict(Config())
+    with pytest.raises(ValueError, match="strict must be True or False; got 'yes'"):
+        Config(strict="yes")
