@@ -26,6 +26,7 @@ from fxmem.passes import (
     RecomputeAdapterCast,
     RecomputeAttention,
     RecomputeLogits,
+    ReplayDropout,
     RunLora,
     SparsifyAttention,
 )
@@ -62,6 +63,9 @@ TECHNIQUES: tuple[Technique, ...] = (
     # PEFT's fp32 adapters on a half-precision model: the cast of x recomputed in backward, in every preset (the
     # cast is lossless: under exact the gradients are torch.compile's); x saved where a lossy plan follows.
     Technique("adapter_cast", (), lambda config: True, ("recompute_adapter_cast",)),
+    # A LoRA input's dropout mask drawn again in backward from its seed, in every preset: the same mask, so under
+    # exact the gradients are torch.compile's.
+    Technique("dropout_replay", (), lambda config: True, ("replay_dropout",)),
     # A mask proven causal becomes SDPA's is_causal in every preset: exact, and the tokens x tokens mask is gone.
     Technique("causal_mask", (), lambda config: True, ("causal_mask",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
@@ -76,7 +80,8 @@ TECHNIQUES: tuple[Technique, ...] = (
 )
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, RecomputeAdapterCast, LoraReorder, RunLora,
+    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, RecomputeAdapterCast, ReplayDropout, LoraReorder,
+    RunLora,
     RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue,
     LoraHalfProducts, OnednnMatmul)}
 # The dynamo passes first (they change what AOTAutograd traces), then the joint passes (recompute_adapter_cast first:
@@ -84,7 +89,8 @@ PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
 # checkpoint_blocks last: its tags override theirs inside a block), then the partitioned ones: sparsify, quantize
 # and lowrank rewrite saved tensors that fuse_epilogue then fuses, lora_half_products and onednn_matmul swap the
 # products of the finished graphs.
-PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "recompute_adapter_cast", "lora_reorder", "runlora",
+PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "recompute_adapter_cast", "replay_dropout", "lora_reorder",
+              "runlora",
               "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize", "lowrank",
               "fuse_epilogue", "lora_half_products", "onednn_matmul")
 

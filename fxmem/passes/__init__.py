@@ -15,10 +15,11 @@ from fxmem.passes.onednn_matmul import OnednnMatmul
 from fxmem.passes.quantize import QuantizeSaved
 from fxmem.passes.recompute_attention import RecomputeAttention
 from fxmem.passes.recompute_logits import RecomputeLogits
+from fxmem.passes.replay_dropout import ReplayDropout
 from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
 __all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "FuseEpilogue", "GraphPass",
            "LoraHalfProducts", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord",
-           "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention", "RecomputeLogits", "RunLora",
-           "SparsifyAttention"]
+           "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention", "RecomputeLogits",
+           "ReplayDropout", "RunLora", "SparsifyAttention"]

@@ -28,7 +28,19 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fxmem.analysis.graph import DTYPE_CASTS, is_view, storage_base, storage_bytes, tensor_val
 from fxmem.analysis.lora import find_lora_linears, matmul_operands
 from fxmem.analysis.meta import RECOMPUTE
+from fxmem.config import Config
 from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
+
+
+def keep_x_saved(x: Node, config: Config) -> None:
+    """Where a lossy plan follows, tag x must-save: a LoRA branch's input recomputed from x hides from min-cut the
+    backward matmul that reads it, and min-cut would recompute x from a norm's input the plan then compresses."""
+    x = storage_base(x)  # must-save has no effect on a view
+    # A getitem of a multi-output op (fused attention's output) is not min-cut's to save or recompute: its op is; a
+    # later pass may still tag x must-recompute (attention recomputed in backward).
+    if config.compresses and x.op == "call_function" and x.target is not operator.getitem \
+            and RECOMPUTE not in x.meta:
+        x.meta[RECOMPUTE] = CheckpointPolicy.MUST_SAVE
 
 
 class RecomputeAdapterCast(GraphPass):
@@ -45,12 +57,7 @@ class RecomputeAdapterCast(GraphPass):
                 casts.setdefault(chain[-1], chain)
         for cast, chain in casts.items():
             tag_must_recompute(chain)
-            x = storage_base(cast.args[0])  # must-save has no effect on a view
-            # A getitem of a multi-output op (fused attention's output) is not min-cut's to save or recompute:
-            # its op is; a later pass may still tag x must-recompute (attention recomputed in backward).
-            if state.config.compresses and x.op == "call_function" and x.target is not operator.getitem \
-                    and RECOMPUTE not in x.meta:
-                x.meta[RECOMPUTE] = CheckpointPolicy.MUST_SAVE
+            keep_x_saved(cast.args[0], state.config)
         if not casts:
             return ""
         copies = sum(storage_bytes(tensor_val(cast)) for cast in casts)

@@ -11,8 +11,9 @@ rank-r X A^T, which stays exact, and B, a parameter. The quantization error
 thus never touches what LoRA learned, and the SiLU output, the Hadamard
 product and the rotated q/k are not saved at all.
 
-A LoRA linear with dropout on its input is left as is (its LoRA branch reads a
-random mask that backward would have to replay); so is one whose output feeds
+A LoRA linear with dropout on its input is rebuilt the same way: the rebuild reads
+x A^T of the dropped x, saved, and x W^T of x itself; the mask and the dropped x
+are replay_dropout's. A LoRA linear whose output feeds
 no non-linear operator (o_proj, down_proj: a residual add saves nothing), and,
 below 8 bits, one feeding GELU or tanh, whose saved derivative quantizes better
 than their input (cost_model.planner.rebuild_refusal).
@@ -45,7 +46,6 @@ from fxmem.analysis.roles import (
     rope_trig,
 )
 from fxmem.cost_model.planner import rebuild_refusal
-from fxmem.fallback import unsupported
 from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
 
 aten = torch.ops.aten
@@ -61,13 +61,11 @@ class LoraReorder(GraphPass):
         graph = state.joint.graph
         params = joint_primals(graph)
         loras = [lora for lora in find_lora_linears(graph, params) if schema_name(lora.base.target) != NF4_LINEAR]
-        dropout = [lora for lora in loras if lora.dropout]
-        followed = [lora for lora in loras if not lora.dropout]
-        epilogue = _epilogue(graph, {lora.output for lora in followed}, params)
+        epilogue = _epilogue(graph, {lora.output for lora in loras}, params)
         kinds: Counter[str] = Counter()
         refused: Counter[str] = Counter()
         linear_consumers = 0
-        for lora in followed:
+        for lora in loras:
             reach = _reach(lora.output, epilogue)
             kind = _consumer_kind(reach, epilogue)
             if kind is None:
@@ -80,15 +78,12 @@ class LoraReorder(GraphPass):
             lora.base.meta[LORA_REORDERED] = kind
             tag_must_recompute([*_lora_branch(lora), *reach])
             kinds[kind] += 1
-        if not kinds and not dropout and not refused:
+        if not kinds and not refused:
             return ""
         parts = []
         if kinds:
             rebuilt = ", ".join(f"{count}x {kind}" for kind, count in sorted(kinds.items()))
             parts.append(f"{sum(kinds.values())} LoRA output(s) rebuilt in backward from x W and x A ({rebuilt})")
-        if dropout:
-            parts.append(f"left as is, dropout on the LoRA input: {', '.join(lora.module for lora in dropout)}")
-            unsupported(f"lora_reorder: {parts[-1]}", state.config)
         parts += [f"{count} {refusal}" for refusal, count in refused.items()]
         if linear_consumers:
             parts.append(f"{linear_consumers} feeding no activation, Hadamard product or fused attention left as is")
