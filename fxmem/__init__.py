@@ -7,18 +7,54 @@
     fxmem.check_fidelity(model, batch, preset="hyclora-4bit")         # how far it bends the gradients, and why
 """
 
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from fxmem import (
-    kernels,  # noqa: F401  registers torch.ops.fxmem.* before anything uses them
-    measure,
-)
-from fxmem.backend import Backend, backend, compile_
-from fxmem.config import PRESETS, Config
-from fxmem.fallback import FallbackError, FallbackWarning
-from fxmem.fidelity import FidelityReport, check_fidelity
-from fxmem.inspection import inspect
-from fxmem.report import Report
+from fxmem.config import PRESETS, Config  # imports no torch
+from fxmem.fallback import FallbackError, FallbackWarning  # nor this
 
-__all__ = ["PRESETS", "Backend", "Config", "FallbackError", "FallbackWarning", "FidelityReport", "Report", "__version__", "backend", "check_fidelity",
-           "compile_", "inspect", "measure"]
+if TYPE_CHECKING:
+    from fxmem import measure
+    from fxmem.backend import Backend, backend, compile_
+    from fxmem.fidelity import FidelityReport, check_fidelity
+    from fxmem.inspection import inspect
+    from fxmem.report import Report
+
+# The rest of the API imports torch and the compile stack: it loads on first use (PEP 562), so that `fxmem --help`
+# and the config need none of it. Each of these modules imports fxmem.kernels, which registers torch.ops.fxmem.*
+# before anything of theirs can use the ops.
+_LAZY = {"Backend": "fxmem.backend", "backend": "fxmem.backend", "compile_": "fxmem.backend",
+         "FidelityReport": "fxmem.fidelity", "check_fidelity": "fxmem.fidelity", "inspect": "fxmem.inspection",
+         "Report": "fxmem.report"}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "measure":
+        return importlib.import_module("fxmem.measure")  # the import binds it here
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fxmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    """Keeps ``fxmem.backend`` the function: importing the module fxmem.backend binds it on the package, where the
+    function of the same name must stay (``importlib.import_module("fxmem.backend")`` reaches the module)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "backend" and isinstance(value, types.ModuleType):
+            value = value.backend
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+__all__ = ["PRESETS", "Backend", "Config", "FallbackError", "FallbackWarning", "FidelityReport", "Report",
+           "__version__", "backend", "check_fidelity", "compile_", "inspect", "measure"]

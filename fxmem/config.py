@@ -7,8 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fxmem.kernels.lowrank import check_lowrank
-from fxmem.kernels.quantize import BITS_CHOICES
+from fxmem.choices import BITS_CHOICES, check_lowrank
 
 RUNLORA_CHOICES = ("off", "flops", "time")
 LORA_HALF_PRODUCTS_CHOICES = ("off", "auto", "on")

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from fxmem.choices import NAMED_SHAPES
+
 # LoRA on every linear of every block (regexes PEFT full-matches against module names); other families get PEFT's
 # "all-linear" (every linear but the output layer).
 LORA_TARGETS = {
@@ -17,24 +19,6 @@ LORA_TARGETS = {
             r"|output\.dense)",
 }
 _TARGET_FAMILY = {"llama": "llama", "mistral": "llama", "bert": "bert", "roberta": "bert"}
-
-# Known shapes, built from their published dimensions (no download).
-NAMED_SHAPES: dict[str, dict[str, Any]] = {
-    "llama-7b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                 "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000},
-    "llama-13b": {"model_type": "llama", "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
-                  "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000},
-    "mistral-7b": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
-                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                   "vocab_size": 32000, "sliding_window": None},
-    "llama-3-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
-    "roberta-base": {"model_type": "roberta", "hidden_size": 768, "intermediate_size": 3072,
-                     "num_hidden_layers": 12, "num_attention_heads": 12, "vocab_size": 50265,
-                     "max_position_embeddings": 514, "type_vocab_size": 1, "hidden_dropout_prob": 0.0,
-                     "attention_probs_dropout_prob": 0.0},
-}
-
 
 def hf_config(model: Any) -> Any:
     """A transformers config: ``model`` itself if it is one, else a named shape or a config.json (file or

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxmem.choices import BASES, CONTEXT_GRANULARITY, DTYPE_NAMES, MAX_CONTEXT_PRESETS, OPTIMIZER_STATES
 from fxmem.config import Config, overrides_text
 from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes, loss_chunks, unfused_loss_bytes
@@ -30,7 +31,6 @@ from fxmem.fitting import Probe, longest_fitting
 from fxmem.kernels.nf4 import nf4_nbytes
 from fxmem.models import build_lora_model, example_batch, hf_config, is_causal_lm
 
-OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}  # state tensors per trainable parameter
 # Traced on fake tensors of this device, not on meta tensors: on meta, SDPA takes its math path and saves the
 # attention probabilities, where a real CPU (or GPU) run takes a fused kernel that saves only its output and
 # log-sum-exp, and min-cut's choices follow from that.
@@ -38,10 +38,7 @@ TRACE_DEVICE = "cpu"
 # Block counts traced for a deeper model. Not from 1: the first block's input needs no gradient, so it may save
 # differently from the others.
 SCALING_DEPTHS = (2, 3, 4)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# "nf4": QLoRA, every LoRA-targeted linear's frozen weight stored as bitsandbytes' NF4 (double-quantized scales);
-# the rest (embeddings, head, norms, adapters) in the model's dtype.
-BASES = ("float", "nf4")
+DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()}
 
 @dataclass(frozen=True)
 class PresetCost:
@@ -198,12 +195,6 @@ def parameter_bytes(lora_model: torch.nn.Module, optimizer: str, base: str, shar
     state = OPTIMIZER_STATES[optimizer] * sum(p.numel() * 4 for p in trainable)
     weights, gradients, state = (-(-total // shards) for total in (weights, gradients, state))
     return weights, gradients, state
-
-
-# --max-context: the presets a long run would pick from, each with its loss chunked (return_logits=False: at long
-# context the logits alone, tokens x vocabulary in float32, would outweigh every saved activation).
-MAX_CONTEXT_PRESETS = ("exact", "hyclora-4bit", "hyclora-2bit")
-CONTEXT_GRANULARITY = 1024
 
 
 @dataclass(frozen=True)

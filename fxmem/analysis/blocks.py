@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch._inductor import inductor_prims
 from torch.fx import Graph, Node
 
 from fxmem.analysis.graph import layer_of, module_path
@@ -43,8 +44,9 @@ def find_blocks(graph: Graph) -> list[Block]:
     return blocks
 
 
-# inductor's joint-graph pass turns aten's random ops into these before fxmem's passes run
-_INDUCTOR_RANDOM = frozenset({torch.ops.prims.inductor_random.default, torch.ops.prims.inductor_randint.default})
+# inductor's joint-graph pass turns aten's random ops into these before fxmem's passes run (importing
+# inductor_prims defines them)
+_INDUCTOR_RANDOM = frozenset({inductor_prims.random, inductor_prims.randint})
 
 
 def _draws_random_numbers(node: Node) -> bool:

@@ -12,6 +12,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fxmem.backend import Backend, run_eagerly
+from fxmem.bench.choices import COMPARE_METHODS as METHODS
 from fxmem.bench.workloads import Setup, Workload
 from fxmem.config import PUBLISHED_MIN_COSINE, Config
 from fxmem.measure import (
@@ -25,8 +26,6 @@ from fxmem.measure import (
 )
 from fxmem.timing import interleaved_step_times, median, step_times, warm_up_compiler
 
-METHODS = ("eager", "compile", "compile-budget", "hf-checkpointing", "compile-checkpointing", "compile-sac",
-           "compile-offload", "fxmem")
 CUDA_ONLY_METHODS = frozenset({"compile-offload"})
 METHOD_DESCRIPTIONS = {
     "eager": "eager PEFT LoRA (what most users run today)",

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from fxmem.bench.choices import CONTEXT_BASELINES
+from fxmem.bench.choices import CONTEXT_PRESETS as DEFAULT_PRESETS
 from fxmem.bench.compare import METHOD_DESCRIPTIONS, forward_for_method
 from fxmem.bench.workloads import Workload
 from fxmem.config import PUBLISHED_MIN_COSINE, Config, overrides_text
@@ -22,14 +24,10 @@ from fxmem.fitting import Probe, longest_fitting
 from fxmem.measure import Fidelity, gradient_fidelity, peak_memory, static_bytes, trainable_gradients
 from fxmem.timing import step_times
 
-# The baselines measured beside fxmem's presets. compile-budget runs at its lowest setting: the least
-# that inductor's own solver saves.
-CONTEXT_BASELINES = ("eager", "compile", "compile-budget", "compile-checkpointing")
-LOWEST_BUDGET = 0.0
+LOWEST_BUDGET = 0.0  # compile-budget's lowest setting (see CONTEXT_BASELINES)
 BASELINE_DESCRIPTIONS = {
     **{b: METHOD_DESCRIPTIONS[b] for b in CONTEXT_BASELINES},
     "compile-budget": f"inductor with activation_memory_budget {LOWEST_BUDGET}, its lowest setting"}
-DEFAULT_PRESETS = ("exact", "hyclora-4bit")
 
 
 @dataclass

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from fxmem.backend import Backend
+from fxmem.bench.choices import FIDELITY_BASELINES as BASELINES
+from fxmem.bench.choices import FIDELITY_TOKENS as TOKENS
 from fxmem.bench.workloads import Setup, Workload
 from fxmem.config import PRESETS, Config
 from fxmem.measure import Fidelity, cosine_and_error, gradient_fidelity, model_tensors, saved_bytes_and_gradients
 from fxmem.timing import median, step_times
 
-BASELINES = ("eager", "compile")
-TOKENS = ("text", "random")  # the workload's real text, or ids drawn uniformly from the vocabulary
 LEARNING_RATE = 1e-3  # AdamW's: the adapters move measurably in a few steps
 
 

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from fxmem.bench.choices import FRONTIER_TARGETS as DEFAULT_TARGETS
 from fxmem.bench.compare import MethodResult, prepare_method, time_interleaved
 from fxmem.bench.workloads import Workload
 from fxmem.config import PUBLISHED_MIN_COSINE, Config
 from fxmem.timing import round_ratio, warm_up_compiler
-
-DEFAULT_TARGETS = (0.5, 0.3, 0.15, 0.08)
 
 
 @dataclass(frozen=True)

@@ -22,43 +22,14 @@ from typing import Any
 
 import torch
 
+from fxmem.bench.choices import POINT_KEYS, POINTS
 from fxmem.bench.compare import MethodResult, prepare_method, time_interleaved
 from fxmem.bench.profile import launched_kernels, profiled
 from fxmem.bench.workloads import Workload
-from fxmem.config import PUBLISHED_MIN_COSINE, Config
+from fxmem.config import PUBLISHED_MIN_COSINE
 from fxmem.measure import format_bytes
 from fxmem.timing import median, warm_up_compiler
 
-
-@dataclass(frozen=True)
-class Point:
-    key: str  # what --points names it
-    label: str  # as the table shows it
-    method: str  # bench.compare's method
-    preset: str = "exact"
-    return_logits: bool = True
-    budget: float | None = None
-    options: tuple[tuple[str, Any], ...] = ()
-
-    def config(self) -> Config:
-        return Config.from_preset(self.preset, return_logits=self.return_logits, **dict(self.options))
-
-
-POINTS: tuple[Point, ...] = (
-    Point("eager", "eager PEFT", "eager"),
-    Point("compile", "torch.compile", "compile"),
-    Point("budget-0.15", "activation_memory_budget 0.15", "compile-budget", budget=0.15),
-    Point("budget-0.05", "activation_memory_budget 0.05", "compile-budget", budget=0.05),
-    Point("hf-checkpointing", "HF gradient checkpointing", "hf-checkpointing"),
-    Point("exact", "fxmem exact", "fxmem"),
-    Point("exact-no-logits", "fxmem exact, no logits", "fxmem", return_logits=False),
-    Point("hyclora-4bit", "fxmem hyclora-4bit", "fxmem", "hyclora-4bit"),
-    Point("hyclora-4bit-no-logits", "fxmem hyclora-4bit, no logits", "fxmem", "hyclora-4bit", return_logits=False),
-    Point("hyclora-4bit-no-logits-fp32-lora", "fxmem hyclora-4bit, no logits, fp32 LoRA products", "fxmem",
-          "hyclora-4bit", return_logits=False, options=(("lora_half_products", "off"),)),
-    Point("hyclora-2bit-no-logits", "fxmem hyclora-2bit, no logits", "fxmem", "hyclora-2bit", return_logits=False),
-)
-POINT_KEYS = tuple(p.key for p in POINTS)
 PROFILED = ("hyclora-4bit-no-logits", "compile")  # the profiled points, where they run
 # What the issue asks of the step, as (point, the most its step may take as a fraction of torch.compile's)
 STEP_TARGETS = (("exact-no-logits", 1.00), ("hyclora-4bit-no-logits", 1.10), ("hyclora-4bit-no-logits", 1.00))

@@ -8,15 +8,15 @@ from dataclasses import dataclass, field
 import torch
 from torch._dynamo.utils import counters
 
+from fxmem.bench.choices import HIFT_COMPILE_CHOICES as COMPILE_CHOICES
+from fxmem.bench.choices import HIFT_SCOPES as SCOPES
 from fxmem.bench.finetune import round_robin
 from fxmem.bench.workloads import Workload
 from fxmem.measure import peak_memory
 from fxmem.timing import median, step_times, warm_up_compiler
 from fxmem.train.hift import ORDERS, HiFT, optimizer_state_bytes, tensor_bytes
 
-COMPILE_CHOICES = ("none", "fxmem", "inductor")
 EVAL_BATCHES = 4
-SCOPES = ("blocks", "model")
 
 
 @dataclass

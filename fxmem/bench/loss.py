@@ -14,12 +14,11 @@ from typing import Any
 import torch
 
 from fxmem.backend import Backend
+from fxmem.bench.choices import LOSS_METHODS
 from fxmem.config import Config
 from fxmem.measure import peak_memory
 from fxmem.timing import interleaved_step_times, median, warm_up_compiler
 
-LOSS_METHODS = ("unfused", "unfused-compile", "auto-chunker", "linear-cross-entropy",
-                "linear-cross-entropy-chunked", "fxmem")
 LOSS_METHOD_DESCRIPTIONS = {
     "unfused": "eager F.linear then F.cross_entropy on the float32 logits (HF's loss)",
     "unfused-compile": "the same under torch.compile (inductor defaults)",

@@ -10,16 +10,21 @@ import warnings
 from collections.abc import Sequence
 
 from fxmem.cli import bench, inspect, whatif
-from fxmem.cli.common import console
+from fxmem.cli.common import console, with_default_device
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def command_parser() -> argparse.ArgumentParser:
+    """The parser of every command; building it imports no torch (the commands import it in their ``run``)."""
     parser = argparse.ArgumentParser(prog="fxmem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     for command in (inspect, whatif, bench):
         command.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(bench.with_default_experiment(argv))
+    args = with_default_device(command_parser().parse_args(bench.with_default_experiment(argv)))
     args.command_line = "fxmem " + " ".join(shlex.quote(a) for a in argv)
     if not console.is_terminal:  # piped or captured: wide rows instead of columns wrapped at 80
         console.width = max(console.width, 200)

@@ -1,4 +1,8 @@
-"""What every `fxmem` subcommand shares: the console, option groups, argument types, and the one table writer."""
+"""What every `fxmem` subcommand shares: the console, option groups, argument types, and the one table writer.
+
+It imports no torch, nor anything that does: the parsers are built from it, and `fxmem --help` answers without the
+compile stack. The commands import what they run in their ``run``.
+"""
 
 from __future__ import annotations
 
@@ -12,15 +16,18 @@ import pathlib
 import platform
 import subprocess
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fxmem.bench.choices import WORKLOAD_FAMILIES
+from fxmem.choices import check_lowrank
 from fxmem.config import PRESETS
-from fxmem.kernels.lowrank import check_lowrank
+
+if TYPE_CHECKING:
+    import torch
 
 console = Console()
 
@@ -81,11 +88,11 @@ def get_workload(name: str) -> Any:
 
 
 def workload_names(family: str | None = None) -> list[str]:
-    from fxmem.bench.workloads import WORKLOADS
-    return [name for name, w in WORKLOADS.items() if family is None or w.family == family]
+    return [name for name, of_family in WORKLOAD_FAMILIES.items() if family is None or of_family == family]
 
 
 def default_device() -> str:
+    import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -94,7 +101,16 @@ def add_workload(parser: argparse.ArgumentParser, default: str, family: str | No
 
 
 def add_device(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=default_device())
+    """--device, by default CUDA where there is one: left None here and decided by with_default_device, since
+    asking torch would import it to build the parser."""
+    parser.add_argument("--device")
+
+
+def with_default_device(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with --device decided where add_device left it unset."""
+    if "device" in vars(args) and args.device is None:
+        args.device = default_device()
+    return args
 
 
 def add_preset(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +131,7 @@ def progress_bars(label_width: int = 22) -> Progress:
 
 
 def machine_description(device: torch.device | str) -> str:
+    import torch
     device = torch.device(device)
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"

@@ -8,15 +8,13 @@ import functools
 import json
 import pathlib
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fxmem.cli.common import add_preset, console, get_workload, int_at_least, workload_names
 from fxmem.config import PRESETS, Config
-from fxmem.fidelity import check_fidelity
-from fxmem.inspection import inspect as inspect_model
-from fxmem.models import build_lora_model, example_batch, hf_config
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -53,6 +51,12 @@ def _budget(text: str) -> float | int:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from fxmem.fidelity import check_fidelity
+    from fxmem.inspection import inspect as inspect_model
+    from fxmem.models import build_lora_model, example_batch, hf_config
+
     try:
         config = Config.from_preset(args.preset, memory_budget=args.memory_budget)
     except ValueError as error:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+from typing import TYPE_CHECKING
 
+from fxmem.choices import BASES, CONTEXT_GRANULARITY, DTYPE_NAMES, MAX_CONTEXT_PRESETS, NAMED_SHAPES, OPTIMIZER_STATES
 from fxmem.cli.common import (
     add_outputs,
     byte_size,
@@ -19,20 +21,9 @@ from fxmem.cli.common import (
     write_markdown,
 )
 from fxmem.config import PRESETS
-from fxmem.measure import format_bytes
-from fxmem.models import NAMED_SHAPES
-from fxmem.whatif import (
-    BASES,
-    CONTEXT_GRANULARITY,
-    DTYPES,
-    MAX_CONTEXT_PRESETS,
-    OPTIMIZER_STATES,
-    ContextFit,
-    max_context,
-    measured_saved_bytes,
-    plot,
-    whatif,
-)
+
+if TYPE_CHECKING:
+    from fxmem.whatif import ContextFit
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -43,7 +34,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch", type=int_at_least(1), default=4)
     parser.add_argument("--seq", type=int_at_least(1), default=512)
     parser.add_argument("--rank", type=int_at_least(1), default=16, help="LoRA rank")
-    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPE_NAMES))
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
     parser.add_argument("--shards", type=int_at_least(1), default=1,
                         help="FSDP2 over this many ranks: per rank, 1/shards of the weights, gradients and optimizer "
@@ -68,6 +59,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.measure import format_bytes
+    from fxmem.whatif import measured_saved_bytes, plot, whatif
+
     model = get_workload(args.model).hf_config() if args.model in workload_names() else args.model
     if args.max_context is not None:
         return _run_max_context(model, args)
@@ -130,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _loss_section(result) -> tuple:
     """The LM loss at its peak beside each preset's total: unfused (the model returns its logits) and chunked."""
+    from fxmem.measure import format_bytes
+
     loss = result.loss
     columns = ["preset", "total", "unfused loss", "share of peak", "chunked loss", "share of peak", "peak saved"]
     rows = []
@@ -148,6 +144,9 @@ def _loss_section(result) -> tuple:
 
 
 def _run_max_context(model: object, args: argparse.Namespace) -> int:
+    from fxmem.measure import format_bytes
+    from fxmem.whatif import max_context
+
     if args.measure or args.plot:
         console.print("[red]--max-context predicts only: measure it with `fxmem bench context` (a workload, on this "
                       "machine); --plot draws the per-preset breakdown of a fixed length[/red]")
@@ -181,6 +180,8 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
 
 
 def _context_row(fit: ContextFit) -> list[str]:
+    from fxmem.measure import format_bytes
+
     if not fit.seq:
         return [fit.preset, "none fits", *["—"] * 7]
     return [fit.preset, f"{fit.seq:,}", *(format_bytes(b) for b in (fit.weights, fit.optimizer_state,

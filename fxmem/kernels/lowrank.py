@@ -53,27 +53,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
+
+from fxmem.choices import check_lowrank
 
 # Halko et al. recommend 5 to 10 extra sketch columns; they are paid in compute, not in stored bytes.
 RSVD_OVERSAMPLE = 8
 # The paper's training script uses one power iteration (shijxcs/meft trainer.py, niter=1).
 DEFAULT_NITER = 1
-
-
-def check_lowrank(value: Any, *, allow_none: bool = True) -> None:
-    """Raise ValueError unless ``value`` is a rank ratio in (0, 1), an integer rank >= 1 (or None, if allowed)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return
-    if isinstance(value, float) and 0 < value < 1:
-        return
-    off = ", or None (off)" if allow_none else ""
-    raise ValueError(f"lowrank must be a ratio in (0, 1) of the last dimension, an integer rank >= 1{off}; "
-                     f"got {value!r}")
 
 
 def resolve_rank(rank: float | int, shape: torch.Size | tuple[int, ...]) -> int:  # noqa: PYI041 (int: rank, float: ratio)

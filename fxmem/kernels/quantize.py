@@ -51,7 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
-BITS_CHOICES = (1, 2, 4, 8)  # the widths the packing supports: 8 // bits codes to a byte
+from fxmem.choices import BITS_CHOICES
+
 # The grids a channel's range is fitted among, at these widths: mean +- k standard deviations for each k, and the
 # channel's whole range. Four levels over a Gaussian channel's whole range (about +-3.3 std over a thousand rows)
 # leave half its values 0.5 std or more from their level; the least-squares grid of four is near +-1.5 std.

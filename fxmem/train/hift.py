@@ -28,9 +28,9 @@ from rich.table import Table
 from torch._dynamo.utils import counters
 from torch.optim.lr_scheduler import LRScheduler
 
+from fxmem.choices import HIFT_ORDERS as ORDERS
 from fxmem.measure import format_bytes, saved_activation_bytes
 
-ORDERS = ("bottom2up", "top2down", "random")
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 

@@ -2,7 +2,13 @@
 
 import pytest
 
+from fxmem.bench.choices import COVERAGE_FAMILIES
 from fxmem.bench.coverage import FAMILIES, get_family, measure
+
+
+def test_the_command_offers_every_family():
+    # `fxmem bench coverage --families` takes COVERAGE_FAMILIES, without importing torch to read FAMILIES
+    assert tuple(f.name for f in FAMILIES) == COVERAGE_FAMILIES
 
 
 def test_a_fused_qkv_split_after_its_matmul_is_compressed_not_left_as_it_was():

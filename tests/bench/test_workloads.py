@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from fxmem.bench.choices import WORKLOAD_FAMILIES
 from fxmem.bench.data import byte_token_batches, docstring_code_pairs, stdlib_bytes
 from fxmem.bench.workloads import WORKLOADS, get_workload
 
@@ -25,6 +26,11 @@ def test_docstring_code_pairs_keep_the_docstring_out_of_the_code():
     assert len(pairs) >= 1000
     assert all(doc not in code for doc, code in pairs[:200])
     assert all(code.lstrip().startswith(("def ", "async def ", "@")) for _, code in pairs[:200])
+
+
+def test_the_command_lists_every_workload_with_its_family():
+    # `fxmem` lists and validates the workloads by WORKLOAD_FAMILIES, without importing torch to read WORKLOADS
+    assert [(name, w.family) for name, w in WORKLOADS.items()] == list(WORKLOAD_FAMILIES.items())
 
 
 def test_unknown_and_gpu_only_workloads_are_refused_clearly():

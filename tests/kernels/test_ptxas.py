@@ -39,7 +39,7 @@ def test_the_command_prints_the_figures_and_fails_on_a_build_error(monkeypatch, 
     found = [ptxas.KernelBuild("_lora_gelu_forward_kernel", "act=bf16 lora=bf16 gelu=none", 79, 0, 0, 4096),
              ptxas.KernelBuild("_lora_gelu_backward_kernel", "act=fp32 lora=fp32 bits=4 gelu=none",
                                error="PTXASError: ptxas failed\nmore")]
-    monkeypatch.setattr("fxmem.cli.bench.ptxas.compile_kernels", lambda arch: found)
+    monkeypatch.setattr(ptxas, "compile_kernels", lambda arch: found)
     assert main(["bench", "ptxas", "--json", str(tmp_path / "out.json")]) == 1
     out = capsys.readouterr().out
     assert "sm_90" in out and "PTXASError: ptxas failed" in out and "more" not in out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fxmem.bench import ablation
+from fxmem.choices import BITS_CHOICES
 from fxmem.cli.common import (
     add_device,
     add_outputs,
@@ -17,8 +17,6 @@ from fxmem.cli.common import (
     progress_bars,
     write_json,
 )
-from fxmem.kernels.quantize import BITS_CHOICES
-from fxmem.measure import format_bytes
 
 NAME = "ablate"
 COLUMNS = ("setting", "saved activations", "vs eager", "min grad cosine", "median grad error", "final loss",
@@ -49,6 +47,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench import ablation
+    from fxmem.measure import format_bytes
+
     workload = get_workload(args.workload)
     misplaced = "--ratios" if args.technique == "hyclora" and args.ratios else \
         "--bits" if args.technique == "loract" and args.bits else None

@@ -5,18 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+from typing import TYPE_CHECKING
 
-import torch
-
-from fxmem.bench.compare import METHOD_DESCRIPTIONS, METHODS, MethodResult, run_workload
-from fxmem.bench.frontier import DEFAULT_TARGETS, plot, run_frontier, wins
-from fxmem.bench.workloads import Workload
+from fxmem.bench.choices import COMPARE_METHODS, FRONTIER_TARGETS
 from fxmem.cli.common import (
+    add_device,
     add_outputs,
     add_preset,
     config_override,
     console,
-    default_device,
     get_workload,
     int_at_least,
     print_table,
@@ -24,8 +21,12 @@ from fxmem.cli.common import (
     write_json,
 )
 from fxmem.config import Config, overrides_text
-from fxmem.measure import format_bytes
-from fxmem.timing import round_ratio
+
+if TYPE_CHECKING:
+    import torch
+
+    from fxmem.bench.compare import MethodResult
+    from fxmem.bench.workloads import Workload
 
 NAME = "compare"
 COLUMNS = ("workload", "method", "saved activations", "reduction vs eager", "step peak", "static",
@@ -55,10 +56,11 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int_at_least(3), default=5,
                         help="interleaved timed rounds, one step of each method per round, at least 3: ratios are "
                              "the median of the per-round ratios, with their min-max range")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS),
+    parser.add_argument("--methods", nargs="+", choices=list(COMPARE_METHODS),
                         help="default: fxmem and every baseline that runs on the device (compile-offload: CUDA)")
-    parser.add_argument("--device", default=default_device())
-    parser.add_argument("--dtype", choices=list(DTYPES), help="train in this dtype instead of the workload's own")
+    add_device(parser)
+    parser.add_argument("--dtype", choices=list(DTYPE_CHOICES),
+                        help="train in this dtype instead of the workload's own")
     parser.add_argument("--set", action="append", type=config_override, default=[], metavar="NAME=VALUE",
                         help="override a Config field of the preset (a Python literal: --set bits=None); repeatable")
     parser.add_argument("--drop-logits", action="store_true",
@@ -68,7 +70,7 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
                         help="step peak against step time: fxmem (--preset, default hyclora-4bit, with memory_budget "
                              "at each target, and hyclora-2bit) and compile-budget at the same --targets, beside "
                              "eager, torch.compile and HF checkpointing")
-    parser.add_argument("--targets", nargs="+", type=float, default=list(DEFAULT_TARGETS), metavar="FRACTION",
+    parser.add_argument("--targets", nargs="+", type=float, default=list(FRONTIER_TARGETS), metavar="FRACTION",
                         help="--frontier's targets, fractions of what torch.compile saves (default 0.5 0.3 0.15 0.08)")
     parser.add_argument("--plot", type=pathlib.Path, metavar="PNG",
                         help="--frontier: draw each workload's frontier (PNG, the workload's name appended)")
@@ -81,6 +83,10 @@ OWN_OPTIONS = {"preset": "--preset", "return_logits": "--drop-logits"}
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from fxmem.bench.compare import METHOD_DESCRIPTIONS, run_workload
+
     try:
         _check_options(args)
         Config.from_preset(args.preset, **dict(args.set))
@@ -108,14 +114,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_CHOICES = ("bf16", "fp32")  # whatif's names
 
 
 def _in_dtype(workload: Workload, dtype: str | None) -> Workload:
+    from fxmem.whatif import DTYPES
     return workload if dtype is None else dataclasses.replace(workload, dtype=DTYPES[dtype])
 
 
 def rows(results: list) -> list[list[str]]:
+    from fxmem.measure import format_bytes
+    from fxmem.timing import round_ratio
+
     by_key = {(r.workload, r.method): r for r in results}
     table = []
     for r in results:
@@ -153,6 +163,10 @@ def _check_options(args: argparse.Namespace) -> None:
 
 
 def _frontier(args: argparse.Namespace, names: list[str], device: torch.device) -> int:
+    from fxmem.bench.frontier import plot, run_frontier, wins
+    from fxmem.measure import format_bytes
+    from fxmem.timing import round_ratio
+
     for target in args.targets:
         if not 0 < target <= 1:
             console.print(f"[red]--targets are fractions in (0, 1]; got {target}[/red]")

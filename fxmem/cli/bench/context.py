@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from fxmem.bench.context import BASELINE_DESCRIPTIONS, CONTEXT_BASELINES, DEFAULT_PRESETS, ContextResult, run_context
+from fxmem.bench.choices import CONTEXT_BASELINES, CONTEXT_PRESETS
 from fxmem.cli.common import (
     add_device,
     add_outputs,
@@ -18,7 +19,9 @@ from fxmem.cli.common import (
     write_json,
 )
 from fxmem.config import PRESETS, overrides_text
-from fxmem.measure import format_bytes
+
+if TYPE_CHECKING:
+    from fxmem.bench.context import ContextResult
 
 NAME = "context"
 COLUMNS = ("method", "longest fitting", "vs best baseline", "peak incl. static there", "shortest failing",
@@ -31,7 +34,7 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--workload", default="llama-small", choices=workload_names("llama"))
     parser.add_argument("--memory-cap", type=byte_size, required=True, metavar="SIZE",
                         help="weights, optimizer state and the step's peak together, e.g. 2GiB")
-    parser.add_argument("--presets", nargs="*", choices=list(PRESETS), default=list(DEFAULT_PRESETS),
+    parser.add_argument("--presets", nargs="*", choices=list(PRESETS), default=list(CONTEXT_PRESETS),
                         help="fxmem presets, each with return_logits=False (its loss chunked)")
     parser.add_argument("--baselines", nargs="*", choices=list(CONTEXT_BASELINES), default=list(CONTEXT_BASELINES))
     parser.add_argument("--start", type=int_at_least(1), default=512, help="the first length each search measures")
@@ -48,6 +51,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench.context import run_context
+    from fxmem.measure import format_bytes
+
     if args.start % args.granularity or args.start > args.max_seq:
         console.print(f"[red]--start ({args.start}) must be a multiple of --granularity ({args.granularity}) and at "
                       f"most --max-seq ({args.max_seq})[/red]")
@@ -68,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def rows(results: list[ContextResult]) -> list[list[str]]:
+    from fxmem.measure import format_bytes
+
     baselines = [r for r in results if not r.method.startswith("fxmem")]
     best = max(baselines, key=lambda r: r.longest, default=None)
     table = []
@@ -88,6 +96,8 @@ def rows(results: list[ContextResult]) -> list[list[str]]:
 
 
 def legend(args: argparse.Namespace) -> str:
+    from fxmem.bench.context import BASELINE_DESCRIPTIONS
+
     return (f"Batch 1; lengths are multiples of {args.granularity}, searched from {args.start}. longest fitting: "
             "the longest length whose whole step fits the cap: the bytes that live across steps (weights, buffers, "
             "AdamW state) plus the step's peak above them (activations, gradients, transients), each measured at "

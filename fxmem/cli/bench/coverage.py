@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from fxmem.bench.coverage import (
-    BATCH,
-    FAMILIES,
-    HIDDEN,
-    LAYERS,
-    LEARNING_RATE,
-    LORA_RANK,
-    SEQ,
-    CoverageResult,
-    get_family,
-    measure,
-)
+from fxmem.bench.choices import COVERAGE_FAMILIES
 from fxmem.cli.common import add_outputs, console, print_table, write_json
 from fxmem.config import PRESETS
-from fxmem.measure import format_bytes
+
+if TYPE_CHECKING:
+    from fxmem.bench.coverage import CoverageResult
 
 NAME = "coverage"
 COLUMNS = ("family", "preset", "eager saved", "fxmem saved", "reduction", "vs llama", "min grad cos",
@@ -29,8 +21,7 @@ REFERENCE = "llama"
 def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser = experiments.add_parser(NAME, help="tiny configs of transformers' families under fxmem: saved bytes vs "
                                                "eager, gradient fidelity, and why bytes are kept exact")
-    parser.add_argument("--families", nargs="+", choices=[f.name for f in FAMILIES],
-                        default=[f.name for f in FAMILIES])
+    parser.add_argument("--families", nargs="+", choices=list(COVERAGE_FAMILIES), default=list(COVERAGE_FAMILIES))
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS), default=["hyclora-4bit"])
     parser.add_argument("--steps", type=int, default=0,
                         help="also train each family this many AdamW steps under fxmem and compare its gradients "
@@ -42,10 +33,14 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def _kept(result: CoverageResult, top: int = 2) -> str:
+    from fxmem.measure import format_bytes
     return "; ".join(f"{reason} ({format_bytes(entry['bytes'])})" for reason, entry in list(result.kept.items())[:top])
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench.coverage import BATCH, HIDDEN, LAYERS, LEARNING_RATE, LORA_RANK, SEQ, get_family, measure
+    from fxmem.measure import format_bytes
+
     if args.steps < 0:
         console.print(f"[red]--steps must be 0 (no training) or more; got {args.steps}[/red]")
         return 2

@@ -10,12 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from fxmem.bench.distributed import relative_distance, train
 from fxmem.cli.common import add_outputs, add_preset, add_workload, console, get_workload, int_at_least, print_table
 from fxmem.config import CALIBRATION_CHOICES
-from fxmem.measure import format_bytes
 
 NAME = "distributed"
 COLUMNS = ("mode", "final loss", "max loss diff", "LoRA vs one process", "LoRA vs one process exact",
@@ -52,6 +48,11 @@ def _launch(mode: str, args: argparse.Namespace) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from fxmem.bench.distributed import relative_distance, train
+    from fxmem.measure import format_bytes
+
     workload = get_workload(args.workload)
     console.print(f"{workload.name}: {args.steps} SGD steps (lr {args.lr}) of the global batch "
                   f"{workload.batch} x {workload.seq}, {RANKS} ranks on this CPU (gloo), preset {args.preset}")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from fxmem.bench.fidelity import BASELINES, LEARNING_RATE, TOKENS, FidelityResult, measure
+from fxmem.bench.choices import FIDELITY_BASELINES, FIDELITY_TOKENS
 from fxmem.cli.common import (
     add_device,
     add_outputs,
@@ -17,8 +18,9 @@ from fxmem.cli.common import (
     write_json,
 )
 from fxmem.config import PRESETS
-from fxmem.fidelity import short_name
-from fxmem.measure import format_bytes
+
+if TYPE_CHECKING:
+    from fxmem.bench.fidelity import FidelityResult
 
 NAME = "fidelity"
 DEFAULT_METHODS = ("eager", "compile", "exact", "hyclora-4bit", "hyclora-2bit", "loract")
@@ -28,7 +30,7 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser = experiments.add_parser(NAME, help="gradient fidelity of each method in the workload's dtype (bf16 "
                                                "workloads: llama3-bf16-small, llama3-8b-shape) and against fp32")
     parser.add_argument("--workload", default="llama3-bf16-small", choices=workload_names("llama"))
-    parser.add_argument("--methods", nargs="+", choices=[*BASELINES, *PRESETS], default=list(DEFAULT_METHODS))
+    parser.add_argument("--methods", nargs="+", choices=[*FIDELITY_BASELINES, *PRESETS], default=list(DEFAULT_METHODS))
     parser.add_argument("--steps", type=int_at_least(0), default=0,
                         help="also train each method this many AdamW steps and compare again")
     parser.add_argument("--time", type=int_at_least(0), default=0, metavar="N",
@@ -39,7 +41,7 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--set", action="append", type=config_override, default=[], metavar="NAME=VALUE",
                         help="override a Config field of every fxmem preset (e.g. --set lora_half_products='on'); "
                              "repeatable")
-    parser.add_argument("--tokens", choices=TOKENS, default="text",
+    parser.add_argument("--tokens", choices=FIDELITY_TOKENS, default="text",
                         help="the batches: the workload's real text, or token ids drawn uniformly from the vocabulary")
     parser.add_argument("--lowering", choices=["inductor", "eager"], default="inductor")
     add_device(parser)
@@ -48,6 +50,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench.fidelity import measure
+
     workload = get_workload(args.workload)
     options = {**dict(args.set), **({"return_logits": False} if args.no_logits else {})}
     done: list[FidelityResult] = []
@@ -71,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(results: list[FidelityResult], args: argparse.Namespace) -> tuple[list[str], list[list[str]], str]:
+    from fxmem.bench.fidelity import LEARNING_RATE
+    from fxmem.fidelity import short_name
+    from fxmem.measure import format_bytes
+
     columns = ["method", "saved", "min cos", "worst parameter", "median err", "min cos vs fp32"]
     if args.steps:
         columns += [f"min cos, {args.steps} steps", f"vs fp32, {args.steps} steps"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from fxmem.bench import finetune as harness
 from fxmem.cli.bench.compare import LEGEND
 from fxmem.cli.common import (
     add_device,
@@ -16,7 +15,6 @@ from fxmem.cli.common import (
     print_table,
     progress_bars,
 )
-from fxmem.measure import format_bytes
 
 NAME = "finetune"
 COLUMNS = ("method", "saved activations", "vs eager", "step peak", "step time", "vs eager", "first step",
@@ -35,6 +33,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench import finetune as harness
+    from fxmem.measure import format_bytes
+
     workload = get_workload(args.workload)
     console.print(f"LoRA fine-tune of {workload.name} ({workload.description}), batch {workload.batch} x "
                   f"{workload.seq} tokens of Python standard-library source, {args.steps} steps, AdamW lr {args.lr}")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from fxmem.bench.gpu_check import POINT_KEYS, POINTS, STEP_TARGETS, GpuCheck, run_gpu_check
+from fxmem.bench.choices import POINT_KEYS, POINTS
 from fxmem.cli.bench.compare import bound_cell
 from fxmem.cli.common import (
     add_device,
@@ -17,8 +18,9 @@ from fxmem.cli.common import (
     workload_names,
     write_json,
 )
-from fxmem.measure import format_bytes
-from fxmem.timing import round_ratio
+
+if TYPE_CHECKING:
+    from fxmem.bench.gpu_check import GpuCheck
 
 NAME = "gpu-check"
 COLUMNS = ("point", "step vs torch.compile", "step peak", "saved activations", "min LoRA-grad cos vs eager",
@@ -39,6 +41,10 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench.gpu_check import run_gpu_check
+    from fxmem.measure import format_bytes
+    from fxmem.timing import round_ratio
+
     try:
         check = run_gpu_check(get_workload(args.workload), device=args.device, keys=args.points, steps=args.steps,
                               top=args.top, progress=console.print)
@@ -69,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _targets(check: GpuCheck) -> list[str]:
     """Each step target of the issue, met or missed, where its point ran."""
+    from fxmem.bench.gpu_check import STEP_TARGETS
+
     lines = []
     for key, most in STEP_TARGETS:
         ratio = check.step_ratio(key)

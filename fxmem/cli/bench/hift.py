@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from fxmem.bench import hift as harness
+from fxmem.bench.choices import HIFT_COMPILE_CHOICES, HIFT_SCOPES
+from fxmem.choices import HIFT_ORDERS
 from fxmem.cli.bench.compare import LEGEND
 from fxmem.cli.common import add_device, add_outputs, add_workload, console, get_workload, int_at_least, print_table
-from fxmem.measure import format_bytes
-from fxmem.train.hift import ORDERS
 
 NAME = "hift"
 COLUMNS = ("run", "k", "steps", "eval loss", "vs full, same batches", "vs full, same updates", "gradients mean / max",
@@ -21,12 +20,12 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     add_workload(parser, "minilm-real")
     parser.add_argument("--cycles", type=int_at_least(2), default=20,
                         help="full HiFT cycles (k steps each; plain fine-tuning takes as many steps)")
-    parser.add_argument("--orders", nargs="+", choices=list(ORDERS), default=list(ORDERS))
+    parser.add_argument("--orders", nargs="+", choices=list(HIFT_ORDERS), default=list(HIFT_ORDERS))
     parser.add_argument("--layers-per-group", type=int_at_least(1), default=1)
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW peak LR, cosine decay over the run")
-    parser.add_argument("--compile", default="none", choices=list(harness.COMPILE_CHOICES),
+    parser.add_argument("--compile", default="none", choices=list(HIFT_COMPILE_CHOICES),
                         help="torch.compile backend (plain: the whole model; HiFT: see --scope)")
-    parser.add_argument("--scope", default="blocks", choices=list(harness.SCOPES),
+    parser.add_argument("--scope", default="blocks", choices=list(HIFT_SCOPES),
                         help="what HiFT compiles: each block (hift.compile) or the whole model")
     add_device(parser)
     add_outputs(parser, json_results=False)
@@ -34,6 +33,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench import hift as harness
+    from fxmem.measure import format_bytes
+
     workload = get_workload(args.workload)
     console.print(f"full fine-tuning of {workload.name} ({workload.description}), batch {workload.batch} x "
                   f"{workload.seq}, AdamW lr {args.lr} cosine-decayed, {args.cycles} HiFT cycles; "
@@ -62,4 +64,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _mean_max(values: list[int]) -> str:
+    from fxmem.measure import format_bytes
     return f"{format_bytes(sum(values) / len(values))} / {format_bytes(max(values))}"

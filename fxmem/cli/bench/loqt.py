@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from fxmem.bench import loqt as harness
 from fxmem.cli.common import (
     add_outputs,
     console,
@@ -60,6 +59,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench import loqt as harness
+
     workload = get_workload(args.workload)
     if args.loqt_experiment == "memory":
         settings = harness.memory_settings(workload, lora_rank=args.lora_rank, loqt_rank=args.rank,

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from fxmem.bench.lora_layer import time_lora_layer
+from fxmem.choices import DTYPE_NAMES
 from fxmem.cli.common import add_outputs, console, int_at_least, print_table
-from fxmem.cost_model.lora_orders import LoraShape
-from fxmem.whatif import DTYPES
 
 NAME = "lora"
 COLUMNS = ("tokens, in -> out, rank", "orders", "W products", "FLOPs saved", "PEFT", "runlora", "speed-up",
@@ -18,7 +16,7 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser = experiments.add_parser(NAME, help="one LoRA layer's fwd+bwd time: RunLoRA's orders vs PEFT")
     parser.add_argument("--shapes", nargs="+", required=True, metavar="N,IN,OUT,R",
                         help="tokens (batch x seq), in and out features, rank; e.g. 2048,1024,2752,16")
-    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPE_NAMES))
     parser.add_argument("--steps", type=int_at_least(1), default=10, help="timed steps (median reported)")
     parser.add_argument("--device", default="cpu")
     add_outputs(parser, json_results=False)
@@ -26,6 +24,10 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench.lora_layer import time_lora_layer
+    from fxmem.cost_model.lora_orders import LoraShape
+    from fxmem.whatif import DTYPES
+
     rows = []
     for text in args.shapes:
         try:

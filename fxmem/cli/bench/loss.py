@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from fxmem.bench.loss import LOSS_METHOD_DESCRIPTIONS, LOSS_METHODS, LossShape, run_loss
+from fxmem.bench.choices import LOSS_METHODS
+from fxmem.choices import DTYPE_NAMES
 from fxmem.cli.common import add_outputs, console, int_at_least, print_table, write_json
-from fxmem.measure import format_bytes
-from fxmem.whatif import DTYPES
 
 NAME = "loss"
 COLUMNS = ("method", "peak", "vs unfused", "step time", "vs unfused", "loss rel err", "max grad rel err")
@@ -18,7 +17,7 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokens", type=int_at_least(1), default=2048)
     parser.add_argument("--hidden", type=int_at_least(1), default=1024)
     parser.add_argument("--vocab", type=int_at_least(2), default=128256, help="default: Llama 3's vocabulary")
-    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPE_NAMES))
     parser.add_argument("--train-head", action="store_true", help="the head's weight trains too (default frozen)")
     parser.add_argument("--methods", nargs="+", choices=list(LOSS_METHODS), default=list(LOSS_METHODS),
                         help="default: all; the unfused eager loss always runs, as the reference")
@@ -29,6 +28,10 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench.loss import LOSS_METHOD_DESCRIPTIONS, LossShape, run_loss
+    from fxmem.measure import format_bytes
+    from fxmem.whatif import DTYPES
+
     shape = LossShape(args.tokens, args.hidden, args.vocab, DTYPES[args.dtype])
     with console.status("loss") as status:
         results = run_loss(shape, methods=tuple(args.methods), steps=args.steps, train_head=args.train_head,

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from fxmem.bench.lowrank_error import measure, saved_activations, synthetic_matrices
 from fxmem.cli.common import add_outputs, console, int_at_least, lowrank_rank, print_table
 
 NAME = "lowrank-error"
@@ -28,6 +25,10 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from fxmem.bench.lowrank_error import measure, saved_activations, synthetic_matrices
+
     matrices = []
     with console.status("building matrices"):
         if "synthetic" in args.sources:

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from fxmem.bench.lowrank_saved import measure_ratios
 from fxmem.cli.common import add_outputs, add_workload, console, get_workload, lowrank_rank, print_table
-from fxmem.measure import format_bytes
 
 NAME = "lowrank-saved"
 COLUMNS = ("lowrank", "saved activations", "planned", "reduction vs eager", "norm inputs shared", "min grad cos",
@@ -28,6 +24,11 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from fxmem.bench.lowrank_saved import measure_ratios
+    from fxmem.measure import format_bytes
+
     workload = get_workload(args.workload)
     with console.status(f"{workload.name}: eager PEFT, then fxmem at {len(args.ratios)} ratio(s)"):
         results = measure_ratios(workload, args.ratios, lowering=args.lowering)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from fxmem.bench import pretrained
 from fxmem.cli.common import add_outputs, console, print_table
 
 NAME = "pretrain"
@@ -21,6 +20,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench import pretrained
+
     recipe = pretrained.RECIPE
     directory = pretrained.checkpoint_dir(recipe)
     if args.rebuild or pretrained.read_manifest(recipe) is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from fxmem.bench.profile import COMPRESSION_PASSES, profile_step
 from fxmem.cli.common import (
     add_outputs,
     add_preset,
@@ -15,7 +14,6 @@ from fxmem.cli.common import (
     print_table,
     write_json,
 )
-from fxmem.timing import median
 
 NAME = "profile"
 COLUMNS = ("op or kernel", "self time", "share", "calls")
@@ -35,6 +33,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench.profile import COMPRESSION_PASSES, profile_step
+    from fxmem.timing import median
+
     workload = get_workload(args.workload)
     with console.status("profiling") as status:
         result = profile_step(workload, args.preset, steps=args.steps, top=args.top, device=args.device,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from fxmem.bench.ptxas import compile_kernels
 from fxmem.cli.common import add_outputs, console, int_at_least, print_table, write_json
 
 NAME = "ptxas"
@@ -19,6 +18,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench.ptxas import compile_kernels
+
     with console.status(f"building for sm_{args.arch}"):
         builds = compile_kernels(args.arch)
     rows = [[b.kernel, b.variant, str(b.registers), f"{b.spill_bytes} B", f"{b.stack_bytes} B",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from fxmem.bench.report import PAGE_LIMIT, build, load_results, with_summary
 from fxmem.cli.common import console
 
 NAME = "report"
@@ -28,6 +27,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench.report import PAGE_LIMIT, build, load_results, with_summary
+
     if not args.results.is_dir():
         console.print(f"[red]--results {args.results}: no such folder[/red]")
         return 2

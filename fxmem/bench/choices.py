@@ -1,0 +1,74 @@
+"""The names the experiments take (workloads, methods, points, ...) in plain Python: the experiments import them from
+here, and `fxmem bench` builds its parsers from them without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fxmem.config import Config
+
+# Every workload (bench/workloads.py defines them) and its model family, in the order the command lists them
+WORKLOAD_FAMILIES = {
+    "llama-tiny": "llama", "llama-small": "llama", "qlora-tiny": "llama", "qlora-small": "llama",
+    "llama-pretrained": "llama", "llama-7b-shape": "llama", "llama3-bf16-small": "llama", "llama3-8b-shape": "llama",
+    "minilm-real": "bert",
+}
+
+# bench/compare.py
+COMPARE_METHODS = ("eager", "compile", "compile-budget", "hf-checkpointing", "compile-checkpointing", "compile-sac",
+                   "compile-offload", "fxmem")
+FRONTIER_TARGETS = (0.5, 0.3, 0.15, 0.08)  # bench/frontier.py's, fractions of what torch.compile saves
+
+# bench/context.py: the baselines measured beside fxmem's presets. compile-budget runs at its lowest setting: the
+# least that inductor's own solver saves.
+CONTEXT_BASELINES = ("eager", "compile", "compile-budget", "compile-checkpointing")
+CONTEXT_PRESETS = ("exact", "hyclora-4bit")
+
+# bench/coverage.py's families (transformers' model_type of each)
+COVERAGE_FAMILIES = ("llama", "qwen2", "gemma", "phi3", "phi", "gpt_neox", "gpt2", "opt", "bert")
+
+# bench/fidelity.py
+FIDELITY_BASELINES = ("eager", "compile")
+FIDELITY_TOKENS = ("text", "random")  # the workload's real text, or ids drawn uniformly from the vocabulary
+
+# bench/hift.py
+HIFT_COMPILE_CHOICES = ("none", "fxmem", "inductor")
+HIFT_SCOPES = ("blocks", "model")
+
+# bench/loss.py
+LOSS_METHODS = ("unfused", "unfused-compile", "auto-chunker", "linear-cross-entropy",
+                "linear-cross-entropy-chunked", "fxmem")
+
+
+@dataclass(frozen=True)
+class Point:
+    """A point of bench/gpu_check.py's table."""
+
+    key: str  # what --points names it
+    label: str  # as the table shows it
+    method: str  # bench.compare's method
+    preset: str = "exact"
+    return_logits: bool = True
+    budget: float | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def config(self) -> Config:
+        return Config.from_preset(self.preset, return_logits=self.return_logits, **dict(self.options))
+
+
+POINTS: tuple[Point, ...] = (
+    Point("eager", "eager PEFT", "eager"),
+    Point("compile", "torch.compile", "compile"),
+    Point("budget-0.15", "activation_memory_budget 0.15", "compile-budget", budget=0.15),
+    Point("budget-0.05", "activation_memory_budget 0.05", "compile-budget", budget=0.05),
+    Point("hf-checkpointing", "HF gradient checkpointing", "hf-checkpointing"),
+    Point("exact", "fxmem exact", "fxmem"),
+    Point("exact-no-logits", "fxmem exact, no logits", "fxmem", return_logits=False),
+    Point("hyclora-4bit", "fxmem hyclora-4bit", "fxmem", "hyclora-4bit"),
+    Point("hyclora-4bit-no-logits", "fxmem hyclora-4bit, no logits", "fxmem", "hyclora-4bit", return_logits=False),
+    Point("hyclora-4bit-no-logits-fp32-lora", "fxmem hyclora-4bit, no logits, fp32 LoRA products", "fxmem",
+          "hyclora-4bit", return_logits=False, options=(("lora_half_products", "off"),)),
+    Point("hyclora-2bit-no-logits", "fxmem hyclora-2bit, no logits", "fxmem", "hyclora-2bit", return_logits=False),
+)
+POINT_KEYS = tuple(p.key for p in POINTS)
