@@ -35,13 +35,20 @@ _LAZY = {"Backend": "fxmem.backend", "backend": "fxmem.backend", "compile_": "fx
 
 
 def __getattr__(name: str) -> Any:
-    if name == "measure":
-        return importlib.import_module("fxmem.measure")  # the import binds it here
-    if name not in _LAZY:
-        raise AttributeError(f"module 'fxmem' has no attribute {name!r}")
+    if name not in _LAZY:  # a subpackage (fxmem.measure, fxmem.analysis, ...): the import binds it here
+        try:
+            return importlib.import_module(f"fxmem.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"fxmem.{name}":
+                raise
+            raise AttributeError(f"module 'fxmem' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | {"measure"})
 
 
 class _Package(types.ModuleType):

@@ -33,7 +33,7 @@ from fxmem.config import Config
 from fxmem.cost_model.memory import op_workspace_bytes
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.planner import budget_bytes, budget_note, plan_region
-from fxmem.fallback import fall_back
+from fxmem.fallback import fall_back, strict
 from fxmem.measure import format_bytes
 from fxmem.passes import PassManager, PassRecord, PipelineState
 from fxmem.passes.manager import copy_graph_module, tag_must_recompute
@@ -219,8 +219,24 @@ def pinned_notes(held: Pinned) -> list[str]:
 
 
 def run_eagerly(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
-    """Lowering for inspection: run the partitioned aten graphs as they are, no code generation."""
+    """Lowering for inspection: run the partitioned aten graphs as they are, no code generation; inductor's seeded
+    draws drawn from their seeds, so that a forward and a backward that both draw one mask (replay_dropout) agree."""
+    draws = [n for n in gm.graph.nodes if n.target is _SEEDED_DRAW]
+    for node in draws:
+        node.target = _seeded_draw
+    if draws:
+        gm.recompile()
     return make_boxed_func(gm.forward)
+
+
+_SEEDED_DRAW = torch.ops.prims.inductor_random.default
+
+
+def _seeded_draw(size: Sequence[int], seed: torch.Tensor, mode: str, *, align_dtype: Any = None) -> torch.Tensor:
+    """``prims.inductor_random`` as inductor lowers it, a function of its seed (its eager form ignores the seed: a
+    replayed draw would differ from the first)."""
+    generator = torch.Generator(device=seed.device).manual_seed(int(seed))
+    return getattr(torch, mode)(size, generator=generator, device=seed.device, dtype=torch.float32)
 
 
 _RANDOM_OPS = (torch.ops.aten.rand_like.default, torch.ops.aten.rand.default)
@@ -248,6 +264,12 @@ def _lower_or_run_as_is(region: Region) -> Callable:
         except Exception as error:
             if not any(p.summary for p in region.passes):
                 raise  # fxmem changed nothing: torch's own error, as it would be without fxmem
+            if any(n.target is _SEEDED_DRAW for n in gm.graph.nodes) and any(
+                    p.name == "replay_dropout" and p.summary for p in region.passes):
+                # its other graph draws the same masks in inductor's code: eagerly they would differ
+                raise RuntimeError(f"fxmem region {region.index}: inductor could not lower a graph that draws the "
+                                   "dropout masks replay_dropout replays, and run eagerly it would draw other masks "
+                                   f"than its compiled counterpart ({type(error).__name__})") from error
             message = str(error).splitlines()[0] if str(error) else ""
             note = (f"inductor could not lower a rewritten graph ({type(error).__name__}: {message}); "
                     "it runs as aten ops, unfused")
@@ -269,6 +291,7 @@ class Backend:
         if lowering not in LOWERINGS:
             raise ValueError(f"lowering must be one of {', '.join(LOWERINGS)}; got {lowering!r}")
         self.config = config or Config()
+        strict(self.config)  # a bad FXMEM_STRICT is refused here, not at the first fallback
         self.lowering = lowering
         self.passes = passes or PassManager(default_passes())
         self.fidelity_probes = fidelity_probes

@@ -65,7 +65,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("adapter_cast", (), lambda config: True, ("recompute_adapter_cast",)),
     # A LoRA input's dropout mask drawn again in backward from its seed, in every preset: the same mask, so under
     # exact the gradients are torch.compile's.
-    Technique("dropout_replay", (), lambda config: True, ("replay_dropout",)),
+    Technique("replay_dropout", (), lambda config: True, ("replay_dropout",)),
     # A mask proven causal becomes SDPA's is_causal in every preset: exact, and the tokens x tokens mask is gone.
     Technique("causal_mask", (), lambda config: True, ("causal_mask",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
@@ -78,6 +78,9 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
               (*_COMPRESSION_RECOMPUTES, "quantize"), refine=planner.fit_budget),
 )
+
+# Config fields that belong to no technique: how fxmem reports what it could not do (fxmem/fallback.py).
+GENERAL_FIELDS = ("strict",)
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
     CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, RecomputeAdapterCast, ReplayDropout, LoraReorder,

@@ -13,14 +13,15 @@ PACKAGE = pathlib.Path(fxmem.__file__).parent
 # the longest matching prefix decides.
 ALLOWED = {
     "fxmem.choices": set(),
-    "fxmem.kernels": {"fxmem.choices"},
+    "fxmem.fallback": {"fxmem.config"},  # for its type only
+    "fxmem.kernels": {"fxmem.choices", "fxmem.fallback"},
     "fxmem.timing": set(),
     "fxmem.fitting": set(),
     "fxmem.analysis": set(),
     "fxmem.config": {"fxmem.choices"},
     "fxmem.measure": {"fxmem.timing"},
     "fxmem.cost_model": {"fxmem.analysis", "fxmem.config", "fxmem.kernels", "fxmem.timing"},
-    "fxmem.passes": {"fxmem.analysis", "fxmem.config", "fxmem.cost_model", "fxmem.kernels"},
+    "fxmem.passes": {"fxmem.analysis", "fxmem.config", "fxmem.cost_model", "fxmem.fallback", "fxmem.kernels"},
     "fxmem.techniques": {"fxmem.config", "fxmem.cost_model", "fxmem.passes"},
     "fxmem.train": {"fxmem.choices", "fxmem.kernels", "fxmem.measure", "fxmem.timing"},
 }

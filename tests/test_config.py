@@ -9,7 +9,8 @@ from fxmem.backend import fxmem_backend
 def test_defaults_are_the_exact_preset():
     assert Config() == PRESETS["exact"] == Config.from_preset("exact")
     # exact: on everywhere, all lossless
-    assert [t.name for t in techniques.enabled_techniques(Config())] == ["adapter_cast", "causal_mask", "chunk_loss"]
+    enabled = [t.name for t in techniques.enabled_techniques(Config())]
+    assert enabled == ["adapter_cast", "replay_dropout", "causal_mask", "chunk_loss"]
 
 
 @pytest.mark.parametrize("field, value, expected", [

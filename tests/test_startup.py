@@ -76,3 +76,10 @@ def test_device_defaults_to_cuda_where_there_is_one_once_parsed():
         ("cuda" if torch.cuda.is_available() else "cpu")
     assert with_default_device(parser.parse_args(["bench", "ablate", "--device", "meta"])).device == "meta"
     assert with_default_device(parser.parse_args(["inspect", "llama-tiny"])).device == "cpu"  # its own default
+
+
+def test_a_subpackage_loads_on_first_use_and_a_missing_name_is_an_attribute_error():
+    code = ("import fxmem; assert fxmem.analysis.analyze and 'inspect' in dir(fxmem)\n"
+            "try:\n    fxmem.nope\nexcept AttributeError as error:\n    print(error)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "module 'fxmem' has no attribute 'nope'"

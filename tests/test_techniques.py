@@ -6,7 +6,7 @@ from fxmem import PRESETS, Config, techniques
 
 
 def test_every_config_field_belongs_to_exactly_one_technique():
-    owners = [name for t in techniques.TECHNIQUES for name in t.fields]
+    owners = [name for t in techniques.TECHNIQUES for name in t.fields] + list(techniques.GENERAL_FIELDS)
     assert sorted(owners) == sorted(f.name for f in dataclasses.fields(Config))
 
 
@@ -18,16 +18,18 @@ def test_every_pass_is_declared_once_in_the_order_and_served_by_a_technique():
 
 
 @pytest.mark.parametrize("preset, names, passes", [
-    ("exact", ["adapter_cast", "causal_mask", "chunk_loss"], ["causal_mask", "chunk_loss", "recompute_adapter_cast"]),
-    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", "adapter_cast", "causal_mask", "chunk_loss",
-                      "lora_half_products"],
-     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "lora_reorder", "recompute_logits", "recompute_attention",
-      "sparsify_attention", "quantize", "fuse_epilogue", "lora_half_products"]),
-    ("loract", ["quantize", "lowrank", "adapter_cast", "causal_mask", "chunk_loss", "lora_half_products"],
-     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "recompute_logits", "recompute_attention", "quantize",
-      "lowrank", "lora_half_products"]),
-    ("runlora", ["runlora", "adapter_cast", "causal_mask", "chunk_loss"],
-     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "runlora", "onednn_matmul"]),
+    ("exact", ["adapter_cast", "replay_dropout", "causal_mask", "chunk_loss"],
+     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "replay_dropout"]),
+    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", "adapter_cast", "replay_dropout", "causal_mask",
+                      "chunk_loss", "lora_half_products"],
+     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "replay_dropout", "lora_reorder", "recompute_logits",
+      "recompute_attention", "sparsify_attention", "quantize", "fuse_epilogue", "lora_half_products"]),
+    ("loract", ["quantize", "lowrank", "adapter_cast", "replay_dropout", "causal_mask", "chunk_loss",
+                "lora_half_products"],
+     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "replay_dropout", "recompute_logits",
+      "recompute_attention", "quantize", "lowrank", "lora_half_products"]),
+    ("runlora", ["runlora", "adapter_cast", "replay_dropout", "causal_mask", "chunk_loss"],
+     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "replay_dropout", "runlora", "onednn_matmul"]),
 ])
 def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order(preset, names, passes):
     config = PRESETS[preset]
@@ -37,6 +39,6 @@ def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order
 
 def test_a_memory_budget_alone_runs_the_quantize_pass_and_its_refinement():
     config = Config(memory_budget=0.5)
-    assert [t.name for t in techniques.enabled_techniques(config)] == ["adapter_cast", "causal_mask", "chunk_loss",
-                                                                            "memory_budget"]
+    assert [t.name for t in techniques.enabled_techniques(config)] == ["adapter_cast", "replay_dropout", "causal_mask",
+                                                                            "chunk_loss", "memory_budget"]
     assert "quantize" in [p.name for p in techniques.default_passes() if p.enabled(config)]

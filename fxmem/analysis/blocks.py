@@ -37,7 +37,7 @@ def find_blocks(graph: Graph) -> list[Block]:
     for name, nodes in members.items():
         inside = set(nodes)
         outputs = tuple(n for n in nodes if any(is_forward(u) and u not in inside for u in n.users))
-        random = next((str(n.target) for n in nodes if _draws_random_numbers(n)), None)
+        random = next((str(n.target) for n in nodes if draws_random_numbers(n)), None)
         inputs = tuple(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a.op == "call_function"
                                      and is_forward(a) and not layer_of(module_path(a))))
         blocks.append(Block(name, tuple(nodes), outputs, inputs, random))
@@ -49,7 +49,7 @@ def find_blocks(graph: Graph) -> list[Block]:
 _INDUCTOR_RANDOM = frozenset({inductor_prims.random, inductor_prims.randint})
 
 
-def _draws_random_numbers(node: Node) -> bool:
+def draws_random_numbers(node: Node) -> bool:
     """A seeded op; fused attention only with dropout (its schema marks it seeded either way)."""
     if node.target in _INDUCTOR_RANDOM:
         return True

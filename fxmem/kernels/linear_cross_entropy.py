@@ -117,9 +117,9 @@ class _Fused:
             try:
                 return self.compiled(*args)
             except _compile_errors() as error:
-                self.compiled = None
                 fall_back(f"fxmem's chunked loss runs {self.function.__name__} eagerly: inductor could not compile "
                           f"it ({type(error).__name__}: {error})")
+                self.compiled = None  # after the warning: strict mode raises at every call
         return self.function(*args)
 
 

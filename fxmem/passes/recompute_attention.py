@@ -40,11 +40,11 @@ class RecomputeAttention(GraphPass):
         for node in state.joint.graph.nodes:
             if node.target is operator.getitem or not is_fused_attention(node):
                 continue  # a getitem carries its op's original_aten: count the op once
-            if dropout_probability(node):
-                skipped += 1
-                continue
             if state.attention_layers is not None and layer_of(module_path(node)) not in state.attention_layers:
                 exact += 1
+                continue
+            if dropout_probability(node):
+                skipped += 1
                 continue
             tag_must_recompute([node, *(u for u in node.users if u.target is operator.getitem)])
             tagged += 1

@@ -8,9 +8,11 @@ stored once at 8 bits for the replayed X W) does not reach it.
 Inductor draws every random tensor of a compiled graph from a per-step seed tensor (``inductor_random`` of
 ``inductor_lookup_seed(seeds, i)``): the same seed draws the same numbers. The draw, the mask and the scaling are
 tagged must-recompute, so backward draws the mask again from the saved seeds (a few bytes) and rebuilds x' from x:
-neither is saved, and the gradients are exactly those of torch.compile, which draws the same mask. A dropout drawn
-otherwise (``torch._inductor.config.fallback_random``: a stateful generator, which a replay would advance) is left
-as is, and named.
+neither is saved, and the gradients are exactly those of torch.compile, which draws the same mask. A chain with any
+other random op (one a replay would advance) is left as is, and named. Under
+``torch._inductor.config.fallback_random`` dropout stays aten's native_dropout, which the LoRA matcher does not see
+through: those LoRA linears are left as torch runs them. Run eagerly (``lowering="eager"``), a seeded draw is drawn
+from its seed too (backend.run_eagerly).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from fxmem.analysis.blocks import draws_random_numbers
 from fxmem.analysis.graph import original_op, storage_base, tensor_val
 from fxmem.analysis.lora import find_lora_linears, matmul_operands
 from fxmem.fallback import unsupported
@@ -42,8 +45,8 @@ class ReplayDropout(GraphPass):
                 continue
             x_lora = matmul_operands(lora.xa)[0]
             chain = dropout_nodes(x_lora, storage_base(lora.x))
-            if all(_SEEDED_DRAW is not n.target or _seeded(n) for n in chain) and any(
-                    n.target is _SEEDED_DRAW for n in chain):
+            draws = [n for n in chain if draws_random_numbers(n)]
+            if draws and all(n.target is _SEEDED_DRAW and _seeded(n) for n in draws):
                 replayed.setdefault(x_lora, (chain, lora.x))
             else:
                 stateful.append(lora.module)
@@ -57,7 +60,7 @@ class ReplayDropout(GraphPass):
             parts.append(f"{len(replayed)} LoRA input dropout(s) replayed in backward from their seeds: "
                          f"{masks / 2**20:.2f} Mi mask elements and the dropped copies of x not saved")
         if stateful:
-            parts.append(f"left as is, dropout not drawn from a seed (fallback_random?): {', '.join(stateful)}")
+            parts.append(f"left as is, a dropout mask not drawn from a seed alone: {', '.join(stateful)}")
             unsupported(f"replay_dropout: {parts[-1]}", state.config)
         return "; ".join(parts)
 

@@ -141,7 +141,7 @@ def rewrite_planned(state: PipelineState, action: str,
     for index, (saved, plan) in enumerate(zip(state.analysis.saved, state.plans, strict=True)):
         if plan.action == action:
             groups.setdefault(saved.storage, []).append(index)
-    done = []
+    done, left = [], []
     for indices in groups.values():
         members = [state.analysis.saved[i].node for i in indices]
         owner_plan = next(state.plans[i] for i in indices if state.plans[i].nbytes is not None)
@@ -152,8 +152,10 @@ def rewrite_planned(state: PipelineState, action: str,
         except Unmappable as error:
             for i in indices:
                 state.plans[i] = Plan("keep", f"planned {action}, left as it was: {error}")
-            fall_back(f"{', '.join(m.name for m in members)}: planned {action}, left as it was (kept exact): {error}",
-                      state.config)
+            left.append(f"{', '.join(m.name for m in members)} ({error})")
+    if left:  # one warning for the pass: each storage's reason is in its plan too
+        fall_back(f"planned {action} left undone, the tensors kept exact: {'; '.join(left)}", state.config,
+                  stacklevel=3)
     return done
 
 

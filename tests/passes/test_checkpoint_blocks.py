@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 import fxmem
@@ -49,8 +50,15 @@ def test_under_hyclora_the_blocks_sources_are_stored_at_8_bits_with_the_presets_
     assert _worst_cosine(reference[1], grads) >= PUBLISHED_MIN_COSINE["hyclora-4bit"]
 
 
-def test_a_block_that_draws_random_numbers_is_left_as_it_is():
+def test_a_block_that_draws_random_numbers_is_left_as_it_is(lenient):
     model, batch = tiny_model("llama", lora=True, lora_dropout=0.1)
     backend = fxmem.Backend(fxmem.Config(block_checkpoint=True), lowering="eager")
     torch.compile(model, backend=backend)(**batch).loss.backward()
     assert _summary(backend) == "2 block(s) left as they are: they draw random numbers (prims.inductor_random.default)"
+
+
+def test_strict_mode_refuses_a_block_it_would_leave_as_it_is():
+    model, batch = tiny_model("llama", lora=True, lora_dropout=0.1, layers=1)
+    backend = fxmem.Backend(fxmem.Config(block_checkpoint=True, strict=True), lowering="eager")
+    with pytest.raises(Exception, match=r"checkpoint_blocks: 1 block\(s\) left as they are: they draw random numbers"):
+        torch.compile(model, backend=backend)(**batch).loss.backward()

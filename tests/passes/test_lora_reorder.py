@@ -1,4 +1,3 @@
-
 """lora_reorder (HyC-LoRA inter-operator): what is saved instead of LoRA outputs, and the gradients it gives."""
 
 import torch

@@ -51,3 +51,18 @@ def test_a_dropout_drawn_from_a_stateful_generator_is_not_replayed():
     assert {p.name: p.summary for p in backend.regions[0].passes}["replay_dropout"] == ""
     for name, grad in reference.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_run_eagerly_a_replayed_mask_is_the_mask_forward_drew():
+    # inductor_random's eager form ignores its seed: run_eagerly draws from it, as inductor's code does
+    from fxmem.passes import PassManager
+    from fxmem.techniques import default_passes
+    model, batch = tiny_model("llama", lora=True, lora_dropout=0.1, layers=1)
+    randomize_lora_b(model)
+    saved_masks = PassManager([p for p in default_passes() if p.name != "replay_dropout"])
+    _, reference = _compiled(model, batch, fxmem.Backend(fxmem.Config(), lowering="eager", passes=saved_masks))
+    backend = fxmem.Backend(fxmem.Config(), lowering="eager")
+    _, grads = _compiled(model, batch, backend)
+    assert {p.name: p.summary for p in backend.regions[0].passes}["replay_dropout"].startswith("7 LoRA input")
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -61,16 +61,16 @@ def run(args: argparse.Namespace) -> int:
     legend = (f"{args.workload} on {args.device}, every point built from the same weights in one process; step: "
               f"median of {args.steps} interleaved training steps (optimizer included) over torch.compile's, with "
               "the rounds' range; step peak: above the weights and optimizer state; min LoRA-grad cos: the worst "
-              "trainable gradient's cosine against eager's on the first batch.\n" + "\n".join(_targets(check)))
+              "trainable gradient's cosine against eager's on the first batch.\n"
+              + "\n".join(_targets(check) + [f"- {labels[key]} did not run: {error}"
+                                              for key, error in check.failures.items()]))
     print_table(f"fxmem bench gpu-check: {args.workload}", COLUMNS, rows, legend, args, args.device)
     for profiled in check.profiles:
         show_table(f"profile: {labels[profiled.key]}", ("kernel or op", "time", "calls"),
                    [[name[:90], f"{seconds * 1000:.2f} ms", str(calls)] for name, seconds, calls in profiled.top],
                    f"{profiled.launches} kernels launched by one training step")
-    for key, error in check.failures.items():
-        console.print(f"[red]{labels[key]} did not run: {error}[/red]")
     write_json([check], args, args.device)
-    return 0
+    return 1 if check.failures else 0
 
 
 def _targets(check: GpuCheck) -> list[str]:
