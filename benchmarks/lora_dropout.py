@@ -20,9 +20,9 @@ import torch
 
 os.environ.setdefault("FXMEM_STRICT", "0")  # a preset that leaves a dropout LoRA alone is what this measures
 
-import fxmem  # noqa: E402
-from fxmem.cli.common import run_metadata  # noqa: E402
-from fxmem.measure import gradient_fidelity  # noqa: E402
+import fxmem
+from fxmem.cli.common import run_metadata
+from fxmem.measure import gradient_fidelity
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
