@@ -25,6 +25,7 @@ from fxmem.passes import (
     QuantizeSaved,
     RecomputeAdapterCast,
     RecomputeAttention,
+    RecomputeInputs,
     RecomputeLogits,
     ReplayDropout,
     RunLora,
@@ -66,6 +67,9 @@ TECHNIQUES: tuple[Technique, ...] = (
     # A LoRA input's dropout mask drawn again in backward from its seed, in every preset: the same mask, so under
     # exact the gradients are torch.compile's.
     Technique("replay_dropout", (), lambda config: True, ("replay_dropout",)),
+    # What forward builds from the graph's inputs alone (autocast's bf16 weight copies, a packed batch's attention
+    # mask) recomputed in backward, in every preset: exact.
+    Technique("recompute_inputs", (), lambda config: True, ("recompute_inputs",)),
     # A mask proven causal becomes SDPA's is_causal in every preset: exact, and the tokens x tokens mask is gone.
     Technique("causal_mask", (), lambda config: True, ("causal_mask",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
@@ -83,7 +87,8 @@ TECHNIQUES: tuple[Technique, ...] = (
 GENERAL_FIELDS = ("strict",)
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, RecomputeAdapterCast, ReplayDropout, LoraReorder,
+    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, RecomputeAdapterCast, ReplayDropout, RecomputeInputs,
+    LoraReorder,
     RunLora,
     RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue,
     LoraHalfProducts, OnednnMatmul)}
@@ -92,8 +97,8 @@ PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
 # checkpoint_blocks last: its tags override theirs inside a block), then the partitioned ones: sparsify, quantize
 # and lowrank rewrite saved tensors that fuse_epilogue then fuses, lora_half_products and onednn_matmul swap the
 # products of the finished graphs.
-PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "recompute_adapter_cast", "replay_dropout", "lora_reorder",
-              "runlora",
+PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "recompute_adapter_cast", "replay_dropout", "recompute_inputs",
+              "lora_reorder", "runlora",
               "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize", "lowrank",
               "fuse_epilogue", "lora_half_products", "onednn_matmul")
 

@@ -11,8 +11,9 @@ weight: not free, but exact up to x's own storage (cost_model.planner.rebuild_fr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
+import torch
 from torch.fx import Node
 
 from fxmem.analysis.graph import is_replayable_pointwise, is_view, tensor_val
@@ -62,3 +63,27 @@ def rebuild_inputs(chain: tuple[Node, ...]) -> list[Node]:
     inside = set(chain)
     return list(dict.fromkeys(a for n in chain for a in n.all_input_nodes
                               if a not in inside and tensor_val(a) is not None))
+
+
+aten = torch.ops.aten
+# Ops beyond the element-wise ones that rebuild a tensor from the graph's inputs deterministically and cheaply
+# (linear in what they read or write): what transformers' packed-sequence mask is made of (position ids through a
+# shifted difference, a cumulative sum, and an index by iotas into a tokens x tokens comparison).
+_INPUT_REBUILD_OPS = frozenset({
+    torch.ops.prims.iota.default, aten.arange.default, aten.arange.start, aten.arange.start_step, aten.scalar_tensor.default, aten.full.default,
+    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.cat.default, aten.cumsum.default,
+    aten.index.Tensor})
+
+
+def input_derived(nodes: Iterable[Node], primals: frozenset[Node]) -> dict[Node, frozenset[Node]]:
+    """The forward nodes (of ``nodes``, in graph order) computed from the graph's inputs alone by element-wise ops,
+    views, dtype casts and _INPUT_REBUILD_OPS, none of them random: each with the inputs it reads."""
+    derived: dict[Node, frozenset[Node]] = {}
+    for node in nodes:
+        if node.op != "call_function" or not (is_replayable_pointwise(node) or is_view(node)
+                                              or node.target in _INPUT_REBUILD_OPS):
+            continue
+        inputs = [a for a in node.all_input_nodes if tensor_val(a) is not None]
+        if all(a in primals or a in derived for a in inputs):
+            derived[node] = frozenset().union(*({a} if a in primals else derived[a] for a in inputs))
+    return derived

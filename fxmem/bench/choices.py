@@ -28,6 +28,10 @@ CONTEXT_PRESETS = ("exact", "hyclora-4bit")
 # bench/coverage.py's families (transformers' model_type of each)
 COVERAGE_FAMILIES = ("llama", "qwen2", "gemma", "phi3", "phi", "gpt_neox", "gpt2", "opt", "bert")
 
+# bench/recipes.py: issue 46's recipe matrix
+RECIPES = ("plain", "dropout", "autocast", "packed", "accumulation", "qlora")
+RECIPE_PRESETS = ("exact", "hyclora-4bit", "loract")
+
 # bench/fidelity.py
 FIDELITY_BASELINES = ("eager", "compile")
 FIDELITY_TOKENS = ("text", "random")  # the workload's real text, or ids drawn uniformly from the vocabulary

@@ -46,7 +46,7 @@ class Workload:
         return torch.bfloat16 if device.type == "cuda" and self.family == "llama" else torch.float32
 
     def build(self, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, lora_rank: int = 16,
-              seed: int = 0) -> Setup:
+              seed: int = 0, lora_dropout: float = 0.0) -> Setup:
         """The model (seeded random weights, or the pretrained ones), its LoRA, and its real-text batches."""
         device = torch.device(device)
         if self.gpu_only and device.type != "cuda":
@@ -66,7 +66,8 @@ class Workload:
         if self.nf4:
             model = _as_qlora_base(model, device, dtype)
         if lora_rank:  # on the model in its training dtype: PEFT keeps the adapters in fp32 on a bf16 model
-            model = _with_lora(model, self.family, lora_rank, self.lora_alpha or lora_rank, self.lora_b_std)
+            model = _with_lora(model, self.family, lora_rank, self.lora_alpha or lora_rank, self.lora_b_std,
+                               lora_dropout)
         model.train()
         if self.pretrained:
             return Setup(workload=self, model=model, batches=_docstring_batches(self, device), loss=_causal_lm_loss,
@@ -194,9 +195,10 @@ def _load_minilm() -> torch.nn.Module:
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-def _with_lora(model: torch.nn.Module, family: str, rank: int, alpha: int, b_std: float) -> torch.nn.Module:
+def _with_lora(model: torch.nn.Module, family: str, rank: int, alpha: int, b_std: float,
+               dropout: float = 0.0) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
                                              target_modules=LORA_TARGETS[family]))
     if b_std:
         with torch.no_grad():

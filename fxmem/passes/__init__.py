@@ -14,6 +14,7 @@ from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineSta
 from fxmem.passes.onednn_matmul import OnednnMatmul
 from fxmem.passes.quantize import QuantizeSaved
 from fxmem.passes.recompute_attention import RecomputeAttention
+from fxmem.passes.recompute_inputs import RecomputeInputs
 from fxmem.passes.recompute_logits import RecomputeLogits
 from fxmem.passes.replay_dropout import ReplayDropout
 from fxmem.passes.runlora import RunLora
@@ -21,5 +22,6 @@ from fxmem.passes.sparsify import SparsifyAttention
 
 __all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "FuseEpilogue", "GraphPass",
            "LoraHalfProducts", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord",
-           "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention", "RecomputeLogits",
+           "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention", "RecomputeInputs",
+           "RecomputeLogits",
            "ReplayDropout", "RunLora", "SparsifyAttention"]

@@ -26,12 +26,14 @@ from fxmem.cli.bench import (
     pretrain,
     profile,
     ptxas,
+    recipes,
     report,
 )
 
 EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
                                                   lowrank_error, lowrank_saved, ptxas, distributed,
-                                                  coverage, pretrain, fidelity, report, context, gpu_check)}
+                                                  coverage, pretrain, fidelity, report, context, gpu_check,
+                                                  recipes)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

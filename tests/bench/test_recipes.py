@@ -1,0 +1,59 @@
+"""The recipe matrix (issue 46): each recipe under exact and hyclora-4bit against torch.compile on the same recipe."""
+
+import pytest
+
+from fxmem.bench.recipes import RecipeResult, measure
+from fxmem.bench.workloads import LlamaShape, Workload
+from fxmem.cli.bench.recipes import _table
+
+TINY = Workload("recipes-tiny", "llama", 2, 32, "a 1-layer GQA Llama for the recipe matrix",
+                LlamaShape(64, 172, 1, 4, 256, kv_heads=2))
+PRESETS = ("exact", "hyclora-4bit")
+
+
+class AboveThePlainRecipe(AssertionError):
+    """hyclora-4bit plans more than 10% above the plain recipe: a gap the closing note of issue 46 names."""
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, RecipeResult]:
+    return {r.method: r for r in measure(TINY, ["plain"], PRESETS)}
+
+
+# autocast: the LoRA matcher does not see through autocast's casts of x, so HyC-LoRA's rebuilds from x do not apply;
+# qlora: an NF4 base's X W (bitsandbytes' gemm_4bit) is stored, not replayed from x
+_KNOWN_GAPS = {"autocast", "qlora"}
+
+
+@pytest.mark.parametrize("recipe", [
+    pytest.param(recipe, marks=pytest.mark.xfail(recipe in _KNOWN_GAPS, raises=AboveThePlainRecipe, strict=True,
+                                                 reason="a known gap: see _KNOWN_GAPS"))
+    for recipe in ("dropout", "autocast", "packed", "accumulation", "qlora")])
+def test_every_recipe_runs_exact_as_torch_compile_and_hyclora_at_the_plain_recipes_bytes(recipe, plain):
+    results = {r.method: r for r in measure(TINY, [recipe], PRESETS)}
+    exact, hyclora = results["exact"], results["hyclora-4bit"]
+    assert exact.fallbacks == () and hyclora.fallbacks == ()
+    assert exact.max_relative_error < 1e-5, exact
+    assert hyclora.min_cosine > 0.99, hyclora
+    if hyclora.planned_bytes > 1.10 * plain["hyclora-4bit"].planned_bytes:
+        raise AboveThePlainRecipe(f"{recipe}: {hyclora.planned_bytes} planned bytes against the plain recipe's "
+                                  f"{plain['hyclora-4bit'].planned_bytes}")
+
+
+def test_the_table_compares_each_plan_with_the_plain_recipes_and_marks_a_missed_bound(plain):
+    results = [*plain.values(), RecipeResult("packed", "hyclora-4bit", 4 << 20, 3 * plain["hyclora-4bit"].planned_bytes,
+                                             0.9, "lora_A", 0.3, ("pass quantize failed",))]
+    columns, rows, legend = _table(results)
+    packed = dict(zip(columns, rows[-1], strict=True))
+    assert packed["vs plain recipe"] == "3.00x"
+    assert packed["published bound"] == "0.995 (missed)"
+    assert packed["fell back"] == "pass quantize failed"
+    assert dict(zip(columns, rows[0], strict=True))["published bound"] == "0.9999"
+    assert "position_ids restarting" in legend
+
+
+def test_an_unknown_recipe_or_workload_is_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match="valid recipes: plain, dropout, autocast, packed, accumulation, qlora"):
+        measure(TINY, ["sharded"], PRESETS)
+    with pytest.raises(ValueError, match="valid presets: exact"):
+        measure(TINY, ["plain"], ["hyclora-3bit"])
