@@ -21,6 +21,7 @@ from fxmem.passes import (
     LoraHalfProducts,
     LoraReorder,
     LowRankSaved,
+    MergeCasts,
     OnednnMatmul,
     QuantizeSaved,
     RecomputeAdapterCast,
@@ -67,6 +68,9 @@ TECHNIQUES: tuple[Technique, ...] = (
     # A LoRA input's dropout mask drawn again in backward from its seed, in every preset: the same mask, so under
     # exact the gradients are torch.compile's.
     Technique("replay_dropout", (), lambda config: True, ("replay_dropout",)),
+    # Duplicate casts of one value (autocast casts x once per op that reads it) merged before the LoRA matcher runs,
+    # in every preset: min-cut would merge them after the joint passes; nothing changes value.
+    Technique("merge_casts", (), lambda config: True, ("merge_casts",)),
     # What forward builds from the graph's inputs alone (autocast's bf16 weight copies, a packed batch's attention
     # mask) recomputed in backward, in every preset: exact.
     Technique("recompute_inputs", (), lambda config: True, ("recompute_inputs",)),
@@ -87,20 +91,18 @@ TECHNIQUES: tuple[Technique, ...] = (
 GENERAL_FIELDS = ("strict",)
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, RecomputeAdapterCast, ReplayDropout, RecomputeInputs,
-    LoraReorder,
-    RunLora,
-    RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue,
-    LoraHalfProducts, OnednnMatmul)}
-# The dynamo passes first (they change what AOTAutograd traces), then the joint passes (recompute_adapter_cast first:
-# its must-save of x is a default the later ones may override; lora_reorder tags what runlora must leave alone;
-# checkpoint_blocks last: its tags override theirs inside a block), then the partitioned ones: sparsify, quantize
-# and lowrank rewrite saved tensors that fuse_epilogue then fuses, lora_half_products and onednn_matmul swap the
-# products of the finished graphs.
-PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "recompute_adapter_cast", "replay_dropout", "recompute_inputs",
-              "lora_reorder", "runlora",
-              "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize", "lowrank",
-              "fuse_epilogue", "lora_half_products", "onednn_matmul")
+    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, MergeCasts, RecomputeAdapterCast, ReplayDropout,
+    RecomputeInputs, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved,
+    LowRankSaved, FuseEpilogue, LoraHalfProducts, OnednnMatmul)}
+# The dynamo passes first (they change what AOTAutograd traces), then the joint passes (merge_casts first: the
+# LoRA matcher the others run must see one cast of x; recompute_adapter_cast next: its must-save of x is a default
+# the later ones may override; lora_reorder tags what runlora must leave alone; checkpoint_blocks last: its tags
+# override theirs inside a block), then the partitioned ones: sparsify, quantize and lowrank rewrite saved tensors
+# that fuse_epilogue then fuses, lora_half_products and onednn_matmul swap the products of the finished graphs.
+PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "merge_casts", "recompute_adapter_cast", "replay_dropout",
+              "recompute_inputs", "lora_reorder", "runlora", "recompute_logits", "recompute_attention",
+              "checkpoint_blocks", "sparsify_attention", "quantize", "lowrank", "fuse_epilogue", "lora_half_products",
+              "onednn_matmul")
 
 
 # A pass runs when one of the techniques it serves is on, wherever it is built.

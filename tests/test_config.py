@@ -10,7 +10,8 @@ def test_defaults_are_the_exact_preset():
     assert Config() == PRESETS["exact"] == Config.from_preset("exact")
     # exact: on everywhere, all lossless
     enabled = [t.name for t in techniques.enabled_techniques(Config())]
-    assert enabled == ["adapter_cast", "replay_dropout", "causal_mask", "chunk_loss"]
+    assert enabled == ["adapter_cast", "replay_dropout", "merge_casts", "recompute_inputs", "causal_mask",
+                       "chunk_loss"]
 
 
 @pytest.mark.parametrize("field, value, expected", [

@@ -42,3 +42,7 @@ def test_fxmem_trains_qlora_as_eager_does(preset, min_cosine):
     assert saved == backend.report().planned_bytes
     if preset == "hyclora-4bit":
         assert saved * 3 < eager_saved
+        # the NF4 base's X W replayed from x in backward (gate and up: they feed SiLU and the product), as a
+        # full-precision base's is
+        rebuilt = [s for _, s, p in backend.report().rows() if s.producer == "gemm_4bit" and p.action == "recompute"]
+        assert len(rebuilt) == 4 and all(s.rebuilt_for in ("silu", "product") for s in rebuilt)

@@ -17,19 +17,19 @@ def test_every_pass_is_declared_once_in_the_order_and_served_by_a_technique():
     assert [p.name for p in techniques.default_passes()] == list(techniques.PASS_ORDER)
 
 
+_ALWAYS = ["adapter_cast", "replay_dropout", "merge_casts", "recompute_inputs", "causal_mask"]
+_EVERY_PRESETS_PASSES = ["causal_mask", "chunk_loss", "merge_casts", "recompute_adapter_cast", "replay_dropout",
+                         "recompute_inputs"]
+
+
 @pytest.mark.parametrize("preset, names, passes", [
-    ("exact", ["adapter_cast", "replay_dropout", "causal_mask", "chunk_loss"],
-     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "replay_dropout"]),
-    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", "adapter_cast", "replay_dropout", "causal_mask",
-                      "chunk_loss", "lora_half_products"],
-     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "replay_dropout", "lora_reorder", "recompute_logits",
-      "recompute_attention", "sparsify_attention", "quantize", "fuse_epilogue", "lora_half_products"]),
-    ("loract", ["quantize", "lowrank", "adapter_cast", "replay_dropout", "causal_mask", "chunk_loss",
-                "lora_half_products"],
-     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "replay_dropout", "recompute_logits",
-      "recompute_attention", "quantize", "lowrank", "lora_half_products"]),
-    ("runlora", ["runlora", "adapter_cast", "replay_dropout", "causal_mask", "chunk_loss"],
-     ["causal_mask", "chunk_loss", "recompute_adapter_cast", "replay_dropout", "runlora", "onednn_matmul"]),
+    ("exact", [*_ALWAYS, "chunk_loss"], _EVERY_PRESETS_PASSES),
+    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", *_ALWAYS, "chunk_loss", "lora_half_products"],
+     [*_EVERY_PRESETS_PASSES, "lora_reorder", "recompute_logits", "recompute_attention", "sparsify_attention",
+      "quantize", "fuse_epilogue", "lora_half_products"]),
+    ("loract", ["quantize", "lowrank", *_ALWAYS, "chunk_loss", "lora_half_products"],
+     [*_EVERY_PRESETS_PASSES, "recompute_logits", "recompute_attention", "quantize", "lowrank", "lora_half_products"]),
+    ("runlora", ["runlora", *_ALWAYS, "chunk_loss"], [*_EVERY_PRESETS_PASSES, "runlora", "onednn_matmul"]),
 ])
 def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order(preset, names, passes):
     config = PRESETS[preset]
@@ -39,6 +39,5 @@ def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order
 
 def test_a_memory_budget_alone_runs_the_quantize_pass_and_its_refinement():
     config = Config(memory_budget=0.5)
-    assert [t.name for t in techniques.enabled_techniques(config)] == ["adapter_cast", "replay_dropout", "causal_mask",
-                                                                            "chunk_loss", "memory_budget"]
+    assert [t.name for t in techniques.enabled_techniques(config)] == [*_ALWAYS, "chunk_loss", "memory_budget"]
     assert "quantize" in [p.name for p in techniques.default_passes() if p.enabled(config)]

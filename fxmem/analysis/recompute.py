@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.fx import Node
 
-from fxmem.analysis.graph import is_replayable_pointwise, is_view, tensor_val
-from fxmem.analysis.lora import MATMULS
+from fxmem.analysis.graph import DTYPE_CASTS, is_replayable_pointwise, is_view, tensor_val
+from fxmem.analysis.lora import is_linear_product
 
 # Element-wise ops a free recomputation may replay: past this the chain is not the cheap kind.
 MAX_CHAIN = 16
@@ -33,11 +33,12 @@ def pointwise_rebuild(base: Node, saved_bases: frozenset[Node]) -> tuple[Node, .
 
 
 def product_rebuild(base: Node, saved_bases: frozenset[Node]) -> tuple[Node, ...] | None:
-    """The matmul ``base`` and the views it reads, when they rebuild it from saved storages and graph inputs (a
-    LoRA linear's x W^T from the saved x and the frozen weight), in graph order; None otherwise."""
-    if base.op != "call_function" or base.target not in MATMULS:
+    """The linear product ``base`` and the views and casts it reads, when they rebuild it from saved storages and
+    graph inputs (a LoRA linear's x W^T from the saved x and the frozen weight: autocast's bf16 copy of it, or an
+    NF4 weight's codes and quantization state), in graph order; None otherwise."""
+    if base.op != "call_function" or not is_linear_product(base):
         return None
-    return _chain(base, saved_bases, lambda node: node is base or is_view(node))
+    return _chain(base, saved_bases, lambda node: node is base or is_view(node) or node.target in DTYPE_CASTS)
 
 
 def _chain(base: Node, saved_bases: frozenset[Node], replayable: Callable[[Node], bool]) -> tuple[Node, ...] | None:

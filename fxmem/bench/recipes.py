@@ -112,7 +112,6 @@ def measure(workload: Workload, recipes: Sequence[str], presets: Sequence[str], 
             options: dict[str, Any] | None = None,
             on_result: Callable[[RecipeResult], None] = lambda result: None) -> list[RecipeResult]:
     """Each preset on each recipe, against torch.compile on the same recipe."""
-
     for preset in presets:
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")

@@ -554,9 +554,10 @@ def _replay_base_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTen
         for storage in products:
             owner, quantized = by_storage[storage][0], owner_plans[storage]
             product = owner.rebuild_product[-1]
-            rows, cols = tensor_val(product).shape
-            inner = tensor_val(matmul_operands(product)[0]).shape[-1]
-            seconds = product_seconds(hint(rows), hint(inner), hint(cols), str(tensor_val(product).device))
+            out = tensor_val(product)  # 2-d from mm, or (batch, tokens, out) from an NF4 gemm
+            rows, cols = numel_hint(out) // hint(out.shape[-1]), hint(out.shape[-1])
+            inner = hint(tensor_val(matmul_operands(product)[0]).shape[-1])
+            seconds = product_seconds(rows, inner, cols, str(out.device))
             owner_plans[storage] = Plan(
                 "recompute", f"rebuilt in backward as x W^T from {source} and the frozen weight: a matmul, "
                 f"{seconds * 1e3:.3g} ms against {quantized.seconds * 1e3:.3g} ms for its {quantized.bits}-bit codes",

@@ -11,6 +11,7 @@ from fxmem.passes.lora_half_products import LoraHalfProducts
 from fxmem.passes.lora_reorder import LoraReorder
 from fxmem.passes.lowrank import LowRankSaved
 from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineState
+from fxmem.passes.merge_casts import MergeCasts
 from fxmem.passes.onednn_matmul import OnednnMatmul
 from fxmem.passes.quantize import QuantizeSaved
 from fxmem.passes.recompute_attention import RecomputeAttention
@@ -21,7 +22,7 @@ from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
 __all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "FuseEpilogue", "GraphPass",
-           "LoraHalfProducts", "LoraReorder", "LowRankSaved", "OnednnMatmul", "PassManager", "PassRecord",
+           "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts", "OnednnMatmul", "PassManager", "PassRecord",
            "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention", "RecomputeInputs",
            "RecomputeLogits",
            "ReplayDropout", "RunLora", "SparsifyAttention"]
