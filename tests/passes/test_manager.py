@@ -1,8 +1,12 @@
+import dataclasses
+import warnings
+
 import pytest
 import torch
 
 from fxmem import Backend, Config, FallbackError, FallbackWarning
-from fxmem.passes import GraphPass, PassManager, PipelineState
+from fxmem.passes import GraphPass, PassManager, PassRecord, PipelineState
+from fxmem.region import Region
 
 
 class CountSavedTensors(GraphPass):
@@ -190,6 +194,20 @@ def test_a_rolled_back_pass_warns_once_naming_the_pass_its_stage_and_its_error(l
         "apply here (RuntimeError: synthetic pass bug)",
         "fxmem region 0: pass breaks-late failed and its partitioned stage was rolled back, so none of that stage's "
         "rewrites apply here (RuntimeError: synthetic late bug)"]
+
+
+def test_a_pass_that_fails_again_in_the_same_region_does_not_warn_again(lenient):
+    # memory_budget partitions a region twice or three times: each run of the joint stage records its failures
+    region = Region(index=3, config=Config())
+    failed = PassRecord("breaks", "joint", "", 0.0, error="RuntimeError: synthetic pass bug")
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        region.add_passes([failed])
+        region.add_passes([failed, PassRecord("quantize", "partitioned", "2 storage(s) quantized", 0.0)])
+        region.add_passes([dataclasses.replace(failed, stage="partitioned", name="breaks-late")])
+    assert [(w.category, str(w.message).split(" failed")[0]) for w in warned] == [
+        (FallbackWarning, "fxmem region 3: pass breaks"), (FallbackWarning, "fxmem region 3: pass breaks-late")]
+    assert [r.name for r in region.passes] == ["breaks", "breaks", "quantize", "breaks-late"]
 
 
 @pytest.mark.parametrize("config, environment", [(Config(strict=True), "0"), (Config(), "1")])
