@@ -125,9 +125,10 @@ class _Partitioner(CustomPartitionerFn):
         region.add_passes(self.passes.run("partitioned", state))
         region.liveness.append((graph_liveness(state.fw.graph, op_workspace_bytes),
                                 graph_liveness(state.bw.graph, op_workspace_bytes)))
-        # Appended: inductor may partition nested subgraphs of the region through this same hook.
-        region.saved += state.analysis.saved + [saved for saved, _ in chosen.recomputed]
-        region.plans += state.plans + [plan for _, plan in chosen.recomputed]
+        # Appended: inductor may partition nested subgraphs of the region through this same hook. Records: the
+        # region outlives the graphs, which it must not keep alive.
+        region.saved += [saved.record() for saved in state.analysis.saved + [saved for saved, _ in chosen.recomputed]]
+        region.plans += [plan.record() for plan in state.plans + [plan for _, plan in chosen.recomputed]]
         region.slots += state.slots
         region.probes += state.probes or []
         return state.fw, state.bw
