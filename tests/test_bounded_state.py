@@ -19,7 +19,7 @@ from tests.conftest import tiny_model
 backend_module = importlib.import_module("fxmem.backend")
 
 
-def _graph_modules_partitioned(monkeypatch) -> list[weakref.ref]:
+def _partitioned_graphs(monkeypatch) -> list[weakref.ref]:
     """Weak references to every graph the partitioner splits and returns (joint, forward, backward): the modules and
     their graphs (a node holds its graph, not its module)."""
     refs = []
@@ -46,10 +46,9 @@ def _drop():
 
 
 def test_compiling_and_dropping_models_with_the_default_backend_leaves_nothing_behind(monkeypatch):
-    graphs = _graph_modules_partitioned(monkeypatch)
+    graphs = _partitioned_graphs(monkeypatch)
     options = {"preset": "hyclora-4bit", "calibration": "static", "calibration_steps": 2}
-    slots_before, regions = dict(calibration.SLOTS), []
-    counts = []
+    slots_before, regions, counts = dict(calibration.SLOTS), [], []
     for _ in range(3):
         model, batch = tiny_model("llama", lora=True, layers=1)
         compiled = torch.compile(model, backend="fxmem", options=options)
@@ -70,7 +69,7 @@ def test_compiling_and_dropping_models_with_the_default_backend_leaves_nothing_b
 
 
 def test_a_backend_keeps_the_report_of_dropped_code_and_releases_its_runtime_state(monkeypatch):
-    graphs = _graph_modules_partitioned(monkeypatch)
+    graphs = _partitioned_graphs(monkeypatch)
     config = fxmem.Config.from_preset("hyclora-4bit", calibration="static")
     backend = fxmem.Backend(config, lowering="eager", fidelity_probes=True)
     model, batch = tiny_model("llama", lora=True, layers=1)
