@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import pathlib
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -34,6 +36,8 @@ from fxmem.cost_model.memory import op_workspace_bytes
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.planner import budget_bytes, budget_note, plan_region
 from fxmem.fallback import fall_back, strict
+from fxmem.kernels import calibration
+from fxmem.kernels import probe as probe_kernel
 from fxmem.measure import format_bytes
 from fxmem.passes import PassManager, PassRecord, PipelineState
 from fxmem.passes.manager import copy_graph_module, tag_must_recompute
@@ -81,9 +85,18 @@ class _Partition:
 
 class _Partitioner(CustomPartitionerFn):
     def __init__(self, region: Region, passes: PassManager, fidelity_probes: bool = False) -> None:
-        self.region = region
+        # Weakly: inductor's config cache keeps the last partitioner alive after its compile, which must not keep
+        # its region (the compile holds the region while it partitions).
+        self._region = weakref.ref(region)
+        self.config = region.config
         self.passes = passes
         self.fidelity_probes = fidelity_probes
+
+    @property
+    def region(self) -> Region:
+        region = self._region()
+        assert region is not None, "a region partitions while its compile holds it"
+        return region
 
     def __call__(self, joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
                  ) -> tuple[GraphModule, GraphModule]:
@@ -125,9 +138,10 @@ class _Partitioner(CustomPartitionerFn):
         region.add_passes(self.passes.run("partitioned", state))
         region.liveness.append((graph_liveness(state.fw.graph, op_workspace_bytes),
                                 graph_liveness(state.bw.graph, op_workspace_bytes)))
-        # Appended: inductor may partition nested subgraphs of the region through this same hook.
-        region.saved += state.analysis.saved + [saved for saved, _ in chosen.recomputed]
-        region.plans += state.plans + [plan for _, plan in chosen.recomputed]
+        # Appended: inductor may partition nested subgraphs of the region through this same hook. Records: the
+        # region outlives the graphs, which it must not keep alive.
+        region.saved += [saved.record() for saved in state.analysis.saved + [saved for saved, _ in chosen.recomputed]]
+        region.plans += [plan.record() for plan in state.plans + [plan for _, plan in chosen.recomputed]]
         region.slots += state.slots
         region.probes += state.probes or []
         return state.fw, state.bw
@@ -192,7 +206,7 @@ class _Partitioner(CustomPartitionerFn):
 
     def uuid(self) -> str:
         # Enters inductor's cache key: fxmem's code and this region's config decide the graphs.
-        return f"{_source_hash()}:{self.region.config!r}:probes={self.fidelity_probes}"
+        return f"{_source_hash()}:{self.config!r}:probes={self.fidelity_probes}"
 
 
 @functools.cache
@@ -279,15 +293,47 @@ def _lower_or_run_as_is(region: Region) -> Callable:
     return compile_inner
 
 
+class _CompiledGraphs:
+    """A region's compiled graphs (forward, backward, inference) still alive; the last one freed calls ``release``.
+
+    What inductor's (or the eager) lowering returns for a graph is what AOTAutograd calls to run it, and it is
+    freed with the code (``torch._dynamo.reset()``): the forward reads the calibration slots, the backward the
+    fidelity probes. Not the callable the backend returns: dynamo unwraps that one, and frees it at once.
+    """
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self.live = 0
+        self._release = release
+
+    def compiling(self, inner_compile: Callable) -> Callable:
+        def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+            compiled = inner_compile(gm, example_inputs, **kwargs)
+            self.live += 1
+            weakref.finalize(compiled, self._freed)
+            return compiled
+        return compile_graph
+
+    def _freed(self) -> None:
+        self.live -= 1
+        if not self.live:
+            self._release()
+
+
 class Backend:
-    """A torch.compile backend with its own configuration; ``regions`` holds one record per compiled graph.
+    """A torch.compile backend with its own configuration; ``regions`` holds one record per compiled graph, names
+    and figures without the graphs.
 
     ``fidelity_probes``: also save every compressed tensor exactly, and read it back in backward through a switch
     between the two (fxmem.kernels.probe), so that ``fxmem.check_fidelity`` measures each one's error alone. A
-    diagnostic: it saves more than no compression at all."""
+    diagnostic: it saves more than no compression at all.
+
+    A region's calibration slots and fidelity probes are released when its compiled code is freed (a dropped model,
+    ``torch._dynamo.reset()``); its record stays in ``regions`` for the report, unless ``keep_dropped_regions`` is
+    False: then it leaves with its code (``backend="fxmem"``, whose report no one holds)."""
 
     def __init__(self, config: Config | None = None, *, lowering: Lowering = "inductor",
-                 passes: PassManager | None = None, fidelity_probes: bool = False) -> None:
+                 passes: PassManager | None = None, fidelity_probes: bool = False,
+                 keep_dropped_regions: bool = True) -> None:
         if lowering not in LOWERINGS:
             raise ValueError(f"lowering must be one of {', '.join(LOWERINGS)}; got {lowering!r}")
         self.config = config or Config()
@@ -295,13 +341,15 @@ class Backend:
         self.lowering = lowering
         self.passes = passes or PassManager(default_passes())
         self.fidelity_probes = fidelity_probes
+        self.keep_dropped_regions = keep_dropped_regions
         self.regions: list[Region] = []
+        self._indices = itertools.count()  # region numbers stay unique as dropped regions leave
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], *,
                  options: dict[str, Any] | None = None, mode: str | None = None) -> Callable:
         fxmem_options, inductor_options = _split_options(options)
         config = _config_with_options(self.config, fxmem_options)
-        region = Region(index=len(self.regions), config=config)
+        region = Region(index=next(self._indices), config=config)
         self.regions.append(region)
         state = PipelineState(config=config, dynamo=gm)
         region.add_passes(self.passes.run("dynamo", state))
@@ -310,15 +358,27 @@ class Backend:
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
         patches.update(inductor_options)
-        inner = _lower_or_run_as_is(region) if self.lowering == "inductor" else run_eagerly
+        graphs = _CompiledGraphs(functools.partial(self._release, region))
+        inner = graphs.compiling(_lower_or_run_as_is(region) if self.lowering == "inductor" else run_eagerly)
         start = time.perf_counter()
-        # AOTAutograd's cache would skip the partitioner on a hit, and with it fxmem's analysis and rewrites.
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        try:
+            # AOTAutograd's cache would skip the partitioner on a hit, and with it fxmem's analysis and rewrites.
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        except BaseException:
+            self._release(region)  # no code reads its slots and probes
+            raise
         region.compile_seconds = time.perf_counter() - start
         if region.kind == "compiling":
             region.kind = "inference"
         return compiled
+
+    def _release(self, region: Region) -> None:
+        """The region's code is gone: free the runtime state it read."""
+        calibration.release(region.slots)
+        probe_kernel.release([probe for probe, _ in region.probes])
+        if not self.keep_dropped_regions:
+            self.regions = [r for r in self.regions if r is not region]
 
     def report(self) -> Report:
         return Report(self.regions)
@@ -364,7 +424,8 @@ def compile_(model: torch.nn.Module, preset: str = "exact", **overrides: Any) ->
     return compiled
 
 
-_DEFAULT = Backend()
+# Its regions leave with their compiled code: a process that compiles and drops models does not grow.
+_DEFAULT = Backend(keep_dropped_regions=False)
 
 
 def fxmem_backend(gm: GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,

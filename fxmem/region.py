@@ -1,11 +1,15 @@
-"""The record of one compiled region: what fxmem found, planned and did there."""
+"""The record of one compiled region: what fxmem found, planned and did there.
+
+A record holds names and figures, no graph: the graphs (and the fake tensors in their nodes) are freed once inductor
+has compiled them, however long the report is kept.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fxmem.analysis import SavedTensor
+from fxmem.analysis import SavedRecord
 from fxmem.analysis.liveness import Liveness
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
@@ -21,8 +25,8 @@ class Region:
     index: int
     config: Config
     kind: Literal["compiling", "training", "inference"] = "compiling"
-    saved: list[SavedTensor] = field(default_factory=list)
-    plans: list[Plan] = field(default_factory=list)
+    saved: list[SavedRecord] = field(default_factory=list)
+    plans: list[Plan] = field(default_factory=list)  # their records (Plan.record): no graph references
     passes: list[PassRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     slots: list[QuantSlot] = field(default_factory=list)  # quantization state of the saved tensors

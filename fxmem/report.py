@@ -13,7 +13,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
 from fxmem import __version__
-from fxmem.analysis import ROLE_DESCRIPTIONS, Role, SavedTensor
+from fxmem.analysis import ROLE_DESCRIPTIONS, Role, SavedRecord
 from fxmem.cost_model import planned_bytes
 from fxmem.cost_model.plan import Plan
 from fxmem.measure import format_bytes
@@ -29,7 +29,7 @@ class Report:
     def __init__(self, regions: Sequence[Region]) -> None:
         self.regions = list(regions)
 
-    def rows(self) -> list[tuple[Region, SavedTensor, Plan]]:
+    def rows(self) -> list[tuple[Region, SavedRecord, Plan]]:
         return [(r, s, p) for r in self.regions for s, p in zip(r.saved, r.plans, strict=True)]
 
     @property

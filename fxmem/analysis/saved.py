@@ -27,13 +27,14 @@ from fxmem.analysis.roles import FREES_NOTHING, Role, TensorFacts, classify, rea
 from fxmem.analysis.rope import Replay, attention_input_replay
 
 # The graph facts of a record, for the planner and the passes: references into the forward graph, left out of
-# the report's dict.
+# the report's dict and of the record a compiled region keeps.
 _GRAPH = {"graph": True}
 
 
 @dataclass(frozen=True)
-class SavedTensor:
-    """One tensor held from forward to backward, as the report shows it."""
+class SavedRecord:
+    """One tensor held from forward to backward, as the report shows it: names and figures, no graph references
+    (what a compiled region keeps, fxmem/region.py)."""
 
     index: int  # position among the saved tensors (the backward's placeholder order)
     name: str  # forward graph node
@@ -50,15 +51,6 @@ class SavedTensor:
     nbytes: int  # bytes this record accounts for: 0 when it frees nothing or shares a storage
     storage: str  # node that allocated its storage
     shares_storage_with: str | None
-    node: Node = field(metadata=_GRAPH)  # the saved forward node
-    base: Node = field(metadata=_GRAPH)  # the node that allocated its storage
-    # what the q, k or v is rebuilt from (x before RoPE, the tensor before GQA's repeat), for attention inputs
-    replay: Replay | None = field(default=None, metadata=_GRAPH)
-    norm: NormUnit | None = field(default=None, metadata=_GRAPH)  # the norm whose backward saves it (norm inputs)
-    # the element-wise ops that rebuild its storage from other saved storages and graph inputs, if there are any
-    recompute: tuple[Node, ...] | None = field(default=None, metadata=_GRAPH)
-    # an X W lora_reorder rebuilds from: the matmul (and the views it reads) that rebuilds it from the saved x
-    rebuild_product: tuple[Node, ...] | None = field(default=None, metadata=_GRAPH)
     rebuilt_for: str | None = None  # lora_reorder's consumer ('silu', 'q', ...) when backward rebuilds from it
     feeds_attention: str | None = None  # 'q', 'k' or 'v': attention's input, saved as it is or rebuilt from it
 
@@ -71,6 +63,26 @@ class SavedTensor:
         data["role"] = self.role.value
         data["also"] = [r.value for r in self.also]
         return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedTensor(SavedRecord):
+    """A saved tensor with its graph facts, while its region is partitioned and planned."""
+
+    node: Node = field(metadata=_GRAPH)  # the saved forward node
+    base: Node = field(metadata=_GRAPH)  # the node that allocated its storage
+    # what the q, k or v is rebuilt from (x before RoPE, the tensor before GQA's repeat), for attention inputs
+    replay: Replay | None = field(default=None, metadata=_GRAPH)
+    norm: NormUnit | None = field(default=None, metadata=_GRAPH)  # the norm whose backward saves it (norm inputs)
+    # the element-wise ops that rebuild its storage from other saved storages and graph inputs, if there are any
+    recompute: tuple[Node, ...] | None = field(default=None, metadata=_GRAPH)
+    # an X W lora_reorder rebuilds from: the matmul (and the views it reads) that rebuilds it from the saved x
+    rebuild_product: tuple[Node, ...] | None = field(default=None, metadata=_GRAPH)
+
+    def record(self) -> SavedRecord:
+        """The report's record, without the graph references that would keep the graphs (and their fake tensors)
+        alive as long as the report."""
+        return SavedRecord(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SavedRecord)})
 
 
 @dataclass

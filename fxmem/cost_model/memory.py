@@ -16,7 +16,7 @@ from fxmem.kernels.lowrank import factor_numel
 from fxmem.kernels.quantize import packed_width
 
 if TYPE_CHECKING:
-    from fxmem.analysis import SavedTensor
+    from fxmem.analysis import SavedRecord
     from fxmem.cost_model.plan import Plan
 
 SCALE_BYTES = 4  # per-channel scale and zero point are float32
@@ -62,7 +62,7 @@ def prenorm_bytes(rows: int, exact_channels: int, element_size: int) -> int:
     return rows * exact_channels * element_size + exact_channels * CHANNEL_ID_BYTES
 
 
-def planned_bytes(saved: SavedTensor, plan: Plan) -> int:
+def planned_bytes(saved: SavedRecord, plan: Plan) -> int:
     """Bytes held between forward and backward once ``plan`` is applied to ``saved``."""
     if plan.action == "keep" or saved.nbytes == 0:  # a view shares its owner's (already counted) storage
         return saved.nbytes

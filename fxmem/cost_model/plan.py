@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from torch.fx import Node
@@ -34,15 +34,20 @@ class Plan:
     replay: Replay | None = field(default=None, compare=False)  # quantize, lowrank: compress its source instead
     norm: NormUnit | None = field(default=None, compare=False)  # prenorm: whose output rebuilds the input
     chain: tuple[Node, ...] = field(default=(), compare=False)  # recompute: the forward ops backward replays
+    # the node compressed instead of the saved tensor (x before RoPE or a repeat, a norm's output), by name: set from
+    # replay or norm, and kept in the record without them
+    source: str | None = field(default=None, compare=False)
 
-    @property
-    def source(self) -> Node | None:
-        """The node compressed instead of the saved tensor: x before RoPE or a repeat, or a norm's output."""
-        if self.replay is not None:
-            return self.replay.source
-        return self.norm.output if self.norm is not None else None
+    def __post_init__(self) -> None:
+        if self.source is None and (self.replay is not None or self.norm is not None):
+            node = self.replay.source if self.replay is not None else self.norm.output
+            object.__setattr__(self, "source", node.name)  # frozen: set once, as it is made
+
+    def record(self) -> Plan:
+        """The plan as the report keeps it: without the graph references, which would keep the region's graphs
+        (and their fake tensors) alive as long as the report."""
+        return replace(self, replay=None, norm=None, chain=())
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("replay", "norm", "chain")}
-        data["source"] = self.source.name if self.source is not None else None
         return {k: v for k, v in data.items() if v not in (None, 0, False) or k in ("action", "reason")}

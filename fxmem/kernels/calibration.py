@@ -29,11 +29,15 @@ collective would pair with DDP's gradient all-reduce.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from fxmem.kernels.quantize import quant_params
+
+_NEXT_ID = itertools.count()
 
 
 @dataclass
@@ -50,6 +54,7 @@ class QuantSlot:
     high: torch.Tensor | None = field(default=None, repr=False)
     square_norm: torch.Tensor | None = field(default=None, repr=False)
     frozen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    id: int = field(default_factory=lambda: next(_NEXT_ID))  # its key in SLOTS once registered
 
     @property
     def calibrated(self) -> bool:
@@ -82,13 +87,20 @@ class QuantSlot:
                 "seen": self.seen, "calibrated": self.calibrated, "outlier_channels": ids}
 
 
-# Slots are found by index from compiled code; a slot lives as long as the process (a few per saved tensor).
-SLOTS: list[QuantSlot] = []
+# slot id -> slot. Compiled code finds its slots by the ids baked into it; the backend releases them when that code
+# is freed (fxmem/backend.py). Ids are never reused: a graph that still names a released id names no other slot.
+SLOTS: dict[int, QuantSlot] = {}
 
 
 def register(slot: QuantSlot) -> int:
-    SLOTS.append(slot)
-    return len(SLOTS) - 1
+    """Make ``slot`` findable by its id, the one compiled code passes to ``calibrated_params``."""
+    SLOTS[slot.id] = slot
+    return slot.id
+
+
+def release(slots: Iterable[QuantSlot]) -> None:
+    for slot in slots:
+        SLOTS.pop(slot.id, None)
 
 
 # Its state is Python, which a CUDA graph replay would skip: the tag keeps it out of what inductor captures.

@@ -26,6 +26,7 @@ from fxmem.analysis.meta import RECOMPUTE
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.fallback import FallbackError, fall_back
+from fxmem.kernels import calibration
 from fxmem.kernels import probe as probe_kernel
 from fxmem.kernels.calibration import QuantSlot
 
@@ -146,6 +147,8 @@ class PassManager:
                 if state.probes is not None:  # the stage's probes are gone with its graphs: free their switches
                     kept = {probe for probe, _ in probes or ()}
                     probe_kernel.release([probe for probe, _ in state.probes if probe not in kept])
+                kept_slots = {slot.id for slot in slots}  # and its calibration slots
+                calibration.release(slot for slot in state.slots if slot.id not in kept_slots)
                 state.slots, state.dequantized, state.probes = slots, dequantized, probes
                 state.plans = [p if p.action == "keep" else Plan("keep", f"pass {graph_pass.name} failed: rolled back")
                                for p in plans]

@@ -23,7 +23,7 @@ from torch.fx import Node
 from fxmem.analysis.graph import memory_order
 from fxmem.cost_model.plan import Plan
 from fxmem.kernels import quantize as kernel
-from fxmem.kernels.calibration import QuantSlot, register
+from fxmem.kernels.calibration import QuantSlot, register, release
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import (
     SavedTensorEditor,
@@ -47,7 +47,6 @@ class QuantizeSaved(GraphPass):
         restored: dict[Node, list[Node]] = {}  # forward storage -> the backward nodes that restore it, last = value
         done = rewrite_planned(state, "quantize", lambda editor, members, plan: _rewrite(
             editor, members, plan, state, restored))
-        state.slots += [slot for slot in done if slot is not None]
         shared = rewrite_planned(state, "prenorm", lambda editor, members, plan: rebuild_norm_input(
             editor, members, plan, restored), where=lambda plan: plan.bits is not None)
         parts = [f"{len(done)} storage(s) quantized" if done else "",
@@ -92,5 +91,12 @@ def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, state: 
         restored[source] = [n for n in graph.nodes if n not in existing and n is not value] + [value]
         return value
 
-    compress_storage(editor, members, compress, restore, replay)
+    try:
+        compress_storage(editor, members, compress, restore, replay)
+    except Exception:
+        if slot is not None:  # no graph names it
+            release([slot])
+        raise
+    if slot is not None:  # at once: a rollback of the stage releases what its state lists (passes/manager.py)
+        state.slots.append(slot)
     return slot

@@ -127,13 +127,16 @@ class BreaksAfterQuantizing(GraphPass):
 
 
 def test_a_rollback_also_undoes_the_plans_and_quantization_state_of_its_stage(lenient):
+    from fxmem.kernels import calibration
     from fxmem.passes import QuantizeSaved
     model, x, expected = _model_and_reference()
-    backend = Backend(Config(bits=4), passes=PassManager([QuantizeSaved(), BreaksAfterQuantizing()]))
+    before = dict(calibration.SLOTS)
+    backend = Backend(Config(bits=4, calibration="static"),
+                      passes=PassManager([QuantizeSaved(), BreaksAfterQuantizing()]))
     _run(backend, model, x, expected)  # exact: the quantization was rolled back with its stage
     region = backend.regions[0]
     assert region.passes[0].summary == "2 storage(s) quantized" and region.passes[1].error  # SiLU and 2nd linear input
-    assert region.slots == []
+    assert region.slots == [] and calibration.SLOTS == before  # its calibration slots released
     assert all(p.action == "keep" for p in region.plans)
     assert "pass breaks-late failed: rolled back" in {p.reason for p in region.plans}
     assert backend.report().planned_bytes == backend.report().activation_bytes
