@@ -8,7 +8,10 @@ import torch
 import fxmem
 from fxmem.analysis import Role, find_lora_linears
 from fxmem.analysis.graph import clean_module_path, layer_of, tensor_val
+from fxmem.backend import Backend
 from fxmem.measure import model_tensors, saved_activation_bytes
+from fxmem.passes import PassManager
+from fxmem.techniques import default_passes
 from tests.conftest import tiny_model
 
 LAYERS = 2
@@ -49,10 +52,15 @@ def test_llama_lora_sdpa_roles():
     assert {s.role for _, s, _ in report.rows() if not s.frees_memory} == {Role.PARAMETER}  # embedding is frozen
 
 
-def test_a_padding_mask_from_the_batch_is_saved_as_the_attention_mask():
+def test_a_padding_mask_from_the_batch_is_the_attention_mask_and_rebuilt_from_it_in_backward():
     model, batch = tiny_model("llama", lora=True)
-    report = fxmem.inspect(model, **batch, attention_mask=torch.ones_like(batch["input_ids"]))
-    assert collections.Counter(s.role for s in saved_of(report))[Role.ATTN_MASK] == 1
+    padding = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+    backend = Backend(passes=PassManager([p for p in default_passes() if p.name != "recompute_inputs"]))
+    torch.compile(model, backend=backend)(**padding).loss.backward()
+    assert collections.Counter(s.role for s in saved_of(backend.report()))[Role.ATTN_MASK] == 1
+    torch._dynamo.reset()
+    report = fxmem.inspect(model, **padding)  # every preset rebuilds it from the batch's mask (recompute_inputs)
+    assert collections.Counter(s.role for s in saved_of(report))[Role.ATTN_MASK] == 0
 
 
 def test_llama_eager_attention_roles():
