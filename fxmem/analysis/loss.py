@@ -117,10 +117,23 @@ def _match(loss: Node) -> HeadLoss | UnchunkedLoss:
                     device_type=x_value.device.type, logits_outputs=tuple(outputs))
 
 
+def cast_dtype(node: Node) -> torch.dtype | None:
+    """The dtype of a ``.to(dtype)`` or ``.to(dtype=dtype)`` cast (PEFT writes both), else None: ``.to(device)``,
+    ``.to(other_tensor)`` or a copy move data."""
+    if node.op != "call_method" or node.target != "to":
+        return None
+    if len(node.args) == 2 and not node.kwargs:
+        dtype = node.args[1]
+    elif len(node.args) == 1 and list(node.kwargs) == ["dtype"]:
+        dtype = node.kwargs["dtype"]
+    else:
+        return None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def _is_reshape_or_cast(node: Node) -> bool:
     if node.op == "call_method" and node.target in _SHAPE_METHODS:
-        # .to(dtype) only: .to(device) or .to(other_tensor) moves data
-        return node.target != "to" or (len(node.args) == 2 and isinstance(node.args[1], torch.dtype))
+        return node.target != "to" or cast_dtype(node) is not None
     return node.op == "call_function" and node.target in _SHAPE_FUNCTIONS
 
 

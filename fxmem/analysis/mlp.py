@@ -14,7 +14,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fxmem.analysis.graph import hint
-from fxmem.analysis.loss import example_tensor, peft_linear
+from fxmem.analysis.loss import cast_dtype, example_tensor, peft_linear
 
 _MULS = frozenset({operator.mul, torch.mul})
 _SILUS = frozenset({torch.nn.functional.silu})
@@ -53,8 +53,7 @@ def find_swiglu_mlps(graph: Graph) -> list[SwigluMlp]:
 
 def _uncast(node: object) -> object:
     """Through PEFT's ``.to(dtype)`` casts, to the value cast."""
-    while isinstance(node, Node) and node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
-            and isinstance(node.args[1], torch.dtype) and not node.kwargs and len(node.users) == 1:
+    while isinstance(node, Node) and cast_dtype(node) is not None and len(node.users) == 1:
         node = node.args[0]
     return node
 

@@ -24,6 +24,21 @@ def test_each_swiglu_mlp_runs_in_chunks_with_the_gradients_of_eager():
         assert float((grads[name] - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name
 
 
+def test_a_bf16_model_with_peft_fp32_adapters_runs_its_mlps_in_chunks_with_the_gradients_of_eager():
+    # PEFT casts x to the adapters' dtype with .to(dtype=...), a keyword the matcher once missed: every bf16 model
+    # (Llama-3-8B's whatif among them) kept its MLPs whole
+    model, batch = tiny_model("llama", lora=True, layers=1, dtype=torch.bfloat16)
+    randomize_lora_b(model)
+    reference = loss_and_grads(model, model, batch)
+    backend = fxmem.backend("exact", mlp_chunk=12)
+    loss, grads = loss_and_grads(torch.compile(model, backend=backend), model, batch)
+    assert _summary(backend).startswith("1 SwiGLU MLP(s) of 32 tokens x 172 in chunks of 12 tokens")
+    assert torch.allclose(loss, reference[0], rtol=1e-2, atol=0)
+    for name, ref in reference[1].items():  # bf16 products in another order: a few bf16 roundings apart
+        cosine = float(torch.nn.functional.cosine_similarity(grads[name].flatten().float(), ref.flatten().float(), 0))
+        assert cosine > 0.999, (name, cosine)
+
+
 def test_the_mlp_saves_only_its_input():
     model, batch = tiny_model("llama", lora=True)
     report = fxmem.inspect(model, **batch, config=fxmem.Config(mlp_chunk=8))
