@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import linecache
 import pathlib
 import time
 import warnings
@@ -26,6 +27,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.fx import GraphModule
+from torch.fx.graph_module import _loader as fx_source_loader
 
 from fxmem.analysis import Analysis, SavedTensor, analyze
 from fxmem.analysis.liveness import graph_liveness
@@ -293,21 +295,40 @@ def _lower_or_run_as_is(region: Region) -> Callable:
     return compile_inner
 
 
+def _fx_sources() -> set[str]:
+    """The names of the generated sources torch.fx keeps, for tracebacks, of every GraphModule it ever compiled
+    (about 25 KiB each). torch never frees them, and fxmem's passes and partition recompile some twenty graphs a
+    region, where torch.compile alone makes two: 0.56 MiB a compile of a one-layer Llama, measured."""
+    return set(fx_source_loader.eval_cache)
+
+
+def _forget_fx_sources(names: set[str]) -> None:
+    for name in names:
+        fx_source_loader.eval_cache.pop(name, None)
+        linecache.cache.pop(name, None)
+
+
 class _CompiledGraphs:
-    """A region's compiled graphs (forward, backward, inference) still alive; the last one freed calls ``release``.
+    """A region's compiled graphs (forward, backward, inference) still alive; the last one freed calls ``release``
+    with the generated sources of the graphs the region's compile made.
 
     What inductor's (or the eager) lowering returns for a graph is what AOTAutograd calls to run it, and it is
     freed with the code (``torch._dynamo.reset()``): the forward reads the calibration slots, the backward the
     fidelity probes. Not the callable the backend returns: dynamo unwraps that one, and frees it at once.
     """
 
-    def __init__(self, release: Callable[[], None]) -> None:
+    def __init__(self, release: Callable[[set[str]], None]) -> None:
         self.live = 0
+        self.fx_sources: set[str] = set()
         self._release = release
 
     def compiling(self, inner_compile: Callable) -> Callable:
         def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
-            compiled = inner_compile(gm, example_inputs, **kwargs)
+            before = _fx_sources()
+            try:  # the backward is compiled lazily, after the backend returned
+                compiled = inner_compile(gm, example_inputs, **kwargs)
+            finally:
+                self.fx_sources |= _fx_sources() - before
             self.live += 1
             weakref.finalize(compiled, self._freed)
             return compiled
@@ -316,7 +337,7 @@ class _CompiledGraphs:
     def _freed(self) -> None:
         self.live -= 1
         if not self.live:
-            self._release()
+            self._release(self.fx_sources)
 
 
 class Backend:
@@ -358,6 +379,7 @@ class Backend:
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
         patches.update(inductor_options)
+        sources = _fx_sources()
         graphs = _CompiledGraphs(functools.partial(self._release, region))
         inner = graphs.compiling(_lower_or_run_as_is(region) if self.lowering == "inductor" else run_eagerly)
         start = time.perf_counter()
@@ -366,15 +388,17 @@ class Backend:
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
         except BaseException:
-            self._release(region)  # no code reads its slots and probes
+            self._release(region, _fx_sources() - sources)  # no code reads its slots and probes
             raise
+        graphs.fx_sources |= _fx_sources() - sources
         region.compile_seconds = time.perf_counter() - start
         if region.kind == "compiling":
             region.kind = "inference"
         return compiled
 
-    def _release(self, region: Region) -> None:
-        """The region's code is gone: free the runtime state it read."""
+    def _release(self, region: Region, fx_sources: set[str]) -> None:
+        """The region's code is gone: free the runtime state it read, and the sources of its graphs."""
+        _forget_fx_sources(fx_sources)
         calibration.release(region.slots)
         probe_kernel.release([probe for probe, _ in region.probes])
         if not self.keep_dropped_regions:
