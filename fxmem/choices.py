@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 BITS_CHOICES = (1, 2, 4, 8)  # the widths the packing supports (kernels/quantize.py): 8 // bits codes to a byte
+BLOCK_INPUT_BITS_CHOICES = (4, 8)  # a checkpointed block's stored input, which the whole block is rebuilt from
 
 
 def check_lowrank(value: Any, *, allow_none: bool = True) -> None:

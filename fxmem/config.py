@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fxmem.choices import BITS_CHOICES, check_lowrank
+from fxmem.choices import BITS_CHOICES, BLOCK_INPUT_BITS_CHOICES, check_lowrank
 
 RUNLORA_CHOICES = ("off", "flops", "time")
 LORA_HALF_PRODUCTS_CHOICES = ("off", "auto", "on")
@@ -84,6 +84,9 @@ class Config:
         stream between blocks is saved (at no fewer than 8 bits under a quantizing preset), and backward recomputes
         each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
         with ``mlp_chunk`` the recomputed block holds one chunk of its MLP at a time. False (every preset) is off.
+    block_input_bits: with ``block_checkpoint`` under a quantizing preset, the bits each block's stored input is
+        kept at: 4 halves the bytes of the residual stream between blocks, the blocks then recomputed from a coarser
+        input (docs/long-context.md measures the fidelity); None (every preset) is 8.
     lora_half_products: the products of PEFT's fp32 adapters on a bf16 model (x A^T, its product with B,
         and their backward products) run with inputs in the model's dtype and float32 accumulation, as a GPU's tensor
         cores run them, each result rounded to the model's dtype (passes/lora_half_products.py): "auto" for each
@@ -122,6 +125,7 @@ class Config:
     chunk_loss: bool = True
     mlp_chunk: int | None = None
     block_checkpoint: bool = False
+    block_input_bits: int | None = None
     lora_half_products: str = "off"
     return_logits: bool = True
     strict: bool = False
@@ -158,6 +162,10 @@ class Config:
         if not self.intra and not self.lora_reorder:
             raise ValueError("intra=False quantizes only what lora_reorder saves: set lora_reorder=True too")
         check_lowrank(self.lowrank)
+        _check_choice("block_input_bits", self.block_input_bits, BLOCK_INPUT_BITS_CHOICES + (None,))
+        if self.block_input_bits is not None and not (self.block_checkpoint and self.bits is not None):
+            raise ValueError("block_input_bits sets the bits of a checkpointed block's stored input: set "
+                             "block_checkpoint=True and bits (a quantizing preset, such as hyclora-4bit) too")
         if not self.prenorm_sharing and self.lowrank is None:
             raise ValueError("prenorm_sharing=False turns off a part of lowrank: set lowrank too")
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)

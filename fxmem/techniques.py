@@ -78,7 +78,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("causal_mask", (), lambda config: True, ("causal_mask",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
     Technique("chunk_mlp", ("mlp_chunk",), lambda config: config.mlp_chunk is not None, ("chunk_mlp",)),
-    Technique("block_checkpoint", ("block_checkpoint",), lambda config: config.block_checkpoint,
+    Technique("block_checkpoint", ("block_checkpoint", "block_input_bits"), lambda config: config.block_checkpoint,
               ("checkpoint_blocks",)),
     # PEFT's fp32 adapters on a half-precision model: their products with half-precision inputs (tensor cores).
     Technique("lora_half_products", ("lora_half_products",), lambda config: config.lora_half_products != "off",

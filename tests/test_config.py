@@ -50,6 +50,9 @@ def test_defaults_are_the_exact_preset():
     ("mlp_chunk", 64.0, "mlp_chunk must be an integer number of tokens >= 1 or None (off); got 64.0"),
     ("mlp_chunk", True, "mlp_chunk must be an integer number of tokens >= 1"),
     ("block_checkpoint", 1, "block_checkpoint must be True or False; got 1"),
+    ("block_input_bits", 2, "block_input_bits must be one of 4, 8, None; got 2"),
+    ("block_input_bits", 4, "block_input_bits sets the bits of a checkpointed block's stored input: set "
+                            "block_checkpoint=True and bits"),
 ])
 def test_bad_values_name_the_valid_range(field, value, expected):
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

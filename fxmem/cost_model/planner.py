@@ -566,8 +566,12 @@ def _replay_base_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTen
 
 def _rebuild_source(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
                     tables: set[str], purpose: str) -> Plan:
-    """The plan of an x that backward rebuilds another tensor from (``purpose`` names it): REBUILD_SOURCE_BITS."""
-    plan = _quantize(owner, group, analysis, config, tables, REBUILD_SOURCE_BITS)
+    """The plan of an x that backward rebuilds another tensor from (``purpose`` names it): REBUILD_SOURCE_BITS, or
+    a checkpointed block's input at Config.block_input_bits."""
+    bits = REBUILD_SOURCE_BITS
+    if BLOCK_SOURCE in owner.base.meta and config.block_input_bits is not None:
+        bits = config.block_input_bits
+    plan = _quantize(owner, group, analysis, config, tables, bits)
     if plan.action != "quantize":
         return plan
     return dataclasses.replace(plan, reason=f"{plan.reason}; {purpose} rebuilt from it in backward")
