@@ -43,6 +43,7 @@ from fxmem.kernels import probe as probe_kernel
 from fxmem.measure import format_bytes
 from fxmem.passes import PassManager, PassRecord, PipelineState
 from fxmem.passes.manager import copy_graph_module, tag_must_recompute
+from fxmem.passes.replay_dropout import SEEDED_DRAW
 from fxmem.region import Region
 from fxmem.report import Report
 from fxmem.techniques import default_passes, enabled_techniques
@@ -237,15 +238,12 @@ def pinned_notes(held: Pinned) -> list[str]:
 def run_eagerly(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
     """Lowering for inspection: run the partitioned aten graphs as they are, no code generation; inductor's seeded
     draws drawn from their seeds, so that a forward and a backward that both draw one mask (replay_dropout) agree."""
-    draws = [n for n in gm.graph.nodes if n.target is _SEEDED_DRAW]
+    draws = [n for n in gm.graph.nodes if n.target is SEEDED_DRAW]
     for node in draws:
         node.target = _seeded_draw
     if draws:
         gm.recompile()
     return make_boxed_func(gm.forward)
-
-
-_SEEDED_DRAW = torch.ops.prims.inductor_random.default
 
 
 def _seeded_draw(size: Sequence[int], seed: torch.Tensor, mode: str, *, align_dtype: Any = None) -> torch.Tensor:
@@ -280,7 +278,7 @@ def _lower_or_run_as_is(region: Region) -> Callable:
         except Exception as error:
             if not any(p.summary for p in region.passes):
                 raise  # fxmem changed nothing: torch's own error, as it would be without fxmem
-            if any(n.target is _SEEDED_DRAW for n in gm.graph.nodes) and any(
+            if any(n.target is SEEDED_DRAW for n in gm.graph.nodes) and any(
                     p.name == "replay_dropout" and p.summary for p in region.passes):
                 # its other graph draws the same masks in inductor's code: eagerly they would differ
                 raise RuntimeError(f"fxmem region {region.index}: inductor could not lower a graph that draws the "

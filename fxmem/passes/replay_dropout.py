@@ -28,7 +28,7 @@ from fxmem.passes.adapter_cast import keep_x_saved
 from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
 
 prims = torch.ops.prims
-_SEEDED_DRAW = prims.inductor_random.default
+SEEDED_DRAW = prims.inductor_random.default  # what inductor turns aten's random ops into
 _SEED_LOOKUP = prims.inductor_lookup_seed.default
 
 
@@ -46,7 +46,7 @@ class ReplayDropout(GraphPass):
             x_lora = matmul_operands(lora.xa)[0]
             chain = dropout_nodes(x_lora, storage_base(lora.x))
             draws = [n for n in chain if draws_random_numbers(n)]
-            if draws and all(n.target is _SEEDED_DRAW and _seeded(n) for n in draws):
+            if draws and all(n.target is SEEDED_DRAW and _seeded(n) for n in draws):
                 replayed.setdefault(x_lora, (chain, lora.x))
             else:
                 stateful.append(lora.module)
@@ -74,7 +74,7 @@ def dropout_nodes(x_lora: Node, x: Node) -> list[Node]:
         if node in seen or node.op != "call_function" or storage_base(node) is x:
             continue
         seen.add(node)
-        if original_op(node) == "native_dropout" or node.target in (_SEEDED_DRAW, _SEED_LOOKUP):
+        if original_op(node) == "native_dropout" or node.target in (SEEDED_DRAW, _SEED_LOOKUP):
             found.append(node)
             if node.target is not _SEED_LOOKUP:  # the seeds tensor is the step's, shared by every draw
                 frontier.extend(a for a in node.args if isinstance(a, Node))
