@@ -38,6 +38,7 @@ TRACE_DEVICE = "cpu"
 # Block counts traced for a deeper model. Not from 1: the first block's input needs no gradient, so it may save
 # differently from the others.
 SCALING_DEPTHS = (2, 3, 4)
+MAX_SCALING_DEPTH = 6  # beyond it, a model whose blocks do not save alike is traced whole
 DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()}
 
 @dataclass(frozen=True)
@@ -278,25 +279,35 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
     """Activation bytes of the whole model and how they were found.
 
     Tracing costs time linear in the depth (about 2 s a llama-7b block on two CPU cores), so a deep model is
-    traced at ``SCALING_DEPTHS`` blocks: when the two steps add the same bytes, saved and transient, the blocks
-    save alike and each total is the deepest trace plus that step per further block (backward works on one block
-    at a time, but its peak holds the LoRA gradients of every block); otherwise the whole model is traced.
+    traced at ``SCALING_DEPTHS`` blocks, and one block more at a time up to ``MAX_SCALING_DEPTH``: when two
+    consecutive steps add the same bytes, saved and transient, the blocks save alike and each total is the deepest
+    trace plus that step per further block (backward works on one block at a time, but its peak holds the LoRA
+    gradients of every block); otherwise the whole model is traced.
     """
     def traced(layers: int) -> ActivationBytes:
         return traced_activation_bytes(config, layers=layers, rank=rank, dtype=dtype, batch=batch, seq=seq,
                                        preset=preset)
 
+    def step(shallow: ActivationBytes, deep: ActivationBytes) -> tuple[int, int]:
+        return deep.saved - shallow.saved, deep.transient - shallow.transient
+
     depth = config.num_hidden_layers
     if depth <= SCALING_DEPTHS[-1]:
         return traced(depth), f"all {depth} layers traced"
-    first, middle, last = (traced(d) for d in SCALING_DEPTHS)
-    per_layer = middle.saved - first.saved
-    transient_per_layer = middle.transient - first.transient  # backward's peak holds every block's LoRA gradients
-    if last.saved - middle.saved != per_layer or last.transient - middle.transient != transient_per_layer:
-        return traced(depth), f"all {depth} layers traced (blocks do not save alike)"
-    further = depth - SCALING_DEPTHS[-1]
-    scaled = ActivationBytes(last.saved + further * per_layer, last.transient + further * transient_per_layer)
-    return scaled, (f"traced at {', '.join(map(str, SCALING_DEPTHS))} layers, each further layer saves "
+    depths = list(SCALING_DEPTHS)
+    traces = [traced(d) for d in depths]
+    # Where the peak sits in a shallow trace can differ (checkpointed blocks: at 2 blocks backward's peak is
+    # elsewhere than at 3 and more), so one block more is traced until two steps agree.
+    while step(*traces[-3:-1]) != step(*traces[-2:]):
+        if depths[-1] + 1 > MAX_SCALING_DEPTH or depths[-1] + 1 >= depth:
+            return traced(depth), f"all {depth} layers traced (blocks do not save alike)"
+        depths.append(depths[-1] + 1)
+        traces.append(traced(depths[-1]))
+    per_layer, transient_per_layer = step(*traces[-2:])  # backward's peak holds every block's LoRA gradients
+    further = depth - depths[-1]
+    deepest = traces[-1]
+    scaled = ActivationBytes(deepest.saved + further * per_layer, deepest.transient + further * transient_per_layer)
+    return scaled, (f"traced at {', '.join(map(str, depths))} layers, each further layer saves "
                     f"{per_layer / 2**20:.2f} MiB and adds {transient_per_layer / 2**20:.2f} MiB to the "
                     f"transients; scaled to {depth}")
 

@@ -6,6 +6,7 @@ import torch
 from fxmem import Config, cli
 from fxmem.cost_model.loss import LossChunks
 from fxmem.whatif import (
+    MAX_SCALING_DEPTH,
     SCALING_DEPTHS,
     build_lora_model,
     hf_config,
@@ -116,6 +117,17 @@ def test_a_deep_model_traced_at_a_few_depths_and_scaled_matches_the_whole_trace(
     scaled, how = layer_scaled_activation_bytes(config, **shape)
     assert how.startswith("traced at 2, 3, 4 layers") and how.endswith("scaled to 6")
     assert scaled == traced_activation_bytes(config, layers=6, **shape)  # the transients too: one block at a time
+
+
+def test_checkpointed_blocks_are_traced_one_block_deeper_until_two_steps_agree(tmp_path):
+    # with blocks checkpointed, backward's peak at 2 blocks sits elsewhere than at 3 or more: the steps 2 -> 3 and
+    # 3 -> 4 differ, and 3 -> 4 and 4 -> 5 agree
+    config = hf_config(str(tiny_config_file(tmp_path, layers=MAX_SCALING_DEPTH + 1)))
+    shape = {"rank": 8, "dtype": torch.bfloat16, "batch": 1, "seq": 64,
+             "preset": Config.from_preset("hyclora-4bit", block_checkpoint=True, mlp_chunk=16, return_logits=False)}
+    scaled, how = layer_scaled_activation_bytes(config, **shape)
+    assert how.startswith("traced at 2, 3, 4, 5 layers") and how.endswith(f"scaled to {MAX_SCALING_DEPTH + 1}")
+    assert scaled == traced_activation_bytes(config, layers=MAX_SCALING_DEPTH + 1, **shape)
 
 
 def test_bf16_model_with_pefts_fp32_adapters_saves_no_x_a_under_runlora(tiny_config):
