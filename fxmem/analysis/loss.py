@@ -183,6 +183,6 @@ def _lora_delta(node: object, x: Node) -> tuple[Node, Node, float] | None:
     lora_x, a = up
     b = down[1]
     # PEFT casts the input to the factors' dtype: the same tensor when the dtypes agree (checked by the caller)
-    while isinstance(lora_x, Node) and lora_x is not x and _is_reshape_or_cast(lora_x) and lora_x.target == "to":
+    while isinstance(lora_x, Node) and lora_x is not x and cast_dtype(lora_x) is not None:
         lora_x = lora_x.args[0]
     return (a, b, float(scale)) if lora_x is x else None

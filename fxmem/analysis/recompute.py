@@ -71,9 +71,9 @@ aten = torch.ops.aten
 # (linear in what they read or write): what transformers' packed-sequence mask is made of (position ids through a
 # shifted difference, a cumulative sum, and an index by iotas into a tokens x tokens comparison).
 _INPUT_REBUILD_OPS = frozenset({
-    torch.ops.prims.iota.default, aten.arange.default, aten.arange.start, aten.arange.start_step, aten.scalar_tensor.default, aten.full.default,
-    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.cat.default, aten.cumsum.default,
-    aten.index.Tensor})
+    torch.ops.prims.iota.default, aten.arange.default, aten.arange.start, aten.arange.start_step,
+    aten.scalar_tensor.default, aten.full.default, aten.new_ones.default, aten.new_zeros.default,
+    aten.new_full.default, aten.cat.default, aten.cumsum.default, aten.index.Tensor})
 
 
 def input_derived(nodes: Iterable[Node], primals: frozenset[Node]) -> dict[Node, frozenset[Node]]:

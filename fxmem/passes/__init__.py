@@ -22,7 +22,6 @@ from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
 __all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "FuseEpilogue", "GraphPass",
-           "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts", "OnednnMatmul", "PassManager", "PassRecord",
-           "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention", "RecomputeInputs",
-           "RecomputeLogits",
-           "ReplayDropout", "RunLora", "SparsifyAttention"]
+           "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts", "OnednnMatmul", "PassManager",
+           "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention",
+           "RecomputeInputs", "RecomputeLogits", "ReplayDropout", "RunLora", "SparsifyAttention"]

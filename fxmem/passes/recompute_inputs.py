@@ -23,6 +23,7 @@ from fxmem.analysis.blocks import is_forward
 from fxmem.analysis.graph import DTYPE_CASTS, storage_bytes, strip, tensor_val, users_through_views
 from fxmem.analysis.meta import RECOMPUTE
 from fxmem.analysis.recompute import input_derived
+from fxmem.analysis.roles import op_argument
 from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
 
 
@@ -60,11 +61,4 @@ def _read_by_backward(node: Node) -> bool:
 
 def _reads_as_mask(user: Node, node: Node) -> bool:
     """``user`` (an attention op) reads ``node`` as its ``attn_mask``."""
-    schema = getattr(user.target, "_schema", None)
-    if schema is None:
-        return False
-    position = next((i for i, a in enumerate(schema.arguments) if a.name == "attn_mask"), None)
-    if position is None:
-        return False
-    argument = user.args[position] if position < len(user.args) else user.kwargs.get("attn_mask")
-    return argument is node
+    return op_argument(user, "attn_mask") is node
