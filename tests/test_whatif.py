@@ -1,10 +1,10 @@
-import importlib
 import json
 import types
 
 import pytest
 import torch
 
+import fxmem.whatif as whatif_module
 from fxmem import Config, cli
 from fxmem.cost_model.loss import LossChunks
 from fxmem.whatif import (
@@ -129,8 +129,6 @@ def test_a_deep_model_traced_at_a_few_depths_and_scaled_matches_the_whole_trace(
 def test_a_deep_model_is_traced_one_block_deeper_until_two_steps_agree(monkeypatch, agree_from, how):
     # checkpointed blocks: backward's peak at 2 blocks sits elsewhere than at 3 or more (Llama-3-8B's shape: 170 MiB
     # of transients from 2 blocks to 3, then 10 MiB a block), so the steps agree only from 3 blocks on
-    whatif_module = importlib.import_module("fxmem.whatif")
-
     def traced(config, *, layers, **shape):
         jump = 2**30 * max(0, agree_from - layers) ** 2  # the steps before agree_from differ
         return whatif_module.ActivationBytes(saved=layers * 2**20, transient=layers * 2**19 - jump)
