@@ -80,6 +80,10 @@ class Config:
         that the MLP-wide tensors, the step's largest transients at long context, are never whole. Exact up to
         rounding, for two more products per MLP; it replaces what the other techniques do inside the MLP. None
         (every preset) is off.
+    norm_chunk: run each RMSNorm (Llama's form) this many tokens at a time, its input the only tensor it saves
+        (passes/chunk_norm.py): a half-precision model's norm upcasts to float32, and its backward holds five
+        float32 tensors of the hidden width at once, the largest transients of a recomputed block at long context.
+        The gradients are torch's sums in another order. None (every preset) is off.
     block_checkpoint: checkpoint every repeated block (``model.layers.N``) from its output: only the residual
         stream between blocks is saved (at no fewer than 8 bits under a quantizing preset), and backward recomputes
         each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
@@ -124,6 +128,7 @@ class Config:
     memory_budget: float | int | None = None
     chunk_loss: bool = True
     mlp_chunk: int | None = None
+    norm_chunk: int | None = None
     block_checkpoint: bool = False
     block_input_bits: int | None = None
     lora_half_products: str = "off"
@@ -170,10 +175,10 @@ class Config:
             raise ValueError("prenorm_sharing=False turns off a part of lowrank: set lowrank too")
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)
         _check_choice("lora_half_products", self.lora_half_products, LORA_HALF_PRODUCTS_CHOICES)
-        if self.mlp_chunk is not None and (_is_bool(self.mlp_chunk) or not isinstance(self.mlp_chunk, int)
-                                           or self.mlp_chunk < 1):
-            raise ValueError(f"mlp_chunk must be an integer number of tokens >= 1 or None (off); got "
-                             f"{self.mlp_chunk!r}")
+        for name in ("mlp_chunk", "norm_chunk"):
+            rows = getattr(self, name)
+            if rows is not None and (_is_bool(rows) or not isinstance(rows, int) or rows < 1):
+                raise ValueError(f"{name} must be an integer number of tokens >= 1 or None (off); got {rows!r}")
         if not _budget_in_bytes(self.memory_budget):
             _check_fraction("memory_budget", self.memory_budget, low_open=True, high=1.0, high_open=False,
                             allow_none=True, bytes_too=True)

@@ -16,6 +16,7 @@ from fxmem.passes import (
     CheckpointBlocks,
     ChunkLoss,
     ChunkMlp,
+    ChunkNorm,
     FuseEpilogue,
     GraphPass,
     LoraHalfProducts,
@@ -78,6 +79,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("causal_mask", (), lambda config: True, ("causal_mask",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
     Technique("chunk_mlp", ("mlp_chunk",), lambda config: config.mlp_chunk is not None, ("chunk_mlp",)),
+    Technique("chunk_norm", ("norm_chunk",), lambda config: config.norm_chunk is not None, ("chunk_norm",)),
     Technique("block_checkpoint", ("block_checkpoint", "block_input_bits"), lambda config: config.block_checkpoint,
               ("checkpoint_blocks",)),
     # PEFT's fp32 adapters on a half-precision model: their products with half-precision inputs (tensor cores).
@@ -91,16 +93,17 @@ TECHNIQUES: tuple[Technique, ...] = (
 GENERAL_FIELDS = ("strict",)
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, MergeCasts, RecomputeAdapterCast, ReplayDropout,
-    RecomputeInputs, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved,
+    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, ChunkNorm, MergeCasts, RecomputeAdapterCast,
+    ReplayDropout, RecomputeInputs, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved,
     LowRankSaved, FuseEpilogue, LoraHalfProducts, OnednnMatmul)}
-# The dynamo passes first (they change what AOTAutograd traces), then the joint passes (merge_casts first: the
+# The dynamo passes first (they change what AOTAutograd traces; chunk_norm after chunk_mlp, whose matcher reads the
+# norm's output as the MLP's input), then the joint passes (merge_casts first: the
 # LoRA matcher the others run must see one cast of x; recompute_adapter_cast next: its must-save of x is a default
 # the later ones may override; lora_reorder tags what runlora must leave alone; checkpoint_blocks last: its tags
 # override theirs inside a block), then the partitioned ones: sparsify, quantize and lowrank rewrite saved tensors
 # that fuse_epilogue then fuses, lora_half_products and onednn_matmul swap the products of the finished graphs.
-PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "merge_casts", "recompute_adapter_cast", "replay_dropout",
-              "recompute_inputs", "lora_reorder", "runlora", "recompute_logits", "recompute_attention",
+PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "chunk_norm", "merge_casts", "recompute_adapter_cast",
+              "replay_dropout", "recompute_inputs", "lora_reorder", "runlora", "recompute_logits", "recompute_attention",
               "checkpoint_blocks", "sparsify_attention", "quantize", "lowrank", "fuse_epilogue", "lora_half_products",
               "onednn_matmul")
 

@@ -16,7 +16,8 @@ later one about nodes, the quantize pass's restored tensors, travels in ``Pipeli
 torch's keys fxmem writes:
 
 - ``RECOMPUTE`` (``CheckpointPolicy.MUST_RECOMPUTE``) on joint-graph nodes: torch's min-cut recomputes them in
-  backward instead of saving them (passes.manager.tag_must_recompute).
+  backward instead of saving them (passes.manager.tag_must_recompute). passes/chunk_norm.py writes it on a dynamo
+  graph's node, which AOTAutograd copies onto the joint nodes it traces from it.
 - ``VALUE``: the fake tensor (or SymInt) of every node fxmem inserts, which inductor needs to lower it
   (passes.saved_rewrite.call and SavedTensorEditor.save).
 """

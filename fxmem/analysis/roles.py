@@ -92,10 +92,11 @@ ACTIVATION_BACKWARDS = frozenset({f"{a}_backward" for a in ACTIVATIONS} | {"log_
 NORMS = frozenset({
     "native_layer_norm", "layer_norm", "native_group_norm", "group_norm", "native_batch_norm", "batch_norm",
     "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "_fused_rms_norm", "rms_norm",
+    "chunked_rms_norm",  # fxmem's (kernels/chunked_rms_norm.py)
 })
 NORM_BACKWARDS = frozenset({
     "native_layer_norm_backward", "native_group_norm_backward", "native_batch_norm_backward",
-    "_fused_rms_norm_backward",
+    "_fused_rms_norm_backward", "chunked_rms_norm_backward",
 })
 SOFTMAXES = frozenset({"_softmax", "softmax", "_safe_softmax"})
 LOG_SOFTMAXES = frozenset({"_log_softmax", "log_softmax"})
@@ -312,7 +313,8 @@ def _reaches_loss(base: Node, saved_bases: frozenset[Node], depth: int = 16) -> 
 
     Then the backward rebuilds the logits from ``base`` (recompute_logits makes that the case for the LM head),
     or rebuilds from it what the loss's gradient flows back through (the final norm), and its error reaches
-    every gradient.
+    every gradient. A norm op that reads ``base`` does not cut, saved or not: its backward reads ``base`` (the
+    final norm as one op, the chunked RMSNorm's).
     """
     frontier, seen = [base], {base}
     for _ in range(depth):
@@ -321,7 +323,8 @@ def _reaches_loss(base: Node, saved_bases: frozenset[Node], depth: int = 16) -> 
             for user in node.users:
                 if original_op(user) in LOSS_OPS:
                     return True
-                if user not in seen and user.op == "call_function" and user not in saved_bases:
+                cut = user in saved_bases and not (node is base and original_op(user) in NORMS)
+                if user not in seen and user.op == "call_function" and not cut:
                     seen.add(user)
                     next_frontier.append(user)
         frontier = next_frontier
@@ -352,11 +355,23 @@ def _product(f: TensorFacts) -> Match | None:
 # fxmem's chunked MLP (kernels/chunked_mlp.py): its first input feeds the gate and up projections, which backward
 # replays from it
 CHUNKED_MLP = "fxmem::chunked_swiglu_mlp"
+# fxmem's chunked RMSNorm (kernels/chunked_rms_norm.py), recomputed in backward from its first input
+# (passes/chunk_norm.py)
+CHUNKED_NORM = "fxmem::chunked_rms_norm"
 
 
 def reads_as_chunked_mlp_input(node: Node, base: Node) -> bool:
-    return schema_name(node.target) == CHUNKED_MLP and isinstance(node.args[0], Node) \
-        and storage_base(node.args[0]) is base
+    return _reads_as_first_input(node, base, CHUNKED_MLP)
+
+
+def reads_as_rebuild_input(node: Node, base: Node) -> bool:
+    """``node`` is a chunked op that backward runs again from ``base``: the MLP's gate and up products, or the
+    norm."""
+    return _reads_as_first_input(node, base, CHUNKED_MLP) or _reads_as_first_input(node, base, CHUNKED_NORM)
+
+
+def _reads_as_first_input(node: Node, base: Node, op: str) -> bool:
+    return schema_name(node.target) == op and isinstance(node.args[0], Node) and storage_base(node.args[0]) is base
 
 
 def _linear_input(f: TensorFacts) -> Match | None:

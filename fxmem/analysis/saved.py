@@ -23,7 +23,7 @@ from fxmem.analysis.lora import LoraLinear, find_lora_linears
 from fxmem.analysis.meta import BLOCK_SOURCE, LORA_REORDERED
 from fxmem.analysis.norm import NormUnit, norm_unit
 from fxmem.analysis.recompute import pointwise_rebuild, product_rebuild
-from fxmem.analysis.roles import FREES_NOTHING, Role, TensorFacts, classify, reads_as_chunked_mlp_input
+from fxmem.analysis.roles import FREES_NOTHING, Role, TensorFacts, classify, reads_as_rebuild_input
 from fxmem.analysis.rope import Replay, attention_input_replay
 
 # The graph facts of a record, for the planner and the passes: references into the forward graph, left out of
@@ -160,10 +160,10 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             feeds_attention=_attention_operand(role, detail, rebuilt_for)))
     outputs = fw.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]
     output_storages = frozenset(storage_base(n).name for n in outputs if isinstance(n, Node))
-    # the chunked MLP's backward replays its gate and up products from its input, and a checkpointed block is
-    # recomputed from its output, as a rebuilt X W is from its x
+    # the chunked MLP's backward replays its gate and up products from its input, the chunked norm is recomputed
+    # from its input, and a checkpointed block from its output, as a rebuilt X W is from its x
     sources = frozenset(r.storage for r in records if BLOCK_SOURCE in r.base.meta or any(
-        reads_as_chunked_mlp_input(user, r.base) for user in users_through_views(r.base)))
+        reads_as_rebuild_input(user, r.base) for user in users_through_views(r.base)))
     return Analysis(saved=records, loras=loras, output_storages=output_storages, rebuild_sources=sources)
 
 

@@ -11,7 +11,7 @@ from torch.fx import Node
 
 from fxmem.analysis.graph import hint
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes
-from fxmem.kernels import chunked_mlp
+from fxmem.kernels import chunked_mlp, chunked_rms_norm
 from fxmem.kernels.lowrank import factor_numel
 from fxmem.kernels.quantize import packed_width
 
@@ -81,13 +81,16 @@ def epilogue_traffic_saved(numel: int, element_size: int, lora_sums: int, *, bac
     return lora_sums * numel * element_size * (4 if backward else 2)
 
 
-_CHUNKED_MLP_OPS = {"chunked_swiglu_mlp": False, "chunked_swiglu_mlp_backward": True}  # op name: is backward
+# op name: is backward
+_CHUNKED_MLP_OPS = {"chunked_swiglu_mlp": False, "chunked_swiglu_mlp_backward": True}
+_CHUNKED_NORM_OPS = {"chunked_rms_norm": False, "chunked_rms_norm_backward": True}
 
 
 def op_workspace_bytes(node: Node) -> int:
     """What the op of an aten graph's ``node`` holds inside, beyond its inputs and outputs: one chunk's MLP-wide
-    tensors for the chunked MLP (kernels/chunked_mlp.py), one chunk's logits for the chunked loss; 0 for the ops
-    a graph's liveness sees whole."""
+    tensors for the chunked MLP (kernels/chunked_mlp.py), one chunk's float32 rows for the chunked RMSNorm
+    (kernels/chunked_rms_norm.py), one chunk's logits for the chunked loss; 0 for the ops a graph's liveness sees
+    whole."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "fxmem":
         return 0
@@ -97,6 +100,12 @@ def op_workspace_bytes(node: Node) -> int:
         gradient = tokens * hidden * x.element_size()
         chunks = LossChunks(min(tokens, int(node.args[8])), int(node.args[9]) or None)
         return chunked_loss_bytes(tokens, hint(weight.shape[0]), hidden, x.element_size(), chunks) - gradient
+    if target._opname in _CHUNKED_NORM_OPS:
+        backward = _CHUNKED_NORM_OPS[target._opname]
+        x = node.args[backward].meta["val"]
+        rows = math.prod(hint(s) for s in x.shape[:-1])
+        return chunked_rms_norm.workspace_bytes(rows, int(node.args[3 + backward]), hint(x.shape[-1]),
+                                                x.element_size(), backward=backward)
     if target._opname not in _CHUNKED_MLP_OPS:
         return 0
     backward = _CHUNKED_MLP_OPS[target._opname]

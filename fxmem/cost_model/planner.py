@@ -193,7 +193,9 @@ def _rebuilt_from(owner: SavedTensor) -> str:
     """What backward rebuilds from a rebuild source (analysis/saved.py says which storages are)."""
     if BLOCK_SOURCE in owner.base.meta:
         return f"block {owner.base.meta[BLOCK_SOURCE]}"
-    return "the chunked MLP's gate and up products" if owner.detail.startswith("chunked MLP") else "an X W"
+    if owner.detail.startswith("chunked MLP"):
+        return "the chunked MLP's gate and up products"
+    return "the chunked RMSNorm's output" if owner.detail == "chunked_rms_norm" else "an X W"
 
 
 def propose_lowrank(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,

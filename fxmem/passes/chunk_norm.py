@@ -1,0 +1,44 @@
+"""Run each RMSNorm over chunks of tokens (kernels/chunked_rms_norm.py).
+
+Runs on the graph dynamo captured, before AOTAutograd: the norm's backward then comes from the chunked op's own,
+which recomputes each chunk's float32 rows from the norm's input. Neither pass holds more than one chunk of them.
+The gradients are torch's sums in another order. A norm of another form is left as torch runs it.
+"""
+
+from __future__ import annotations
+
+from torch.utils.checkpoint import CheckpointPolicy
+
+from fxmem.analysis.meta import RECOMPUTE
+from fxmem.analysis.rms_norm import find_rms_norms
+from fxmem.kernels.chunked_rms_norm import chunked_rms_norm
+from fxmem.passes.manager import GraphPass, PipelineState
+
+
+class ChunkNorm(GraphPass):
+    name = "chunk_norm"
+    stage = "dynamo"
+
+    def run(self, state: PipelineState) -> str:
+        rows = state.config.norm_chunk
+        graph = state.dynamo.graph
+        found = find_rms_norms(graph)
+        for norm in found:
+            with graph.inserting_before(norm.output):
+                chunked = graph.call_function(chunked_rms_norm, (norm.x, norm.weight, norm.eps, rows))
+            # the norm's module: the op stays in its block for what reads module paths (checkpoint_blocks, reports)
+            chunked.meta["nn_module_stack"] = dict(norm.output.meta.get("nn_module_stack", {}))
+            # what dynamo traced it with: the matchers of the later dynamo passes (chunk_mlp's) read it
+            chunked.meta["example_value"] = norm.output.meta["example_value"]
+            # recomputed in backward from its input, as torch's min-cut recomputes a norm of aten ops: saving the
+            # output would add a tensor of the hidden width where torch's norm saves one value per row (AOTAutograd
+            # copies the tag onto the op's joint node)
+            chunked.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+            norm.output.replace_all_uses_with(chunked)
+        if not found:
+            return "no RMSNorm of Llama's form (weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype))"
+        graph.eliminate_dead_code()
+        norm = found[0]
+        wide = norm.tokens * norm.hidden * 4
+        return (f"{len(found)} RMSNorm(s) of {norm.tokens} tokens x {norm.hidden} in chunks of {rows} tokens: "
+                f"{wide / 2**20:.1f} MiB per float32 tensor never whole, its input the only tensor saved")
