@@ -17,6 +17,7 @@ from fxmem.passes import (
     ChunkLoss,
     ChunkMlp,
     ChunkNorm,
+    GqaAttention,
     FuseEpilogue,
     GraphPass,
     LoraHalfProducts,
@@ -77,6 +78,9 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("recompute_inputs", (), lambda config: True, ("recompute_inputs",)),
     # A mask proven causal becomes SDPA's is_causal in every preset: exact, and the tokens x tokens mask is gone.
     Technique("causal_mask", (), lambda config: True, ("causal_mask",)),
+    # Then a GQA model's key and value heads are read once with SDPA's enable_gqa, not repeated for it, in every
+    # preset: exact.
+    Technique("gqa_attention", (), lambda config: True, ("gqa_attention",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
     Technique("chunk_mlp", ("mlp_chunk",), lambda config: config.mlp_chunk is not None, ("chunk_mlp",)),
     Technique("chunk_norm", ("norm_chunk",), lambda config: config.norm_chunk is not None, ("chunk_norm",)),
@@ -93,19 +97,20 @@ TECHNIQUES: tuple[Technique, ...] = (
 GENERAL_FIELDS = ("strict",)
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, ChunkNorm, MergeCasts, RecomputeAdapterCast,
-    ReplayDropout, RecomputeInputs, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention, SparsifyAttention, QuantizeSaved,
-    LowRankSaved, FuseEpilogue, LoraHalfProducts, OnednnMatmul)}
-# The dynamo passes first (they change what AOTAutograd traces; chunk_norm after chunk_mlp, whose matcher reads the
-# norm's output as the MLP's input), then the joint passes (merge_casts first: the
-# LoRA matcher the others run must see one cast of x; recompute_adapter_cast next: its must-save of x is a default
-# the later ones may override; lora_reorder tags what runlora must leave alone; checkpoint_blocks last: its tags
-# override theirs inside a block), then the partitioned ones: sparsify, quantize and lowrank rewrite saved tensors
-# that fuse_epilogue then fuses, lora_half_products and onednn_matmul swap the products of the finished graphs.
-PASS_ORDER = ("causal_mask", "chunk_loss", "chunk_mlp", "chunk_norm", "merge_casts", "recompute_adapter_cast",
-              "replay_dropout", "recompute_inputs", "lora_reorder", "runlora", "recompute_logits", "recompute_attention",
-              "checkpoint_blocks", "sparsify_attention", "quantize", "lowrank", "fuse_epilogue", "lora_half_products",
-              "onednn_matmul")
+    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, ChunkNorm, GqaAttention, MergeCasts,
+    RecomputeAdapterCast, ReplayDropout, RecomputeInputs, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention,
+    SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, LoraHalfProducts, OnednnMatmul)}
+# The dynamo passes first (they change what AOTAutograd traces; gqa_attention after causal_mask, which removes the
+# mask it needs gone; chunk_norm after chunk_mlp, whose matcher reads the norm's output as the MLP's input), then the
+# joint passes (merge_casts first: the LoRA matcher the others run must see one cast of x; recompute_adapter_cast
+# next: its must-save of x is a default the later ones may override; lora_reorder tags what runlora must leave alone;
+# checkpoint_blocks last: its tags override theirs inside a block), then the partitioned ones: sparsify, quantize and
+# lowrank rewrite saved tensors that fuse_epilogue then fuses, lora_half_products and onednn_matmul swap the products
+# of the finished graphs.
+PASS_ORDER = ("causal_mask", "gqa_attention", "chunk_loss", "chunk_mlp", "chunk_norm", "merge_casts",
+              "recompute_adapter_cast", "replay_dropout", "recompute_inputs", "lora_reorder", "runlora",
+              "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize", "lowrank",
+              "fuse_epilogue", "lora_half_products", "onednn_matmul")
 
 
 # A pass runs when one of the techniques it serves is on, wherever it is built.

@@ -91,9 +91,12 @@ def test_without_prenorm_sharing_norm_inputs_get_their_own_factors():
 
 
 def test_gqa_repeat_of_k_and_v_is_undone_and_replayed_in_backward(monkeypatch):
-    """GQA's k and v reach attention repeated per query head (expand + clone): the projection's output before
-    the repeat (and RoPE) is what gets compressed, n_rep times smaller; at full rank the gradients are torch's."""
+    """GQA's k and v reach attention repeated per query head (expand + clone) where HF passes a mask (here a
+    padding mask: gqa_attention reads each head once only without one): the projection's output before the repeat
+    (and RoPE) is what gets compressed, n_rep times smaller; at full rank the gradients are torch's."""
     model, batch = _llama(seq=16, kv_heads=2)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["attention_mask"][0, 0] = 0
     _, _, exact_grads = _exact(model, batch)
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(bits=8), lowering="eager")
