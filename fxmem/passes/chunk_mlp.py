@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fxmem.analysis.mlp import LoraLinearNodes, find_swiglu_mlps
 from fxmem.kernels.chunked_mlp import LoraLinear, chunked_swiglu_mlp
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PipelineState, replace_with_call
 
 
 class ChunkMlp(GraphPass):
@@ -22,12 +22,8 @@ class ChunkMlp(GraphPass):
         graph = state.dynamo.graph
         found = find_swiglu_mlps(graph)
         for mlp in found:
-            with graph.inserting_before(mlp.output):
-                chunked = graph.call_function(chunked_swiglu_mlp, (
-                    mlp.x, _linear(mlp.gate), _linear(mlp.up), _linear(mlp.down), rows))
-            # the MLP's module: the op stays in its block for what reads module paths (checkpoint_blocks, reports)
-            chunked.meta["nn_module_stack"] = dict(mlp.output.meta.get("nn_module_stack", {}))
-            mlp.output.replace_all_uses_with(chunked)
+            replace_with_call(graph, mlp.output, chunked_swiglu_mlp,
+                              (mlp.x, _linear(mlp.gate), _linear(mlp.up), _linear(mlp.down), rows))
         if not found:
             return "no SwiGLU MLP with a PEFT LoRA (no dropout) on its gate, up and down projections"
         graph.eliminate_dead_code()

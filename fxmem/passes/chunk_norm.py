@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fxmem.analysis.meta import RECOMPUTE
 from fxmem.analysis.rms_norm import find_rms_norms
 from fxmem.kernels.chunked_rms_norm import chunked_rms_norm
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PipelineState, replace_with_call
 
 
 class ChunkNorm(GraphPass):
@@ -24,17 +24,13 @@ class ChunkNorm(GraphPass):
         graph = state.dynamo.graph
         found = find_rms_norms(graph)
         for norm in found:
-            with graph.inserting_before(norm.output):
-                chunked = graph.call_function(chunked_rms_norm, (norm.x, norm.weight, norm.eps, rows))
-            # the norm's module: the op stays in its block for what reads module paths (checkpoint_blocks, reports)
-            chunked.meta["nn_module_stack"] = dict(norm.output.meta.get("nn_module_stack", {}))
-            # what dynamo traced it with: the matchers of the later dynamo passes (chunk_mlp's) read it
+            chunked = replace_with_call(graph, norm.output, chunked_rms_norm, (norm.x, norm.weight, norm.eps, rows))
+            # what dynamo traced it with, as every node of its graph carries: the dynamo passes' matchers read it
             chunked.meta["example_value"] = norm.output.meta["example_value"]
             # recomputed in backward from its input, as torch's min-cut recomputes a norm of aten ops: saving the
             # output would add a tensor of the hidden width where torch's norm saves one value per row (AOTAutograd
             # copies the tag onto the op's joint node)
             chunked.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
-            norm.output.replace_all_uses_with(chunked)
         if not found:
             return "no RMSNorm of Llama's form (weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype))"
         graph.eliminate_dead_code()

@@ -102,6 +102,17 @@ def copy_graph_module(gm: GraphModule) -> GraphModule:
     return GraphModule(gm, graph, gm.__class__.__name__)
 
 
+def replace_with_call(graph: Graph, old: Node, function: Any, args: tuple) -> Node:
+    """``function(*args)`` inserted before ``old`` in a dynamo graph, read by every reader of ``old`` instead. It
+    keeps ``old``'s module stack: the op stays in its block for what reads module paths (checkpoint_blocks, the
+    reports)."""
+    with graph.inserting_before(old):
+        new = graph.call_function(function, args)
+    new.meta["nn_module_stack"] = dict(old.meta.get("nn_module_stack", {}))
+    old.replace_all_uses_with(new)
+    return new
+
+
 def joint_primals(graph: Graph) -> frozenset[Node]:
     """The joint graph's forward inputs (parameters, buffers and user inputs): AOTAutograd names them primals_*."""
     return frozenset(n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
