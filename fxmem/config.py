@@ -80,10 +80,13 @@ class Config:
         that the MLP-wide tensors, the step's largest transients at long context, are never whole. Exact up to
         rounding, for two more products per MLP; it replaces what the other techniques do inside the MLP. None
         (every preset) is off.
-    norm_chunk: run each RMSNorm (Llama's form) this many tokens at a time, its input the only tensor it saves
-        (passes/chunk_norm.py): a half-precision model's norm upcasts to float32, and its backward holds five
-        float32 tensors of the hidden width at once, the largest transients of a recomputed block at long context.
-        The gradients are torch's sums in another order. None (every preset) is off.
+    norm_chunk: run each RMSNorm (Llama's form) this many tokens at a time, recomputed in backward from its input,
+        the only tensor it saves (passes/chunk_norm.py): a half-precision model's norm upcasts to float32, and its
+        backward holds five float32 tensors of the hidden width at once, the largest transients of a recomputed
+        block at long context. The gradients are torch's sums in another order. Under a quantizing preset the input
+        is then stored at no fewer than 8 bits (the norm is rebuilt from it), where a norm's input is otherwise
+        rebuilt from its output's codes: more saved bytes unless blocks are checkpointed (block_checkpoint), where
+        nothing inside a block is saved. None (every preset) is off.
     block_checkpoint: checkpoint every repeated block (``model.layers.N``) from its output: only the residual
         stream between blocks is saved (at no fewer than 8 bits under a quantizing preset), and backward recomputes
         each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;

@@ -17,8 +17,8 @@ from fxmem.passes import (
     ChunkLoss,
     ChunkMlp,
     ChunkNorm,
-    GqaAttention,
     FuseEpilogue,
+    GqaAttention,
     GraphPass,
     LoraHalfProducts,
     LoraReorder,
@@ -101,16 +101,15 @@ PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
     RecomputeAdapterCast, ReplayDropout, RecomputeInputs, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention,
     SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, LoraHalfProducts, OnednnMatmul)}
 # The dynamo passes first (they change what AOTAutograd traces; gqa_attention after causal_mask, which removes the
-# mask it needs gone; chunk_norm after chunk_mlp, whose matcher reads the norm's output as the MLP's input), then the
-# joint passes (merge_casts first: the LoRA matcher the others run must see one cast of x; recompute_adapter_cast
-# next: its must-save of x is a default the later ones may override; lora_reorder tags what runlora must leave alone;
-# checkpoint_blocks last: its tags override theirs inside a block), then the partitioned ones: sparsify, quantize and
-# lowrank rewrite saved tensors that fuse_epilogue then fuses, lora_half_products and onednn_matmul swap the products
-# of the finished graphs.
+# mask it needs gone), then the joint passes (merge_casts first: the LoRA matcher the others run must see one cast of
+# x; recompute_adapter_cast next: its must-save of x is a default the later ones may override; lora_reorder tags what
+# runlora must leave alone; checkpoint_blocks last: its tags override theirs inside a block), then the partitioned
+# ones: sparsify, quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses, lora_half_products and
+# onednn_matmul swap the products of the finished graphs.
 PASS_ORDER = ("causal_mask", "gqa_attention", "chunk_loss", "chunk_mlp", "chunk_norm", "merge_casts",
               "recompute_adapter_cast", "replay_dropout", "recompute_inputs", "lora_reorder", "runlora",
-              "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize", "lowrank",
-              "fuse_epilogue", "lora_half_products", "onednn_matmul")
+              "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize",
+              "lowrank", "fuse_epilogue", "lora_half_products", "onednn_matmul")
 
 
 # A pass runs when one of the techniques it serves is on, wherever it is built.

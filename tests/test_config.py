@@ -11,7 +11,7 @@ def test_defaults_are_the_exact_preset():
     # exact: on everywhere, all lossless
     enabled = [t.name for t in techniques.enabled_techniques(Config())]
     assert enabled == ["adapter_cast", "replay_dropout", "merge_casts", "recompute_inputs", "causal_mask",
-                       "chunk_loss"]
+                       "gqa_attention", "chunk_loss"]
 
 
 @pytest.mark.parametrize("field, value, expected", [

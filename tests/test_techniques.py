@@ -17,9 +17,9 @@ def test_every_pass_is_declared_once_in_the_order_and_served_by_a_technique():
     assert [p.name for p in techniques.default_passes()] == list(techniques.PASS_ORDER)
 
 
-_ALWAYS = ["adapter_cast", "replay_dropout", "merge_casts", "recompute_inputs", "causal_mask"]
-_EVERY_PRESETS_PASSES = ["causal_mask", "chunk_loss", "merge_casts", "recompute_adapter_cast", "replay_dropout",
-                         "recompute_inputs"]
+_ALWAYS = ["adapter_cast", "replay_dropout", "merge_casts", "recompute_inputs", "causal_mask", "gqa_attention"]
+_EVERY_PRESETS_PASSES = ["causal_mask", "gqa_attention", "chunk_loss", "merge_casts", "recompute_adapter_cast",
+                         "replay_dropout", "recompute_inputs"]
 
 
 @pytest.mark.parametrize("preset, names, passes", [

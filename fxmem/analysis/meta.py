@@ -20,9 +20,13 @@ torch's keys fxmem writes:
   graph's node, which AOTAutograd copies onto the joint nodes it traces from it.
 - ``VALUE``: the fake tensor (or SymInt) of every node fxmem inserts, which inductor needs to lower it
   (passes.saved_rewrite.call and SavedTensorEditor.save).
+- ``EXAMPLE_VALUE`` and ``MODULE_STACK`` on a node a dynamo pass inserts: what dynamo gives every node of its graph,
+  the value it traced and the modules it ran in (passes.manager.replace_with_call, passes/chunk_norm.py).
 """
 
 LORA_REORDERED = "fxmem_lora_reorder"
 BLOCK_SOURCE = "fxmem_block_source"
 RECOMPUTE = "recompute"
 VALUE = "val"
+EXAMPLE_VALUE = "example_value"
+MODULE_STACK = "nn_module_stack"

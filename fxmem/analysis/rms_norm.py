@@ -1,9 +1,10 @@
 """RMSNorms as HF's Llama family writes them, found in the graph dynamo captured (torch-level ops).
 
-The pattern is ``weight * (x.to(float32) * rsqrt(x.to(float32).pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)``
-(LlamaRMSNorm, and Mistral's, Qwen2's and others copied from it). Every tensor between x and the output must be
-used only inside the norm: the chunked op (kernels/chunked_rms_norm.py) makes none of them. Norms of other forms
-(Gemma's ``1 + weight``, a fused ``rms_norm``) are not matched.
+The pattern is ``weight * (u * rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)``, ``u = x.to(torch.float32)``
+(LlamaRMSNorm, and Mistral's, Qwen2's and others copied from it), over x of (batch, tokens, hidden). Every tensor
+between x and the output must be used only inside the norm: the chunked op (kernels/chunked_rms_norm.py) makes none
+of them. Norms of other forms (Gemma's ``1 + weight``, a fused ``rms_norm``, a norm over each head) are not
+matched.
 """
 
 from __future__ import annotations
@@ -84,15 +85,16 @@ def _match(rsqrt: Node) -> RmsNorm | None:
         return None
     x, cast = upcast.args[0], _only_user(normalized)
     x_value = example_tensor(x)
-    if x_value is None or cast is None or cast_dtype(cast) is not x_value.dtype:
+    # (batch, tokens, hidden) or (tokens, hidden): a per-head norm (Qwen3's q_norm) would chunk heads, not tokens
+    if x_value is None or x_value.dim() not in (2, 3) or cast is None or cast_dtype(cast) is not x_value.dtype:
         return None
     output = _only_user(cast)
     weight = _other(output, cast) if output is not None and _is(output, "mul", _MULS) else None
-    weight_value = example_tensor(weight)
-    if weight_value is None or tuple(weight_value.shape) != (x_value.shape[-1],):
+    weight_value, hidden = example_tensor(weight), hint(x_value.shape[-1])
+    if weight_value is None or [hint(s) for s in weight_value.shape] != [hidden]:
         return None
-    return RmsNorm(output=output, x=x, weight=weight, eps=eps, tokens=hint(x_value.numel() // x_value.shape[-1]),
-                   hidden=int(x_value.shape[-1]), element_size=x_value.element_size())
+    return RmsNorm(output=output, x=x, weight=weight, eps=eps, tokens=hint(x_value.numel()) // hidden, hidden=hidden,
+                   element_size=x_value.element_size())
 
 
 def _is_row_mean(node: object) -> bool:

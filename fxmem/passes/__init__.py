@@ -7,8 +7,8 @@ from fxmem.passes.checkpoint_blocks import CheckpointBlocks
 from fxmem.passes.chunk_loss import ChunkLoss
 from fxmem.passes.chunk_mlp import ChunkMlp
 from fxmem.passes.chunk_norm import ChunkNorm
-from fxmem.passes.gqa_attention import GqaAttention
 from fxmem.passes.fuse_epilogue import FuseEpilogue
+from fxmem.passes.gqa_attention import GqaAttention
 from fxmem.passes.lora_half_products import LoraHalfProducts
 from fxmem.passes.lora_reorder import LoraReorder
 from fxmem.passes.lowrank import LowRankSaved
@@ -23,7 +23,8 @@ from fxmem.passes.replay_dropout import ReplayDropout
 from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
-__all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "ChunkNorm", "GqaAttention", "FuseEpilogue", "GraphPass",
-           "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts", "OnednnMatmul", "PassManager",
-           "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention",
-           "RecomputeInputs", "RecomputeLogits", "ReplayDropout", "RunLora", "SparsifyAttention"]
+__all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "ChunkNorm", "FuseEpilogue",
+           "GqaAttention", "GraphPass", "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts",
+           "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast",
+           "RecomputeAttention", "RecomputeInputs", "RecomputeLogits", "ReplayDropout", "RunLora",
+           "SparsifyAttention"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxmem.analysis.meta import RECOMPUTE
+from fxmem.analysis.meta import EXAMPLE_VALUE, RECOMPUTE
 from fxmem.analysis.rms_norm import find_rms_norms
 from fxmem.kernels.chunked_rms_norm import chunked_rms_norm
 from fxmem.passes.manager import GraphPass, PipelineState, replace_with_call
@@ -26,13 +26,14 @@ class ChunkNorm(GraphPass):
         for norm in found:
             chunked = replace_with_call(graph, norm.output, chunked_rms_norm, (norm.x, norm.weight, norm.eps, rows))
             # what dynamo traced it with, as every node of its graph carries: the dynamo passes' matchers read it
-            chunked.meta["example_value"] = norm.output.meta["example_value"]
+            chunked.meta[EXAMPLE_VALUE] = norm.output.meta[EXAMPLE_VALUE]
             # recomputed in backward from its input, as torch's min-cut recomputes a norm of aten ops: saving the
             # output would add a tensor of the hidden width where torch's norm saves one value per row (AOTAutograd
             # copies the tag onto the op's joint node)
             chunked.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
         if not found:
-            return "no RMSNorm of Llama's form (weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype))"
+            return ("no RMSNorm of Llama's form (weight * (u * rsqrt(mean(u**2) + eps)).to(x.dtype), "
+                    "u = x.to(torch.float32), over (batch, tokens, hidden))")
         graph.eliminate_dead_code()
         norm = found[0]
         wide = norm.tokens * norm.hidden * 4

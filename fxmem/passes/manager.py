@@ -22,7 +22,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis import Analysis
-from fxmem.analysis.meta import RECOMPUTE
+from fxmem.analysis.meta import MODULE_STACK, RECOMPUTE
 from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.fallback import FallbackError, fall_back
@@ -108,7 +108,7 @@ def replace_with_call(graph: Graph, old: Node, function: Any, args: tuple) -> No
     reports)."""
     with graph.inserting_before(old):
         new = graph.call_function(function, args)
-    new.meta["nn_module_stack"] = dict(old.meta.get("nn_module_stack", {}))
+    new.meta[MODULE_STACK] = dict(old.meta.get(MODULE_STACK, {}))
     old.replace_all_uses_with(new)
     return new
 

@@ -31,7 +31,9 @@ def test_llamas_norm_is_found_with_its_epsilon_and_width(dtype):
     assert norm.weight.op == "placeholder" and norm.x.op == "placeholder"
 
 
-@pytest.mark.parametrize("variant", ["gemma", "upcast read elsewhere"])
-def test_other_norms_are_not_matched(variant):
-    # the chunked op would make neither Gemma's scale nor a second reader's upcast
-    assert find_rms_norms(_dynamo_graph(_LlamaNorm(variant), torch.randn(2, 5, 8)).graph) == []
+@pytest.mark.parametrize("variant, shape", [("gemma", (2, 5, 8)), ("upcast read elsewhere", (2, 5, 8)),
+                                            ("llama", (2, 5, 3, 8))])
+def test_other_norms_are_not_matched(variant, shape):
+    # the chunked op would make neither Gemma's scale nor a second reader's upcast; a norm over each head (Qwen3's
+    # q_norm, x of (batch, tokens, heads, head size)) would be chunked by heads, not tokens
+    assert find_rms_norms(_dynamo_graph(_LlamaNorm(variant), torch.randn(*shape)).graph) == []
