@@ -2,8 +2,9 @@
 (analysis/gqa.py).
 
 Runs on the graph dynamo captured, after causal_mask (``enable_gqa`` takes no mask on a GPU's flash kernel, and HF
-repeats the heads only where it passes one). The key and value SDPA reads, saves for backward and returns gradients
-for are then the model's own, n_rep times fewer bytes than the copies. Exact: the same heads meet. Applied to each
+repeats the heads only where it passes one). The key and value SDPA reads and returns gradients for are then the
+model's own, n_rep times fewer bytes than the copies (torch's min-cut saved the heads before the copies already, and
+copied them again in backward: the copies and their gradients are what is gone). Exact: the same heads meet. Applied to each
 call only where SDPA runs a fused kernel for it (flash attention; torch's other fused kernels refuse ``enable_gqa``
 and its math kernel builds the tokens x tokens scores), else the call is left as HF wrote it.
 """
