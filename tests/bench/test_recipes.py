@@ -21,7 +21,9 @@ def test_every_recipe_runs_exact_as_torch_compile_and_hyclora_at_the_plain_recip
     results = {r.method: r for r in measure(TINY, [recipe], PRESETS)}
     exact, hyclora = results["exact"], results["hyclora-4bit"]
     assert exact.fallbacks == () and hyclora.fallbacks == ()
-    assert exact.max_relative_error < 1e-5, exact
+    # under autocast attention runs in bf16, where SDPA's grouped heads (gqa_attention) sum the key and value
+    # gradients in another order: 0.0037 measured, where eager PEFT is 0.0062 from torch.compile on this recipe
+    assert exact.max_relative_error < (5e-3 if recipe == "autocast" else 1e-5), exact
     assert hyclora.min_cosine > 0.99, hyclora
     assert hyclora.planned_bytes <= 1.10 * plain["hyclora-4bit"].planned_bytes, (hyclora, plain["hyclora-4bit"])
 
