@@ -102,6 +102,19 @@ def loss_and_grads(forward, model, batch, seed: int = 0):
     return loss.detach(), grads
 
 
+def assert_matches_eager(reference, loss, grads) -> None:
+    """``loss`` within 1e-6 of eager's, and every gradient within 1e-5 of its largest value: float rounding."""
+    assert torch.allclose(loss, reference[0], rtol=1e-6, atol=0)
+    for name, ref in reference[1].items():
+        assert float((grads[name] - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name
+
+
+def worst_cosine(reference_grads, grads) -> float:
+    """The lowest cosine of any gradient against the reference's, in float32."""
+    return min(float(torch.nn.functional.cosine_similarity(grads[k].flatten().float(), ref.flatten().float(), 0))
+               for k, ref in reference_grads.items())
+
+
 def randomize_lora_b(model):
     # PEFT starts B at zero, where A's gradient is zero too: nothing to compare.
     generator = torch.Generator().manual_seed(7)

@@ -3,7 +3,8 @@
 HF's ``repeat_kv`` copies each of a GQA model's key and value heads to the ``n_rep`` query heads that share it
 (``x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)``) before SDPA, unless it passes no mask
 (then it asks SDPA for ``enable_gqa``). Under torch.compile HF builds the mask, so the copies are made: n_rep times
-the key's and value's bytes, saved for backward, with gradients of the same size. SDPA's ``enable_gqa`` maps query
+the key's and value's bytes, made again in backward (min-cut saves the heads before them), with gradients of the
+same size. SDPA's ``enable_gqa`` maps query
 head h to key head h // n_rep, the head ``repeat_kv`` copied there: the same attention.
 """
 

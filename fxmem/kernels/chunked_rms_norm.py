@@ -1,8 +1,8 @@
 """RMSNorm as HF's Llama family writes it, over chunks of tokens: its float32 intermediates never exist whole.
 
 ``weight * (u * rsqrt(mean(u**2, -1) + eps)).to(x.dtype)``, ``u = x.to(torch.float32)``, upcasts a half-precision
-x to float32: each float32 intermediate takes twice x's bytes, and its backward, as aten runs it, holds five of them at once (the
-upcast input, the normalized input, and their gradients). At long context, in a block recomputed in backward,
+x to float32: each float32 intermediate takes twice x's bytes, and its backward, as aten runs it, holds five of
+them at once (the upcast input, the normalized input, and their gradients). At long context, in a block recomputed in backward,
 they are the step's largest transients. ``chunked_rms_norm`` runs the norm ``chunk_rows`` tokens at a time in
 forward and backward, saves only x (what the norm's backward saves anyway, besides one statistic per row) and
 recomputes each chunk's statistic in backward. The gradients are the same sums as torch's in another order; the
@@ -18,9 +18,8 @@ from torch import Tensor
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    upcast = x.to(torch.float32)
-    normalized = upcast * torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normalized.to(x.dtype)
+    upcast, rstd = _normalized(x, eps)
+    return weight * (upcast * rstd).to(x.dtype)
 
 
 def chunked_rms_norm(x: Tensor, weight: Tensor, eps: float, chunk_rows: int) -> Tensor:

@@ -4,7 +4,7 @@ import torch
 import fxmem
 from fxmem.passes import GraphPass, PassManager
 from fxmem.techniques import default_passes
-from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
+from tests.conftest import assert_matches_eager, loss_and_grads, randomize_lora_b, tiny_model
 
 
 def _summary(backend) -> str:
@@ -35,9 +35,7 @@ def test_hf_llamas_mask_runs_as_is_causal_with_the_gradients_of_eager():
     loss, grads = loss_and_grads(torch.compile(model, backend=backend), model, batch)
     assert "mask attention_mask 2 x 1 x 16 x 16 proven causal: 2 attention call(s) run with is_causal=True" \
         in _summary(backend)
-    assert torch.allclose(loss, reference[0], rtol=1e-6, atol=0)
-    for name, ref in reference[1].items():
-        assert float((grads[name] - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name
+    assert_matches_eager(reference, loss, grads)
 
 
 @pytest.mark.parametrize("with_pass", [True, False])

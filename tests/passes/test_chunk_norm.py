@@ -7,17 +7,13 @@ import fxmem
 from fxmem.analysis.roles import Role
 from fxmem.config import PUBLISHED_MIN_COSINE
 from fxmem.whatif import hf_config, traced_activation_bytes
-from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
+from tests.conftest import assert_matches_eager, loss_and_grads, randomize_lora_b, tiny_model, worst_cosine
 from tests.test_whatif import TINY
 
 
 def _summary(backend) -> str:
     return "; ".join(p.summary for r in backend.regions for p in r.passes if p.name == "chunk_norm")
 
-
-def _worst_cosine(reference, grads) -> float:
-    return min(float(torch.nn.functional.cosine_similarity(grads[k].flatten().float(), ref.flatten().float(), 0))
-               for k, ref in reference.items())
 
 
 def test_each_rms_norm_runs_in_chunks_with_the_gradients_of_eager():
@@ -29,9 +25,7 @@ def test_each_rms_norm_runs_in_chunks_with_the_gradients_of_eager():
     # two per block and the final one
     assert _summary(backend) == ("5 RMSNorm(s) of 32 tokens x 64 in chunks of 12 tokens: 0.0 MiB per float32 tensor "
                                  "never whole, its input the only tensor saved")
-    assert torch.allclose(loss, reference[0], rtol=1e-6, atol=0)
-    for name, ref in reference[1].items():
-        assert float((grads[name] - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name
+    assert_matches_eager(reference, loss, grads)
 
 
 def test_a_bf16_model_checkpointed_by_blocks_keeps_the_gradients_of_torch_compile():
@@ -43,8 +37,8 @@ def test_a_bf16_model_checkpointed_by_blocks_keeps_the_gradients_of_torch_compil
     backend = fxmem.backend("exact", norm_chunk=12, mlp_chunk=12, block_checkpoint=True)
     _, grads = loss_and_grads(torch.compile(model, backend=backend), model, batch)
     assert _summary(backend).startswith("3 RMSNorm(s) of 32 tokens x 64 in chunks of 12 tokens")
-    assert _worst_cosine(reference[1], compiled) > 0.9995
-    assert _worst_cosine(reference[1], grads) > 0.9995
+    assert worst_cosine(reference[1], compiled) > 0.9995
+    assert worst_cosine(reference[1], grads) > 0.9995
 
 
 def test_the_norm_saves_only_its_input_and_is_recomputed_in_backward():
@@ -91,7 +85,7 @@ def test_under_hyclora_the_final_norms_input_stays_exact_and_the_fidelity_holds(
     assert all(p.reason.startswith("8-bit") and "the chunked RMSNorm's output" in p.reason for p in plans[:4])
     reference = loss_and_grads(model, model, batch)
     _, grads = loss_and_grads(torch.compile(model, backend=fxmem.Backend(config)), model, batch)
-    assert _worst_cosine(reference[1], grads) >= PUBLISHED_MIN_COSINE["hyclora-4bit"]
+    assert worst_cosine(reference[1], grads) >= PUBLISHED_MIN_COSINE["hyclora-4bit"]
 
 
 @pytest.mark.parametrize("family", ["gpt2"])

@@ -9,7 +9,7 @@ from fxmem.analysis.roles import Role
 from fxmem.passes import gqa_attention
 from fxmem.passes.gqa_attention import fused_gqa_backend
 from fxmem.whatif import hf_config, traced_activation_bytes
-from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
+from tests.conftest import assert_matches_eager, loss_and_grads, randomize_lora_b, tiny_model
 from tests.test_whatif import TINY
 
 
@@ -25,9 +25,7 @@ def test_gqa_attention_reads_each_head_once_with_the_gradients_of_eager():
     loss, grads = loss_and_grads(torch.compile(model, backend=backend), model, batch)
     assert _summary(backend) == ("2 attention call(s) read each key and value head once with enable_gqa "
                                  "(flash_attention), not 2 copies of it")
-    assert torch.allclose(loss, reference[0], rtol=1e-6, atol=0)
-    for name, ref in reference[1].items():
-        assert float((grads[name] - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name
+    assert_matches_eager(reference, loss, grads)
 
 
 def test_attention_saves_the_key_and_value_heads_not_their_copies():
