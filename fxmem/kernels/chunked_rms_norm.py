@@ -18,8 +18,9 @@ from torch import Tensor
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    upcast, rstd = _normalized(x, eps)
-    return weight * (upcast * rstd).to(x.dtype)
+    upcast = x.to(torch.float32)
+    normalized = upcast * torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normalized.to(x.dtype)
 
 
 def chunked_rms_norm(x: Tensor, weight: Tensor, eps: float, chunk_rows: int) -> Tensor:
