@@ -51,5 +51,12 @@ class Region:
     @property
     def transient_bytes(self) -> int:
         """The most the region's graphs hold beyond their inputs and what forward returns: the forward's
-        transients, or everything backward allocates (its gradients included) at its peak."""
+        transients, or everything backward allocates (its gradients included) at its peak, run as aten ops in order
+        with the saved tensors held to the end (the eager lowering)."""
         return max((max(fw.transient_bytes, bw.peak_bytes) for fw, bw in self.liveness), default=0)
+
+    @property
+    def compiled_transient_bytes(self) -> int:
+        """``transient_bytes`` as inductor's backward runs: it frees each saved activation after its last reader,
+        so what backward adds at its peak is less what it freed by then."""
+        return max((max(fw.transient_bytes, bw.peak_beyond_released) for fw, bw in self.liveness), default=0)

@@ -105,21 +105,22 @@ def fake_lora_model(config: Any, rank: int, dtype: torch.dtype, fake_mode: FakeT
 @dataclass(frozen=True)
 class ActivationBytes:
     saved: int  # what the step saves between forward and backward, as planned
-    transient: int  # beside those, the most its graphs hold at once (Region.transient_bytes): backward's gradients
-    # and intermediates at its peak, or forward's transients
+    transient: int  # beside those, the most its graphs hold at once (Region.compiled_transient_bytes): backward's
+    # gradients and intermediates at its peak less the saved activations it freed by then, or forward's transients
 
 
 def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], config: Config
                                ) -> ActivationBytes:
     """Saved-activation bytes of one step under ``config`` (the analysis's tensors priced by the cost model), and
-    its transients (analysis/liveness.py, the graphs run in their own order)."""
+    its transients (analysis/liveness.py: the graphs run in their own order, backward freeing each saved activation
+    after its last reader as inductor's does)."""
     from fxmem.inspection import inspect
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = inspect(model, config=config, **batch)
     return ActivationBytes(saved=sum(planned for _, saved, planned in _activation_rows(report)),
-                           transient=max((r.transient_bytes for r in report.regions), default=0))
+                           transient=max((r.compiled_transient_bytes for r in report.regions), default=0))
 
 
 def _activation_rows(report: Any) -> list[tuple[Any, Any, int]]:

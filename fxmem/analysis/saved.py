@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from torch.fx import GraphModule, Node
+import torch
+from torch.fx import Graph, GraphModule, Node
 
 from fxmem.analysis.graph import (
     layer_of,
@@ -25,6 +26,8 @@ from fxmem.analysis.norm import NormUnit, norm_unit
 from fxmem.analysis.recompute import pointwise_rebuild, product_rebuild
 from fxmem.analysis.roles import FREES_NOTHING, Role, TensorFacts, classify, reads_as_rebuild_input
 from fxmem.analysis.rope import Replay, attention_input_replay
+
+SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)  # the values of a graph's symbolic (non-tensor) nodes
 
 # The graph facts of a record, for the planner and the passes: references into the forward graph, left out of
 # the report's dict and of the record a compiled region keeps.
@@ -106,6 +109,19 @@ def saved_tensor_nodes(fw: GraphModule, num_fwd_outputs: int) -> list[Node]:
     """The forward's outputs that backward receives as tensors (SymInts and opaque objects left out)."""
     outputs = fw.graph.find_nodes(op="output")[0].args[0]
     return [n for n in outputs[num_fwd_outputs:] if isinstance(n, Node) and tensor_val(n) is not None]
+
+
+def saved_placeholders(fw: Graph, bw: Graph, num_fwd_outputs: int) -> dict[Node, Node]:
+    """Each tensor forward saves, with the backward placeholder that receives it. AOTAutograd's contract: the forward
+    returns user outputs, saved tensors, opaque objects, SymInts; the backward takes SymInts, saved tensors, opaque
+    objects, tangents. So they pair by position (names do not: a pass that saves a new tensor names it anew)."""
+    saved = fw.find_nodes(op="output")[0].args[0][num_fwd_outputs:]
+    tensors = [n for n in saved if isinstance(n, Node) and tensor_val(n) is not None]
+    symbols = sum(1 for n in saved if isinstance(n, Node) and isinstance(n.meta.get("val"), SYMBOLIC))
+    placeholders = list(bw.find_nodes(op="placeholder"))[symbols:symbols + len(tensors)]
+    if [p.meta.get("val") is not None and tensor_val(p) is not None for p in placeholders] != [True] * len(tensors):
+        raise RuntimeError("backward placeholders do not line up with the forward's saved tensors")
+    return dict(zip(tensors, placeholders, strict=True))
 
 
 def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,

@@ -18,9 +18,10 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxmem.analysis.graph import storage_base, tensor_val, view_chain
+from fxmem.analysis.graph import storage_base, view_chain
 from fxmem.analysis.meta import VALUE
 from fxmem.analysis.rope import Replay
+from fxmem.analysis.saved import SYMBOLIC, saved_placeholders
 from fxmem.cost_model.plan import Plan
 from fxmem.fallback import fall_back
 from fxmem.kernels import probe as probe_kernel
@@ -28,7 +29,6 @@ from fxmem.passes.manager import PipelineState
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 class Unmappable(Exception):
@@ -43,15 +43,8 @@ class SavedTensorEditor:
         self.probes = state.probes
         self.fw_output = self.fw.graph.find_nodes(op="output")[0]
         self.bw_nodes = {n.name: n for n in self.bw.graph.nodes}
-        # AOTAutograd's contract: the forward returns user outputs, saved tensors, opaque objects, SymInts;
-        # the backward takes SymInts, saved tensors, opaque objects, tangents. Pair them by position.
-        saved = self._outputs()[self.num_fwd_outputs:]
-        tensors = [n for n in saved if isinstance(n, Node) and tensor_val(n) is not None]
-        symbols = sum(1 for n in saved if isinstance(n, Node) and isinstance(n.meta.get("val"), _SYMBOLIC))
-        placeholders = list(self.bw.graph.find_nodes(op="placeholder"))[symbols:symbols + len(tensors)]
-        if [p.meta.get("val") is not None and tensor_val(p) is not None for p in placeholders] != [True] * len(tensors):
-            raise RuntimeError("backward placeholders do not line up with the forward's saved tensors")
-        self.placeholder_of: dict[Node, Node] = dict(zip(tensors, placeholders, strict=True))
+        self.placeholder_of: dict[Node, Node] = saved_placeholders(self.fw.graph, self.bw.graph, self.num_fwd_outputs)
+        tensors = list(self.placeholder_of)
         # New saved tensors go after the last version-checked one: AOTAutograd counts the unchecked ones
         # (stashed on ctx, not save_for_backward) from the end.
         checked = [n for n in tensors if not n.meta.get("saved_tensor_with_no_vc_check", False)]
@@ -105,7 +98,7 @@ class SavedTensorEditor:
         available = set(known) | set(nodes)
         for node in nodes:
             for arg in node.all_input_nodes:
-                if arg not in available and (not isinstance(arg.meta.get("val"), _SYMBOLIC)
+                if arg not in available and (not isinstance(arg.meta.get("val"), SYMBOLIC)
                                              or arg.name not in self.bw_nodes):
                     raise Unmappable(f"backward has no value for forward node {arg.name}")
 
@@ -123,7 +116,7 @@ class SavedTensorEditor:
         if arg in values:
             return values[arg]
         twin = self.bw_nodes.get(arg.name)
-        if twin is None or not isinstance(arg.meta.get("val"), _SYMBOLIC):
+        if twin is None or not isinstance(arg.meta.get("val"), SYMBOLIC):
             raise Unmappable(f"backward has no value for forward node {arg.name}")
         return twin
 
