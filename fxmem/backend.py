@@ -408,9 +408,14 @@ class Backend:
         return Report(self.regions)
 
 
-# Inductor's reordering of a graph for its estimated peak raised the measured peak of fxmem's rewritten graphs on
-# long steps, and lowered it on none measured (docs/long-context.md). A user's own inductor options override it.
-LOWERING_PATCHES: dict[str, Any] = {"reorder_for_peak_memory": False}
+# Inductor options for fxmem's graphs (docs/long-context.md has the measurements); a user's own override them.
+# - Reordering a graph for its estimated peak raised the measured peak of long steps, and lowered it on none.
+# - A horizontal fusion (two kernels that read a common input, neither the other's output) saves reading that input
+#   once. Inductor fuses any that share 10 bytes: in a backward that recomputes layers, one layer's RoPE recompute
+#   fused with the next layer's RoPE backward (they share the rotary frequencies, 128 bytes) ran a layer early and
+#   held its q and k buffers through that layer's MLP backward. Below 1 MiB a second read costs under a microsecond
+#   of bandwidth on a GPU, besides the launch.
+LOWERING_PATCHES: dict[str, Any] = {"reorder_for_peak_memory": False, "score_fusion_memory_threshold": 1 << 20}
 
 
 def _split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
