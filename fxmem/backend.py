@@ -30,7 +30,7 @@ from torch.fx import GraphModule
 from torch.fx.graph_module import _loader as fx_source_loader
 
 from fxmem.analysis import Analysis, SavedTensor, analyze
-from fxmem.analysis.liveness import graph_liveness, released_activations
+from fxmem.analysis.liveness import compiled_liveness, graph_liveness
 from fxmem.analysis.pinned import Pinned, pinned
 from fxmem.analysis.recompute import rebuild_inputs
 from fxmem.config import Config
@@ -139,9 +139,10 @@ class _Partitioner(CustomPartitionerFn):
                 warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
         region.notes += pinned_notes(pinned(state.analysis, state.fw.graph, kwargs["num_fwd_outputs"], joint.graph))
         region.add_passes(self.passes.run("partitioned", state))
-        released = released_activations(state.fw.graph, state.bw.graph, state.num_fwd_outputs)
         region.liveness.append((graph_liveness(state.fw.graph, op_workspace_bytes),
-                                graph_liveness(state.bw.graph, op_workspace_bytes, released=released)))
+                                graph_liveness(state.bw.graph, op_workspace_bytes)))
+        region.compiled_liveness.append(compiled_liveness(state.fw.graph, state.bw.graph, state.num_fwd_outputs,
+                                                          op_workspace_bytes))
         # Appended: inductor may partition nested subgraphs of the region through this same hook. Records: the
         # region outlives the graphs, which it must not keep alive.
         region.saved += [saved.record() for saved in state.analysis.saved + [saved for saved, _ in chosen.recomputed]]

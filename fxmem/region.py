@@ -36,6 +36,7 @@ class Region:
     # what the final forward and backward graphs hold at once beside their inputs (analysis/liveness.py), one pair
     # per partition (inductor may partition nested subgraphs of the region through the same hook)
     liveness: list[tuple[Liveness, Liveness]] = field(default_factory=list)
+    compiled_liveness: list[tuple[Liveness, Liveness]] = field(default_factory=list)  # the same as inductor runs them
 
     def add_passes(self, records: list[PassRecord]) -> None:
         """Record passes; each one that failed (its stage rolled back) warns, once per region and pass."""
@@ -57,6 +58,6 @@ class Region:
 
     @property
     def compiled_transient_bytes(self) -> int:
-        """``transient_bytes`` as inductor's backward runs: it frees each saved activation after its last reader,
-        so what backward adds at its peak is less what it freed by then."""
-        return max((max(fw.transient_bytes, bw.peak_beyond_released) for fw, bw in self.liveness), default=0)
+        """``transient_bytes`` as inductor runs the graphs (analysis.liveness.compiled_liveness): backward frees each
+        saved activation after its last reader, so what it adds at its peak is net of what it freed by then."""
+        return max((max(fw.transient_bytes, bw.peak_bytes) for fw, bw in self.compiled_liveness), default=0)

@@ -5,9 +5,10 @@ its gradients, the loss's working set) as by the saved ones. This walks a partit
 would run it: each op's output storage is allocated when it runs and freed after its last reader (a view keeps its
 base alive; the graph's outputs live to its end). It counts storages, not tensors, each at its full size.
 
-A backward's inputs are what forward saved. Run as aten ops (the eager lowering) it holds them all to its end;
-inductor's backward frees each after its last reader, so its peak beyond the saved bytes is lower: both are
-counted. What inductor fuses and where it puts each kernel is not modelled (docs/long-context.md has the error).
+That is the eager lowering's step. Inductor's differs in two ways modelled here (``compiled_liveness``): its
+backward frees each saved activation (its inputs) after its last reader instead of holding them all to its end, and
+it computes an element-wise op inside the kernel of each reader instead of storing it. What else it fuses, and
+where it places each kernel, is not modelled (docs/long-context.md has the error this leaves).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from fxmem.analysis.graph import is_view, storage_base, storage_bytes
+from fxmem.analysis.graph import CONSTANT_FILLS, DTYPE_CASTS, aten, is_view, storage_base, storage_bytes
 from fxmem.analysis.saved import saved_placeholders
 
 
@@ -28,11 +29,8 @@ class Liveness:
     """A graph's transients, its inputs left out (a region's inputs are weights, the batch, or what forward saved,
     counted elsewhere)."""
 
-    peak_bytes: int  # the most bytes its own ops' outputs hold at once
+    peak_bytes: int  # the most bytes its own ops' outputs hold at once (beyond its released inputs, if any)
     end_bytes: int  # what they hold when it returns: its outputs
-    # with its released inputs freed after their last reader (an inductor backward frees the saved activations so):
-    # the most its own outputs and the released inputs not yet freed hold at once, less all the released inputs
-    peak_beyond_released: int = 0
 
     @property
     def transient_bytes(self) -> int:
@@ -82,46 +80,102 @@ def released_activations(fw: Graph, bw: Graph, num_fwd_outputs: int) -> dict[Nod
     return released
 
 
+def inlined_elementwise(graph: Graph) -> frozenset[Node]:
+    """The element-wise ops inductor computes inside the kernels of their readers instead of storing: every reader
+    (through views) takes the value inside its own loop, none is the graph's output, and there are at most
+    ``_MAX_INLINED_READERS``. (Inductor also stores a value that is costly to recompute for several readers; that is
+    not modelled.)"""
+    inlined = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not _elementwise(node) or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        readers, stack = set(), [node]
+        while stack:
+            for user in stack.pop().users:
+                if is_view(user) or user.target in ALIASING_OPS:
+                    stack.append(user)
+                else:
+                    readers.add(user)
+        if readers and len(readers) <= _MAX_INLINED_READERS and all(_takes_inline(r) for r in readers):
+            inlined.add(node)
+    return frozenset(inlined)
+
+
+# Ops inductor lowers as an element-wise loop besides the pointwise-tagged ones, and readers that compute an
+# element-wise input inside their own loop besides element-wise ops and reductions: cat writes each input into its
+# slice of the output, index_put scatters into a copy of its first input that it computes.
+_ELEMENTWISE = DTYPE_CASTS | CONSTANT_FILLS | {aten.slice_scatter.default, aten.select_scatter.default}
+_TAKES_INLINE = _ELEMENTWISE | {aten.cat.default, aten.index_put.default}
+_MAX_INLINED_READERS = 4  # torch._inductor.config.realize_reads_threshold, counted here in readers
+
+
+def _elementwise(node: Node) -> bool:
+    return node.target in _ELEMENTWISE or (isinstance(node.target, torch._ops.OpOverload)
+                                           and torch.Tag.pointwise in node.target.tags)
+
+
+def _takes_inline(node: Node) -> bool:
+    return node.op == "call_function" and (node.target in _TAKES_INLINE or _elementwise(node) or (
+        isinstance(node.target, torch._ops.OpOverload) and torch.Tag.reduction in node.target.tags))
+
+
 def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node: 0, *,
-                   released: dict[Node, tuple[Node, int]] | None = None) -> Liveness:
+                   released: dict[Node, tuple[Node, int]] | None = None,
+                   inlined: frozenset[Node] = frozenset()) -> Liveness:
     """The most bytes ``graph``'s ops hold at once when run in order, and what its outputs hold at the end.
     ``workspace(node)``: what the op holds inside while it runs, beyond its inputs and outputs (an opaque op that
-    works in chunks). ``released``: inputs freed after their last reader (``released_activations``), for
-    ``peak_beyond_released``."""
+    works in chunks). As inductor runs a graph (``compiled_liveness``): ``released``, inputs counted until their
+    last reader, the peak then given beyond all of them; ``inlined``, ops that store nothing, their readers reading
+    their inputs instead."""
     released = released or {}
     nodes = list(graph.nodes)
+    reads_of_inlined: dict[Node, set[Storage]] = {}
 
-    def reads(arg: Node) -> Storage:
+    def reads(arg: Node) -> set[Storage]:
         storage = _storage(arg)
-        return released[storage][0] if storage in released else storage
+        if storage in released:
+            return {released[storage][0]}
+        return reads_of_inlined.get(storage, {storage}) if isinstance(storage, Node) else {storage}
 
     last_read: dict[Storage, int] = {}  # the position of each storage's last reader (through views)
     outputs: set[Storage] = set()
     for position, node in enumerate(nodes):
         if node.target is operator.getitem or _base(node) is not node:
             continue  # taking an item or a view reads nothing; its readers read the storage
+        if node in inlined:
+            reads_of_inlined[node] = set().union(*(reads(arg) for arg in node.all_input_nodes))
+            continue
         for arg in node.all_input_nodes:
-            if node.op == "output":
-                outputs.add(reads(arg))
-            else:
-                last_read[reads(arg)] = position
-    live: dict[Storage, int] = {}
+            for storage in reads(arg):
+                if node.op == "output":
+                    outputs.add(storage)
+                else:
+                    last_read[storage] = position
     frees_after: dict[int, list[Storage]] = {}
     for storage, position in last_read.items():
         if storage not in outputs:
             frees_after.setdefault(position, []).append(storage)
     inputs = dict(released.values())
-    released_bytes = sum(inputs.values())
-    held_inputs = sum(size for storage, size in inputs.items() if storage in last_read or storage in outputs)
-    current = peak = peak_releasing = 0
+    live = {storage: size for storage, size in inputs.items() if storage in last_read or storage in outputs}
+    current = peak = sum(live.values())
     for position, node in enumerate(nodes):
-        allocated = _allocations(node)
+        allocated = {} if node in inlined else _allocations(node)
         live.update(allocated)
         current += sum(allocated.values())
         peak = max(peak, current + workspace(node))
-        peak_releasing = max(peak_releasing, current + held_inputs + workspace(node))
         unread = [s for s in allocated if s not in last_read and s not in outputs]  # freed as soon as made
         for storage in [*frees_after.get(position, ()), *unread]:
             current -= live.pop(storage, 0)
-            held_inputs -= inputs.pop(storage, 0)
-    return Liveness(peak_bytes=peak, end_bytes=current, peak_beyond_released=peak_releasing - released_bytes)
+    released_bytes = sum(inputs.values())
+    return Liveness(peak_bytes=peak - released_bytes, end_bytes=current - sum(
+        size for storage, size in inputs.items() if storage in outputs))
+
+
+def compiled_liveness(fw: Graph, bw: Graph, num_fwd_outputs: int,
+                      workspace: Callable[[Node], int] = lambda node: 0) -> tuple[Liveness, Liveness]:
+    """Forward's and backward's ``graph_liveness`` as inductor runs them: element-wise ops inside their readers'
+    kernels, and backward freeing each saved activation after its last reader. What inductor fuses beyond that,
+    and where it places each kernel, is not modelled."""
+    return (graph_liveness(fw, workspace, inlined=inlined_elementwise(fw)),
+            graph_liveness(bw, workspace, released=released_activations(fw, bw, num_fwd_outputs),
+                           inlined=inlined_elementwise(bw)))

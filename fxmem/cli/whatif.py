@@ -167,9 +167,11 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
     legend = (f"Each preset with return_logits=False (the loss chunked). Lengths are multiples of {args.granularity}, "
               "searched by "
               "tracing the model on fake tensors (fxmem.fitting). transients: beside the saved activations, the most "
-              "the step's graphs hold at once, run in their own order (analysis/liveness.py): backward's gradients "
-              "and intermediates at its peak, or forward's transients. Inductor fuses and orders otherwise: under the "
-              "compressing presets it holds more at once (1.6x these transients on llama-small's hyclora-4bit, "
+              "the step's graphs hold at once, run in their own order with backward freeing each saved activation "
+              "after its last reader as inductor's does (analysis/liveness.py): backward's gradients and "
+              "intermediates at its peak, or forward's transients. Inductor fuses and places kernels otherwise: under "
+              "the compressing presets it holds more at once (llama-small's hyclora-4bit at 2,048 tokens: the "
+              "measured step 1.13x the predicted with mlp_chunk=512, 1.40x without; exact within 0.1% and 4.5%, "
               "docs/long-context.md), so a compiled step reaches a shorter length; `fxmem bench context` measures "
               "real steps.")
     legend += "".join(f"\n{fit.preset}: {fit.how}" for fit in fits if fit.how)

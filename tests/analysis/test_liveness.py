@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxmem.analysis.liveness import graph_liveness
+from fxmem.analysis.liveness import graph_liveness, inlined_elementwise
 from fxmem.backend import Backend
 from fxmem.config import Config
 from fxmem.measure import model_tensors, peak_memory, saved_activation_bytes
@@ -45,9 +45,43 @@ def test_a_released_input_is_freed_after_its_last_reader():
     graph = make_fx(f)(torch.randn(32, 32), torch.randn(32, 32)).graph
     saved = next(iter(graph.find_nodes(op="placeholder")))
     liveness = graph_liveness(graph, released={saved: (saved, 4096)})
-    assert liveness.peak_bytes == 4096 + 4096  # a and b; the input, held to the end, is not counted
     # the input counted until a reads it: a with it, then a and b, each 4 KiB beyond the input's bytes
-    assert liveness.peak_beyond_released == 4096 + 4096 - 4096
+    assert liveness.peak_bytes == 4096 + 4096 - 4096
+    assert graph_liveness(graph).peak_bytes == 4096 + 4096  # a and b; the input, held to the end, is not counted
+
+
+def test_an_element_wise_op_read_only_inside_other_loops_is_not_stored():
+    def f(x, w):
+        c = torch.tanh(x)  # read by a matmul, which needs it stored
+        a = x * 2  # read by b alone: computed inside b's loop
+        b = a + 1  # read by the sum: inside the reduction's loop
+        return b.sum() + (c @ w).sum()
+
+    graph = make_fx(f)(torch.randn(32, 32), torch.randn(32, 32)).graph
+    inlined = inlined_elementwise(graph)
+    assert {n.name for n in inlined} == {"mul", "add"}  # not tanh, nor the last add, which the output reads
+    stored = graph_liveness(graph, inlined=inlined)
+    assert stored.peak_bytes == 4096 + 4096 + 4  # c, c @ w and one sum; a and b never stored
+    assert graph_liveness(graph).peak_bytes == 3 * 4096  # run as aten ops: c, a and b at once
+
+
+def _region_and_measured_transients(preset, overrides, lowering):
+    """A 256-token step of the tests' tiny Llama compiled with ``lowering``: its region, and the measured step peak
+    beyond what forward saved."""
+    workload = dataclasses.replace(TINY_LLAMA, batch=1, seq=256)
+    setup = workload.build()
+    backend = Backend(Config.from_preset(preset, return_logits=False, **overrides), lowering=lowering)
+    forward = torch.compile(setup.model, backend=backend)
+    batch = next(setup.batches)
+    setup.loss(forward, batch).backward()  # compiles
+    setup.model.zero_grad(set_to_none=True)
+    saved, loss = saved_activation_bytes(lambda: setup.loss(forward, batch),
+                                         exclude=model_tensors(setup.model) + list(batch.values()))
+    loss.backward()
+    setup.model.zero_grad(set_to_none=True)
+    peak = peak_memory(lambda: setup.loss(forward, batch).backward(), "cpu")
+    [region] = backend.regions
+    return region, peak - saved
 
 
 # mlp_chunk 128 of 256 tokens: the MLP's backward stays the peak (at 64 it is CPU flash attention's backward, which
@@ -58,20 +92,8 @@ def test_transients_are_the_measured_step_peak_beyond_the_saved_bytes(preset, ov
     # transients to the byte, up to the few bytes of scalars the profiler sees and the graphs do not. The chunked
     # MLP's op and the chunked loss's are opaque to the graph: what they hold inside is the cost model's
     # (op_workspace_bytes).
-    workload = dataclasses.replace(TINY_LLAMA, batch=1, seq=256)
-    setup = workload.build()
-    backend = Backend(Config.from_preset(preset, return_logits=False, **overrides), lowering="eager")
-    forward = torch.compile(setup.model, backend=backend)
-    batch = next(setup.batches)
-    setup.loss(forward, batch).backward()  # compiles
-    setup.model.zero_grad(set_to_none=True)
-    saved, loss = saved_activation_bytes(lambda: setup.loss(forward, batch),
-                                         exclude=model_tensors(setup.model) + list(batch.values()))
-    loss.backward()
-    setup.model.zero_grad(set_to_none=True)
-    peak = peak_memory(lambda: setup.loss(forward, batch).backward(), "cpu")
-    [region] = backend.regions
-    assert region.transient_bytes == pytest.approx(peak - saved, rel=0.01)
+    region, measured = _region_and_measured_transients(preset, overrides, "eager")
+    assert region.transient_bytes == pytest.approx(measured, rel=0.01)
 
 
 # exact's compiled step: inductor frees each saved activation after backward's last read of it. The aten order
@@ -80,17 +102,5 @@ def test_transients_are_the_measured_step_peak_beyond_the_saved_bytes(preset, ov
 # (docs/long-context.md), so they are left out.
 @pytest.mark.parametrize("overrides", [{}, {"mlp_chunk": 128}])
 def test_compiled_transients_are_the_measured_inductor_step_beyond_the_saved_bytes(overrides):
-    workload = dataclasses.replace(TINY_LLAMA, batch=1, seq=256)
-    setup = workload.build()
-    backend = Backend(Config(return_logits=False, **overrides))
-    forward = torch.compile(setup.model, backend=backend)
-    batch = next(setup.batches)
-    setup.loss(forward, batch).backward()  # compiles
-    setup.model.zero_grad(set_to_none=True)
-    saved, loss = saved_activation_bytes(lambda: setup.loss(forward, batch),
-                                         exclude=model_tensors(setup.model) + list(batch.values()))
-    loss.backward()
-    setup.model.zero_grad(set_to_none=True)
-    peak = peak_memory(lambda: setup.loss(forward, batch).backward(), "cpu")
-    [region] = backend.regions
-    assert region.compiled_transient_bytes == pytest.approx(peak - saved, rel=0.02)  # measured: 1.1%, 0.1%
+    region, measured = _region_and_measured_transients("exact", overrides, "inductor")
+    assert region.compiled_transient_bytes == pytest.approx(measured, rel=0.02)  # measured: 1.1%, 0.1%

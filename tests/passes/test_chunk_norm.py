@@ -69,8 +69,9 @@ def test_a_recomputed_bf16_block_holds_less_at_its_peak(tmp_path):
 
     whole, chunked = transient(fxmem.Config(**options)), transient(fxmem.Config(norm_chunk=256, **options))
     hidden_wide_fp32 = 4096 * 256 * 4
-    # measured: 9.40 and 7.42 float32 rows of the hidden width
-    assert whole - chunked >= 1.9 * hidden_wide_fp32
+    # measured, as inductor runs the graphs (analysis.liveness.compiled_liveness): 8.32 and 6.81 float32 rows of the
+    # hidden width (in the graphs' own order with the saved tensors held: 9.40 and 7.42)
+    assert whole - chunked >= 1.4 * hidden_wide_fp32
 
 
 def test_under_hyclora_the_final_norms_input_stays_exact_and_the_fidelity_holds():
