@@ -58,6 +58,7 @@ class Region:
 
     @property
     def compiled_transient_bytes(self) -> int:
-        """``transient_bytes`` as inductor runs the graphs (analysis.liveness.compiled_liveness): backward frees each
-        saved activation after its last reader, so what it adds at its peak is net of what it freed by then."""
+        """``transient_bytes`` as inductor runs the graphs (analysis.liveness.compiled_liveness): element-wise ops
+        computed inside their readers' kernels, and backward freeing each saved activation after its last reader, so
+        that what it adds at its peak is net of what it freed by then."""
         return max((max(fw.transient_bytes, bw.peak_bytes) for fw, bw in self.compiled_liveness), default=0)

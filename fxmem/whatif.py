@@ -105,15 +105,17 @@ def fake_lora_model(config: Any, rank: int, dtype: torch.dtype, fake_mode: FakeT
 @dataclass(frozen=True)
 class ActivationBytes:
     saved: int  # what the step saves between forward and backward, as planned
-    transient: int  # beside those, the most its graphs hold at once (Region.compiled_transient_bytes): backward's
-    # gradients and intermediates at its peak less the saved activations it freed by then, or forward's transients
+    transient: int  # beside those, the most its graphs hold at once as inductor runs them
+    # (Region.compiled_transient_bytes): backward's gradients and intermediates at its peak net of the saved
+    # activations it freed by then, or forward's transients
 
 
 def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], config: Config
                                ) -> ActivationBytes:
     """Saved-activation bytes of one step under ``config`` (the analysis's tensors priced by the cost model), and
-    its transients (analysis/liveness.py: the graphs run in their own order, backward freeing each saved activation
-    after its last reader as inductor's does)."""
+    its transients (analysis.liveness.compiled_liveness: the graphs run in their own order with element-wise ops
+    inside their readers' kernels and backward freeing each saved activation after its last reader, as inductor
+    runs them)."""
     from fxmem.inspection import inspect
     torch._dynamo.reset()
     with warnings.catch_warnings():
@@ -282,8 +284,8 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
     Tracing costs time linear in the depth (about 2 s a llama-7b block on two CPU cores), so a deep model is
     traced at ``SCALING_DEPTHS`` blocks, and one block more at a time up to ``MAX_SCALING_DEPTH``: when two
     consecutive steps add the same bytes, saved and transient, the blocks save alike and each total is the deepest
-    trace plus that step per further block (backward works on one block at a time, but its peak holds the LoRA
-    gradients of every block); otherwise the whole model is traced.
+    trace plus that step per further block (whatever a block adds to backward's peak: the LoRA gradients of every
+    block where the peak holds them); otherwise the whole model is traced.
     """
     def traced(layers: int) -> ActivationBytes:
         return traced_activation_bytes(config, layers=layers, rank=rank, dtype=dtype, batch=batch, seq=seq,
@@ -304,7 +306,7 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
             return traced(depth), f"all {depth} layers traced (blocks do not save alike)"
         depths.append(depths[-1] + 1)
         traces.append(traced(depths[-1]))
-    per_layer, transient_per_layer = step(*traces[-2:])  # backward's peak holds every block's LoRA gradients
+    per_layer, transient_per_layer = step(*traces[-2:])  # what each further block adds, saved and at the peak
     further = depth - depths[-1]
     deepest = traces[-1]
     scaled = ActivationBytes(deepest.saved + further * per_layer, deepest.transient + further * transient_per_layer)

@@ -29,7 +29,10 @@ class Liveness:
     """A graph's transients, its inputs left out (a region's inputs are weights, the batch, or what forward saved,
     counted elsewhere)."""
 
-    peak_bytes: int  # the most bytes its own ops' outputs hold at once (beyond its released inputs, if any)
+    # the most bytes its own ops' outputs hold at once; with released inputs, the most they and the released inputs
+    # not yet freed hold, net of all the released inputs (what it adds to what forward saved: may be below what its
+    # outputs hold, or negative)
+    peak_bytes: int
     end_bytes: int  # what they hold when it returns: its outputs
 
     @property
@@ -70,12 +73,15 @@ def _allocations(node: Node) -> dict[Storage, int]:
 
 def released_activations(fw: Graph, bw: Graph, num_fwd_outputs: int) -> dict[Node, tuple[Node, int]]:
     """Backward's inputs that hold a forward activation, each with the forward storage it holds and that storage's
-    bytes. AOTAutograd hands them to the compiled backward, which frees each after its last reader; the ones that
-    are forward inputs (parameters, the batch) live on elsewhere."""
+    bytes. AOTAutograd hands the saved tensors to the compiled backward, which frees each after its last reader.
+    Left out: forward inputs (parameters, the batch), a storage forward also returns (its caller holds it), and what
+    AOTAutograd stashes on its context unchecked for versions (held there to the end of backward)."""
+    returned = {_base(n) for n in fw.find_nodes(op="output")[0].args[0][:num_fwd_outputs] if isinstance(n, Node)}
     released = {}
     for node, placeholder in saved_placeholders(fw, bw, num_fwd_outputs).items():
         base = _base(node)
-        if base.op == "call_function":
+        stashed = node.meta.get("saved_tensor_with_no_vc_check", False)
+        if base.op == "call_function" and base not in returned and not stashed:
             released[placeholder] = base, storage_bytes(base.meta["val"])
     return released
 
@@ -106,7 +112,9 @@ def inlined_elementwise(graph: Graph) -> frozenset[Node]:
 # slice of the output, index_put scatters into a copy of its first input that it computes.
 _ELEMENTWISE = DTYPE_CASTS | CONSTANT_FILLS | {aten.slice_scatter.default, aten.select_scatter.default}
 _TAKES_INLINE = _ELEMENTWISE | {aten.cat.default, aten.index_put.default}
-_MAX_INLINED_READERS = 4  # torch._inductor.config.realize_reads_threshold, counted here in readers
+# Inductor stores a value read by several kernels where recomputing it in each would cost (realize_reads_threshold,
+# 4, counts the loads inside it; on a CPU an exp, log, sigmoid or tanh always): a bound in readers stands for that.
+_MAX_INLINED_READERS = 4
 
 
 def _elementwise(node: Node) -> bool:

@@ -25,7 +25,7 @@ from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
 __all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "ChunkNorm", "FuseEpilogue",
-           "GqaAttention", "GraphPass", "LoraAccumulate", "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts",
-           "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast",
-           "RecomputeAttention", "RecomputeInputs", "RecomputeLogits", "ReplayDropout", "RunLora",
-           "SparsifyAttention"]
+           "GqaAttention", "GraphPass", "LoraAccumulate", "LoraHalfProducts", "LoraReorder", "LowRankSaved",
+           "MergeCasts", "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
+           "RecomputeAdapterCast", "RecomputeAttention", "RecomputeInputs", "RecomputeLogits", "ReplayDropout",
+           "RunLora", "SparsifyAttention"]

@@ -59,14 +59,33 @@ def _reshaped_from(node: Node) -> tuple[Node, list[Node]]:
     return node, chain[::-1]
 
 
+def _reshapes_to_product(operand: Node, product: Node) -> list[Node] | None:
+    """The reshapes from ``product`` to ``operand``, in order, when ``operand`` is ``product`` through reshapes and
+    multiplications by a constant alone (None otherwise): no slice, transpose or broadcast that would put the
+    product's elements elsewhere than the frozen side's."""
+    node, reshapes = operand, []
+    while node is not product:
+        if node.op != "call_function":
+            return None
+        if node.target in _RESHAPES:
+            reshapes.append(node)
+            node = node.args[0]
+        elif node.target in (aten.mul.Tensor, aten.mul.Scalar) and sum(isinstance(a, Node) for a in node.args) == 1:
+            node = next(a for a in node.args if isinstance(a, Node))
+        else:
+            return None
+    return reshapes[::-1]
+
+
 def _frozen_product(joined: LoraSum) -> Node | None:
     """The frozen side's matmul when the sum can be one addmm into it: both products row-major (tokens, features)
     of one shape and dtype, each reshaped to the add's shape and nothing else (so their elements line up)."""
     frozen, _ = _reshaped_from(joined.base)
-    source, _ = _reshaped_from(joined.lora)
-    if source is not joined.product or {frozen.target, joined.product.target} != {aten.mm.default}:
+    operand = _lora_operand(joined)
+    if {frozen.target, joined.product.target} != {aten.mm.default} or (
+            _reshapes_to_product(operand, joined.product) is None):
         return None
-    values = [tensor_val(n) for n in (frozen, joined.product, joined.base, joined.lora, joined.add)]
+    values = [tensor_val(n) for n in (frozen, joined.product, joined.base, operand, joined.add)]
     if any(v is None or not v.is_contiguous() for v in values) or len({v.dtype for v in values}) != 1:
         return None
     same = [(values[0], values[1]), (values[2], values[4]), (values[3], values[4])]
@@ -75,9 +94,13 @@ def _frozen_product(joined: LoraSum) -> Node | None:
     return frozen
 
 
+def _lora_operand(joined: LoraSum) -> Node:
+    return next(a for a in joined.add.args if a is not joined.base)
+
+
 def _accumulate(graph: Graph, joined: LoraSum, frozen: Node) -> None:
     lhs, rhs = matmul_operands(joined.product)
-    _, reshapes = _reshaped_from(joined.lora)
+    reshapes = _reshapes_to_product(_lora_operand(joined), joined.product)
     with graph.inserting_before(joined.add):
         out = call(graph, aten.addmm.default, (frozen, lhs, rhs), kwargs={"alpha": joined.scaling})
         for reshape in reshapes:  # the LoRA side's own reshapes, whose sizes are the graph's (symbolic) nodes

@@ -38,16 +38,18 @@ def test_each_output_of_a_multi_output_op_lives_to_its_own_last_reader():
 
 def test_a_released_input_is_freed_after_its_last_reader():
     def f(saved, weight):
-        a = saved * 2  # 4 KiB: the saved input's last reader
-        b = a + weight  # 4 KiB
-        return b.sum()
+        a = weight * 2  # 4 KiB
+        b = a * saved  # 4 KiB: the saved input's last reader
+        c = b + 1  # 4 KiB
+        return c.sum()
 
     graph = make_fx(f)(torch.randn(32, 32), torch.randn(32, 32)).graph
     saved = next(iter(graph.find_nodes(op="placeholder")))
     liveness = graph_liveness(graph, released={saved: (saved, 4096)})
-    # the input counted until a reads it: a with it, then a and b, each 4 KiB beyond the input's bytes
-    assert liveness.peak_bytes == 4096 + 4096 - 4096
-    assert graph_liveness(graph).peak_bytes == 4096 + 4096  # a and b; the input, held to the end, is not counted
+    # the input counted until b, its last reader: at b the input, a and b, 8 KiB beyond the input's bytes (freed
+    # at the start it would be 4 KiB beyond: a and b)
+    assert liveness.peak_bytes == 4096 + 4096 + 4096 - 4096
+    assert graph_liveness(graph).peak_bytes == 4096 + 4096  # the input held to the end and not counted: a and b
 
 
 def test_an_element_wise_op_read_only_inside_other_loops_is_not_stored():

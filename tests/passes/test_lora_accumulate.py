@@ -1,9 +1,10 @@
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxmem
 from fxmem.measure import peak_memory
-from fxmem.passes import LoraAccumulate
+from fxmem.passes import LoraAccumulate, PipelineState
 from tests.conftest import assert_matches_eager, loss_and_grads, randomize_lora_b, tiny_model
 
 
@@ -30,6 +31,21 @@ def test_a_sum_of_a_bf16_product_and_fp32_adapters_is_left_as_peft_adds_it():
     backend = fxmem.Backend(fxmem.Config(), lowering="eager")
     torch.compile(model, backend=backend)(**batch).loss.backward()
     assert _summary(backend) == ""
+    assert all(p.error is None for r in backend.regions for p in r.passes)  # left, not failed
+
+
+def test_a_sum_whose_lora_side_is_sliced_is_left_as_it_adds():
+    # a LoRA-shaped sum whose LoRA side is one row broadcast over the frozen product: an addmm would add every row
+    def f(x, w, a, b):
+        frozen = x @ w.t()
+        lora = ((x @ a.t()) @ b.t()) * 2.0
+        return frozen + lora[:1]
+
+    x, w, a, b = torch.randn(8, 16), torch.randn(16, 16), torch.randn(4, 16), torch.randn(16, 4)
+    gm = make_fx(f)(x, w, a, b)
+    state = PipelineState(config=fxmem.Config(), fw=gm, bw=make_fx(lambda: None)())
+    assert LoraAccumulate().run(state) == ""
+    torch.testing.assert_close(gm(x, w, a, b), f(x, w, a, b))
 
 
 def test_an_unchunked_long_step_holds_less(monkeypatch):
