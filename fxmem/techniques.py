@@ -20,7 +20,6 @@ from fxmem.passes import (
     FuseEpilogue,
     GqaAttention,
     GraphPass,
-    LoraAccumulate,
     LoraHalfProducts,
     LoraReorder,
     LowRankSaved,
@@ -90,8 +89,6 @@ TECHNIQUES: tuple[Technique, ...] = (
     # PEFT's fp32 adapters on a half-precision model: their products with half-precision inputs (tensor cores).
     Technique("lora_half_products", ("lora_half_products",), lambda config: config.lora_half_products != "off",
               ("lora_half_products",)),
-    # Each LoRA sum computed by one addmm into the frozen output, in every preset: the sum to the GEMM's rounding.
-    Technique("lora_accumulate", (), lambda config: True, ("lora_accumulate",)),
     Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
               (*_COMPRESSION_RECOMPUTES, "quantize"), refine=planner.fit_budget),
 )
@@ -102,7 +99,7 @@ GENERAL_FIELDS = ("strict",)
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
     CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, ChunkNorm, GqaAttention, MergeCasts,
     RecomputeAdapterCast, ReplayDropout, RecomputeInputs, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention,
-    SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, LoraHalfProducts, LoraAccumulate, OnednnMatmul)}
+    SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, LoraHalfProducts, OnednnMatmul)}
 # The dynamo passes first (they change what AOTAutograd traces; gqa_attention after causal_mask, which removes the
 # mask it needs gone), then the joint passes (merge_casts first: the LoRA matcher the others run must see one cast of
 # x; recompute_adapter_cast next: its must-save of x is a default the later ones may override; lora_reorder tags what
@@ -112,7 +109,7 @@ PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
 PASS_ORDER = ("causal_mask", "gqa_attention", "chunk_loss", "chunk_mlp", "chunk_norm", "merge_casts",
               "recompute_adapter_cast", "replay_dropout", "recompute_inputs", "lora_reorder", "runlora",
               "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize",
-              "lowrank", "fuse_epilogue", "lora_half_products", "lora_accumulate", "onednn_matmul")
+              "lowrank", "fuse_epilogue", "lora_half_products", "onednn_matmul")
 
 
 # A pass runs when one of the techniques it serves is on, wherever it is built.

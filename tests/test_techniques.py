@@ -23,16 +23,13 @@ _EVERY_PRESETS_PASSES = ["causal_mask", "gqa_attention", "chunk_loss", "merge_ca
 
 
 @pytest.mark.parametrize("preset, names, passes", [
-    ("exact", [*_ALWAYS, "chunk_loss", "lora_accumulate"], [*_EVERY_PRESETS_PASSES, "lora_accumulate"]),
-    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", *_ALWAYS, "chunk_loss", "lora_half_products",
-                      "lora_accumulate"],
+    ("exact", [*_ALWAYS, "chunk_loss"], _EVERY_PRESETS_PASSES),
+    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", *_ALWAYS, "chunk_loss", "lora_half_products"],
      [*_EVERY_PRESETS_PASSES, "lora_reorder", "recompute_logits", "recompute_attention", "sparsify_attention",
-      "quantize", "fuse_epilogue", "lora_half_products", "lora_accumulate"]),
-    ("loract", ["quantize", "lowrank", *_ALWAYS, "chunk_loss", "lora_half_products", "lora_accumulate"],
-     [*_EVERY_PRESETS_PASSES, "recompute_logits", "recompute_attention", "quantize", "lowrank", "lora_half_products",
-      "lora_accumulate"]),
-    ("runlora", ["runlora", *_ALWAYS, "chunk_loss", "lora_accumulate"],
-     [*_EVERY_PRESETS_PASSES, "runlora", "lora_accumulate", "onednn_matmul"]),
+      "quantize", "fuse_epilogue", "lora_half_products"]),
+    ("loract", ["quantize", "lowrank", *_ALWAYS, "chunk_loss", "lora_half_products"],
+     [*_EVERY_PRESETS_PASSES, "recompute_logits", "recompute_attention", "quantize", "lowrank", "lora_half_products"]),
+    ("runlora", ["runlora", *_ALWAYS, "chunk_loss"], [*_EVERY_PRESETS_PASSES, "runlora", "onednn_matmul"]),
 ])
 def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order(preset, names, passes):
     config = PRESETS[preset]
@@ -42,6 +39,5 @@ def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order
 
 def test_a_memory_budget_alone_runs_the_quantize_pass_and_its_refinement():
     config = Config(memory_budget=0.5)
-    assert [t.name for t in techniques.enabled_techniques(config)] == [*_ALWAYS, "chunk_loss", "lora_accumulate",
-                                                                        "memory_budget"]
+    assert [t.name for t in techniques.enabled_techniques(config)] == [*_ALWAYS, "chunk_loss", "memory_budget"]
     assert "quantize" in [p.name for p in techniques.default_passes() if p.enabled(config)]

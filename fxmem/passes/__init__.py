@@ -9,7 +9,6 @@ from fxmem.passes.chunk_mlp import ChunkMlp
 from fxmem.passes.chunk_norm import ChunkNorm
 from fxmem.passes.fuse_epilogue import FuseEpilogue
 from fxmem.passes.gqa_attention import GqaAttention
-from fxmem.passes.lora_accumulate import LoraAccumulate
 from fxmem.passes.lora_half_products import LoraHalfProducts
 from fxmem.passes.lora_reorder import LoraReorder
 from fxmem.passes.lowrank import LowRankSaved
@@ -25,7 +24,7 @@ from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
 __all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "ChunkNorm", "FuseEpilogue",
-           "GqaAttention", "GraphPass", "LoraAccumulate", "LoraHalfProducts", "LoraReorder", "LowRankSaved",
-           "MergeCasts", "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
-           "RecomputeAdapterCast", "RecomputeAttention", "RecomputeInputs", "RecomputeLogits", "ReplayDropout",
-           "RunLora", "SparsifyAttention"]
+           "GqaAttention", "GraphPass", "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts",
+           "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast",
+           "RecomputeAttention", "RecomputeInputs", "RecomputeLogits", "ReplayDropout", "RunLora",
+           "SparsifyAttention"]
