@@ -21,7 +21,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fxmem.analysis.graph import CONSTANT_FILLS, DTYPE_CASTS, aten, is_view, storage_base, storage_bytes
-from fxmem.analysis.saved import saved_placeholders
+from fxmem.analysis.saved import saved_placeholders, stashed_unchecked
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,7 @@ def released_activations(fw: Graph, bw: Graph, num_fwd_outputs: int) -> dict[Nod
     released = {}
     for node, placeholder in saved_placeholders(fw, bw, num_fwd_outputs).items():
         base = _base(node)
-        stashed = node.meta.get("saved_tensor_with_no_vc_check", False)
-        if base.op == "call_function" and base not in returned and not stashed:
+        if base.op == "call_function" and base not in returned and not stashed_unchecked(node):
             released[placeholder] = base, storage_bytes(base.meta["val"])
     return released
 

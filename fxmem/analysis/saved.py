@@ -111,6 +111,12 @@ def saved_tensor_nodes(fw: GraphModule, num_fwd_outputs: int) -> list[Node]:
     return [n for n in outputs[num_fwd_outputs:] if isinstance(n, Node) and tensor_val(n) is not None]
 
 
+def stashed_unchecked(node: Node) -> bool:
+    """A saved tensor AOTAutograd stashes on its context unchecked for versions (not ``save_for_backward``): it
+    counts those from the end of the saved tensors, and holds them there to the end of backward."""
+    return node.meta.get("saved_tensor_with_no_vc_check", False)
+
+
 def saved_placeholders(fw: Graph, bw: Graph, num_fwd_outputs: int) -> dict[Node, Node]:
     """Each tensor forward saves, with the backward placeholder that receives it. AOTAutograd's contract: the forward
     returns user outputs, saved tensors, opaque objects, SymInts; the backward takes SymInts, saved tensors, opaque

@@ -2,8 +2,8 @@
 
 ``weight * (u * rsqrt(mean(u**2, -1) + eps)).to(x.dtype)``, ``u = x.to(torch.float32)``, upcasts a half-precision
 x to float32: each float32 intermediate takes twice x's bytes, and its backward, as aten runs it, holds five of
-them at once (the upcast input, the normalized input, and their gradients). At long context, in a block recomputed in backward,
-they are the step's largest transients. ``chunked_rms_norm`` runs the norm ``chunk_rows`` tokens at a time in
+them at once (the upcast input, the normalized input, and their gradients). At long context, in a block recomputed
+in backward, they are the step's largest transients. ``chunked_rms_norm`` runs the norm ``chunk_rows`` tokens at a time in
 forward and backward, saves only x (what the norm's backward saves anyway, besides one statistic per row) and
 recomputes each chunk's statistic in backward. The gradients are the same sums as torch's in another order; the
 weight's gradient, where it trains, accumulates in float32.

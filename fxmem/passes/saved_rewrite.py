@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fxmem.analysis.graph import storage_base, view_chain
 from fxmem.analysis.meta import VALUE
 from fxmem.analysis.rope import Replay
-from fxmem.analysis.saved import SYMBOLIC, saved_placeholders
+from fxmem.analysis.saved import SYMBOLIC, saved_placeholders, stashed_unchecked
 from fxmem.cost_model.plan import Plan
 from fxmem.fallback import fall_back
 from fxmem.kernels import probe as probe_kernel
@@ -44,10 +44,8 @@ class SavedTensorEditor:
         self.fw_output = self.fw.graph.find_nodes(op="output")[0]
         self.bw_nodes = {n.name: n for n in self.bw.graph.nodes}
         self.placeholder_of: dict[Node, Node] = saved_placeholders(self.fw.graph, self.bw.graph, self.num_fwd_outputs)
-        tensors = list(self.placeholder_of)
-        # New saved tensors go after the last version-checked one: AOTAutograd counts the unchecked ones
-        # (stashed on ctx, not save_for_backward) from the end.
-        checked = [n for n in tensors if not n.meta.get("saved_tensor_with_no_vc_check", False)]
+        # New saved tensors go after the last version-checked one: AOTAutograd counts the unchecked ones from the end.
+        checked = [n for n in self.placeholder_of if not stashed_unchecked(n)]
         self._last_saved = checked[-1] if checked else None
 
     def _outputs(self) -> list[Any]:
