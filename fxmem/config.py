@@ -94,6 +94,12 @@ class Config:
     block_input_bits: with ``block_checkpoint`` under a quantizing preset, the bits each block's stored input is
         kept at: 4 halves the bytes of the residual stream between blocks, the blocks then recomputed from a coarser
         input (docs/long-context.md measures the fidelity); None (every preset) is 8.
+    block_offload: with ``block_checkpoint``, each block's stored input (its codes under a quantizing preset) is
+        copied to host memory after its last forward read and back before backward's first
+        (passes/offload_blocks.py): the residual stream between blocks leaves the device, for two copies over the
+        host link per block a step (on the compute stream, not overlapped). For a GPU; on a CPU the host is the
+        device, and it saves nothing. The same bytes come back: the gradients do not change. False (every preset)
+        is off.
     lora_half_products: the products of PEFT's fp32 adapters on a bf16 model (x A^T, its product with B,
         and their backward products) run with inputs in the model's dtype and float32 accumulation, as a GPU's tensor
         cores run them, each result rounded to the model's dtype (passes/lora_half_products.py): "auto" for each
@@ -134,6 +140,7 @@ class Config:
     norm_chunk: int | None = None
     block_checkpoint: bool = False
     block_input_bits: int | None = None
+    block_offload: bool = False
     lora_half_products: str = "off"
     return_logits: bool = True
     strict: bool = False
@@ -156,7 +163,7 @@ class Config:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
         for name in ("lora_reorder", "rebuild_from_x", "fused_epilogue", "intra", "prenorm_sharing", "chunk_loss",
-                     "return_logits", "stochastic_rounding", "block_checkpoint", "strict"):
+                     "return_logits", "stochastic_rounding", "block_checkpoint", "block_offload", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
         for name in ("rotation", "stochastic_rounding"):
@@ -174,6 +181,9 @@ class Config:
         if self.block_input_bits is not None and not (self.block_checkpoint and self.bits is not None):
             raise ValueError("block_input_bits sets the bits of a checkpointed block's stored input: set "
                              "block_checkpoint=True and bits (a quantizing preset, such as hyclora-4bit) too")
+        if self.block_offload and not self.block_checkpoint:
+            raise ValueError("block_offload moves a checkpointed block's stored input to host memory: set "
+                             "block_checkpoint=True too")
         if not self.prenorm_sharing and self.lowrank is None:
             raise ValueError("prenorm_sharing=False turns off a part of lowrank: set lowrank too")
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)

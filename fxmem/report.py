@@ -14,7 +14,7 @@ from rich.table import Table
 
 from fxmem import __version__
 from fxmem.analysis import ROLE_DESCRIPTIONS, Role, SavedRecord
-from fxmem.cost_model import planned_bytes
+from fxmem.cost_model import host_bytes, planned_bytes
 from fxmem.cost_model.plan import Plan
 from fxmem.measure import format_bytes
 from fxmem.region import Region
@@ -41,6 +41,11 @@ class Report:
     def planned_bytes(self) -> int:
         """Saved-activation bytes after the planned rewrites."""
         return sum(planned_bytes(s, p) for _, s, p in self.rows())
+
+    @property
+    def host_bytes(self) -> int:
+        """Saved-activation bytes the plans keep in host memory instead (block_offload)."""
+        return sum(host_bytes(s, p) for _, s, p in self.rows())
 
     def _totals(self, key, activations_only: bool = False) -> dict[str, dict[str, int]]:
         totals: dict[str, dict[str, int]] = {}
@@ -78,6 +83,7 @@ class Report:
             "torch_version": torch.__version__,
             "activation_bytes": self.activation_bytes,
             "planned_bytes": self.planned_bytes,
+            "host_bytes": self.host_bytes,
             "by_role": self.by_role(),
             "by_layer": self.by_layer(),
             "kept_by_reason": self.kept_by_reason(),
@@ -131,7 +137,8 @@ class Report:
         ratio = f" ({before / after:.2f}x smaller)" if after and after != before else ""
         parts.append(f"regions: {len(kinds)} ({kinds.count('training')} training, {kinds.count('inference')} "
                      f"inference); saved activations: {format_bytes(before)} as partitioned (after any joint-pass "
-                     f"recomputation), {format_bytes(after)} after the plan{ratio}")
+                     f"recomputation), {format_bytes(after)} after the plan{ratio}"
+                     + (f", and {format_bytes(self.host_bytes)} in host memory" if self.host_bytes else ""))
         for region in self.regions:
             parts += [f"region {region.index}: {note}" for note in region.notes]
             if region.slots and region.config.calibration == "static":

@@ -24,6 +24,7 @@ from fxmem.passes import (
     LoraReorder,
     LowRankSaved,
     MergeCasts,
+    OffloadBlocks,
     OnednnMatmul,
     QuantizeSaved,
     RecomputeAdapterCast,
@@ -91,6 +92,9 @@ TECHNIQUES: tuple[Technique, ...] = (
               ("lora_half_products",)),
     Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
               (*_COMPRESSION_RECOMPUTES, "quantize"), refine=planner.fit_budget),
+    # Last: it moves what the plans store, once every other technique has chosen it.
+    Technique("block_offload", ("block_offload",), lambda config: config.block_offload, ("offload_blocks",),
+              refine=planner.offload_block_inputs),
 )
 
 # Config fields that belong to no technique: how fxmem reports what it could not do (fxmem/fallback.py).
@@ -99,17 +103,17 @@ GENERAL_FIELDS = ("strict",)
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
     CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, ChunkNorm, GqaAttention, MergeCasts,
     RecomputeAdapterCast, ReplayDropout, RecomputeInputs, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention,
-    SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, LoraHalfProducts, OnednnMatmul)}
+    SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, OffloadBlocks, LoraHalfProducts, OnednnMatmul)}
 # The dynamo passes first (they change what AOTAutograd traces; gqa_attention after causal_mask, which removes the
 # mask it needs gone), then the joint passes (merge_casts first: the LoRA matcher the others run must see one cast of
 # x; recompute_adapter_cast next: its must-save of x is a default the later ones may override; lora_reorder tags what
 # runlora must leave alone; checkpoint_blocks last: its tags override theirs inside a block), then the partitioned
-# ones: sparsify, quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses, lora_half_products and
-# onednn_matmul swap the products of the finished graphs.
+# ones: sparsify, quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses, offload_blocks moves what
+# is then saved for the blocks, lora_half_products and onednn_matmul swap the products of the finished graphs.
 PASS_ORDER = ("causal_mask", "gqa_attention", "chunk_loss", "chunk_mlp", "chunk_norm", "merge_casts",
               "recompute_adapter_cast", "replay_dropout", "recompute_inputs", "lora_reorder", "runlora",
               "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize",
-              "lowrank", "fuse_epilogue", "lora_half_products", "onednn_matmul")
+              "lowrank", "fuse_epilogue", "offload_blocks", "lora_half_products", "onednn_matmul")
 
 
 # A pass runs when one of the techniques it serves is on, wherever it is built.

@@ -108,6 +108,7 @@ class ActivationBytes:
     transient: int  # beside those, the most its graphs hold at once as inductor runs them
     # (Region.compiled_transient_bytes): backward's gradients and intermediates at its peak net of the saved
     # activations it freed by then, or forward's transients
+    host: int = 0  # what the step stores in host memory instead (block_offload): in neither of the above
 
 
 def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], config: Config
@@ -121,8 +122,10 @@ def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Te
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = inspect(model, config=config, **batch)
+    from fxmem.cost_model.memory import host_bytes
     return ActivationBytes(saved=sum(planned for _, saved, planned in _activation_rows(report)),
-                           transient=max((r.compiled_transient_bytes for r in report.regions), default=0))
+                           transient=max((r.compiled_transient_bytes for r in report.regions), default=0),
+                           host=sum(host_bytes(s, p) for _, s, p in report.rows() if s.frees_memory))
 
 
 def _activation_rows(report: Any) -> list[tuple[Any, Any, int]]:
@@ -213,6 +216,7 @@ class ContextFit:
     saved_activations: int
     transient: int  # ActivationBytes.transient: backward's gradients and intermediates at its peak, or forward's
     how: str
+    host_activations: int = 0  # ActivationBytes.host: in host memory, outside the total
 
     @property
     def total(self) -> int:
@@ -249,7 +253,7 @@ def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16",
             how = f"{how}; the search stopped before the bracket closed".lstrip("; ")
         label = preset + overrides_text(options or {})
         fits.append(ContextFit(label, fit.longest, fit.shortest_failing, weights, state, activations.saved,
-                               activations.transient, how))
+                               activations.transient, how, activations.host))
     return fits
 
 
@@ -291,8 +295,8 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
         return traced_activation_bytes(config, layers=layers, rank=rank, dtype=dtype, batch=batch, seq=seq,
                                        preset=preset)
 
-    def step(shallow: ActivationBytes, deep: ActivationBytes) -> tuple[int, int]:
-        return deep.saved - shallow.saved, deep.transient - shallow.transient
+    def step(shallow: ActivationBytes, deep: ActivationBytes) -> tuple[int, int, int]:
+        return deep.saved - shallow.saved, deep.transient - shallow.transient, deep.host - shallow.host
 
     depth = config.num_hidden_layers
     if depth <= SCALING_DEPTHS[-1]:
@@ -306,10 +310,12 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
             return traced(depth), f"all {depth} layers traced (blocks do not save alike)"
         depths.append(depths[-1] + 1)
         traces.append(traced(depths[-1]))
-    per_layer, transient_per_layer = step(*traces[-2:])  # what each further block adds, saved and at the peak
+    # what each further block adds: saved, at the peak, and in host memory
+    per_layer, transient_per_layer, host_per_layer = step(*traces[-2:])
     further = depth - depths[-1]
     deepest = traces[-1]
-    scaled = ActivationBytes(deepest.saved + further * per_layer, deepest.transient + further * transient_per_layer)
+    scaled = ActivationBytes(deepest.saved + further * per_layer, deepest.transient + further * transient_per_layer,
+                             deepest.host + further * host_per_layer)
     return scaled, (f"traced at {', '.join(map(str, depths))} layers, each further layer saves "
                     f"{per_layer / 2**20:.2f} MiB and adds {transient_per_layer / 2**20:.2f} MiB to the "
                     f"transients; scaled to {depth}")

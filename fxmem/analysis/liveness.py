@@ -21,6 +21,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fxmem.analysis.graph import CONSTANT_FILLS, DTYPE_CASTS, aten, is_view, storage_base, storage_bytes
+from fxmem.analysis.meta import HOST
 from fxmem.analysis.saved import saved_placeholders, stashed_unchecked
 
 
@@ -62,8 +63,10 @@ def _storage(node: Node) -> Storage:
 
 
 def _allocations(node: Node) -> dict[Storage, int]:
-    """The storages ``node``'s op allocates, with their bytes (none for views, items of a tuple and non-tensors)."""
-    if node.op != "call_function" or _base(node) is not node or node.target is operator.getitem:
+    """The storages ``node``'s op allocates on the device, with their bytes (none for views, items of a tuple,
+    non-tensors and copies to host memory)."""
+    if node.op != "call_function" or _base(node) is not node or node.target is operator.getitem \
+            or node.meta.get(HOST):
         return {}
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
@@ -75,12 +78,14 @@ def released_activations(fw: Graph, bw: Graph, num_fwd_outputs: int) -> dict[Nod
     """Backward's inputs that hold a forward activation, each with the forward storage it holds and that storage's
     bytes. AOTAutograd hands the saved tensors to the compiled backward, which frees each after its last reader.
     Left out: forward inputs (parameters, the batch), a storage forward also returns (its caller holds it), and what
-    AOTAutograd stashes on its context unchecked for versions (held there to the end of backward)."""
+    AOTAutograd stashes on its context unchecked for versions (held there to the end of backward), and what waits
+    in host memory (block_offload: its copy back to the device is one of backward's own allocations)."""
     returned = {_base(n) for n in fw.find_nodes(op="output")[0].args[0][:num_fwd_outputs] if isinstance(n, Node)}
     released = {}
     for node, placeholder in saved_placeholders(fw, bw, num_fwd_outputs).items():
         base = _base(node)
-        if base.op == "call_function" and base not in returned and not stashed_unchecked(node):
+        if base.op == "call_function" and base not in returned and not stashed_unchecked(node) \
+                and not base.meta.get(HOST):
             released[placeholder] = base, storage_bytes(base.meta["val"])
     return released
 

@@ -10,6 +10,10 @@ fxmem's own keys:
   next block reads, and the activations from outside any block it reads): the block's module path. Written by
   passes/checkpoint_blocks.py; read by the analysis (``Analysis.rebuild_sources``).
 
+- ``HOST`` on a forward node that copies a saved tensor to host memory, and on the backward placeholder that
+  receives that copy: its bytes are the host's, not the device's. Written by passes/offload_blocks.py; read by
+  analysis/liveness.py.
+
 Every value is plain data: inductor pickles the graphs, meta included, for its cache key. (What a pass tells a
 later one about nodes, the quantize pass's restored tensors, travels in ``PipelineState`` instead.)
 
@@ -26,6 +30,7 @@ torch's keys fxmem writes:
 
 LORA_REORDERED = "fxmem_lora_reorder"
 BLOCK_SOURCE = "fxmem_block_source"
+HOST = "fxmem_host"
 RECOMPUTE = "recompute"
 VALUE = "val"
 EXAMPLE_VALUE = "example_value"

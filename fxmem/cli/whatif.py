@@ -161,6 +161,10 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
     columns = ["preset", "longest sequence", "weights", "optimizer state", "saved activations", "transients",
                "total", "shortest failing", "saved per token"]
     rows = [_context_row(fit) for fit in fits]
+    if any(fit.host_activations for fit in fits):  # block_offload: what waits in host memory, outside the total
+        columns.append("in host memory")
+        rows = [row + [format_bytes(fit.host_activations) if fit.seq else "—"] for row, fit in zip(rows, fits,
+                                                                                                 strict=True)]
     title = (f"{args.model}: the longest sequence in {format_bytes(args.max_context)}, batch 1, LoRA r={args.rank}, "
              f"{args.dtype}, {args.optimizer}" + (", NF4 base (QLoRA)" if args.base == "nf4" else "")
              + (f", per rank of FSDP2 over {args.shards}" if args.shards > 1 else ""))

@@ -63,7 +63,18 @@ def prenorm_bytes(rows: int, exact_channels: int, element_size: int) -> int:
 
 
 def planned_bytes(saved: SavedRecord, plan: Plan) -> int:
-    """Bytes held between forward and backward once ``plan`` is applied to ``saved``."""
+    """Device bytes held between forward and backward once ``plan`` is applied to ``saved``: none for what waits
+    in host memory (``host_bytes``)."""
+    return 0 if plan.host else stored_bytes(saved, plan)
+
+
+def host_bytes(saved: SavedRecord, plan: Plan) -> int:
+    """Host-memory bytes held between forward and backward once ``plan`` is applied to ``saved``."""
+    return stored_bytes(saved, plan) if plan.host else 0
+
+
+def stored_bytes(saved: SavedRecord, plan: Plan) -> int:
+    """Bytes ``plan`` stores for ``saved`` between forward and backward, on the device or the host."""
     if plan.action == "keep" or saved.nbytes == 0:  # a view shares its owner's (already counted) storage
         return saved.nbytes
     if plan.nbytes is None:

@@ -30,6 +30,7 @@ class Plan:
     exact_channels: int = 0  # prenorm: input channels (smallest |gamma|) saved exactly
     nbytes: int | None = None  # bytes after the plan (cost model), None for keep
     seconds: float = 0.0  # what the plan adds to a step (cost model): its price against the bytes it saves
+    host: bool = False  # what is stored waits in host memory between forward and backward (block_offload)
     # Graph references (left out of comparisons: plans of two compilations of one model compare equal)
     replay: Replay | None = field(default=None, compare=False)  # quantize, lowrank: compress its source instead
     norm: NormUnit | None = field(default=None, compare=False)  # prenorm: whose output rebuilds the input

@@ -26,9 +26,22 @@ from fxmem.analysis.meta import BLOCK_SOURCE
 from fxmem.analysis.recompute import rebuild_inputs
 from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
-from fxmem.cost_model.memory import lowrank_bytes, planned_bytes, prenorm_bytes, quantized_bytes, sparse_bytes
+from fxmem.cost_model.memory import (
+    lowrank_bytes,
+    planned_bytes,
+    prenorm_bytes,
+    quantized_bytes,
+    sparse_bytes,
+    stored_bytes,
+)
 from fxmem.cost_model.plan import Plan
-from fxmem.cost_model.prices import lowrank_seconds, product_seconds, quantize_seconds, recompute_seconds
+from fxmem.cost_model.prices import (
+    lowrank_seconds,
+    offload_seconds,
+    product_seconds,
+    quantize_seconds,
+    recompute_seconds,
+)
 from fxmem.kernels.lowrank import DEFAULT_NITER, resolve_rank
 from fxmem.kernels.quantize import MIN_ROTATION_BLOCK, fits_range, outlier_chunk, rotation_block
 
@@ -564,6 +577,30 @@ def _replay_base_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTen
                 "recompute", f"rebuilt in backward as x W^T from {source} and the frozen weight: a matmul, "
                 f"{seconds * 1e3:.3g} ms against {quantized.seconds * 1e3:.3g} ms for its {quantized.bits}-bit codes",
                 nbytes=0, seconds=seconds, chain=owner.rebuild_product)
+
+
+# What passes/offload_blocks.py moves: the tensor itself, or the tensors compress_storage saved in its place.
+_OFFLOADABLE = ("keep", "quantize", "lowrank")
+
+
+def offload_block_inputs(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
+                         config: Config, tables_saved: set[str]) -> None:
+    """``block_offload``: what a checkpointed block is recomputed from waits in host memory between forward and
+    backward, as its plan stores it (exact, or its codes), priced by the two copies over the host link. Left on the
+    device: a storage a forward output also holds, one saved as a view, and one a plan rebuilds otherwise."""
+    if not config.block_offload:
+        return
+    for storage, group in by_storage.items():
+        owner, plan = group[0], owner_plans[storage]
+        if BLOCK_SOURCE not in owner.base.meta or not owner.frees_memory or storage in analysis.output_storages \
+                or plan.action not in _OFFLOADABLE or (plan.action == "keep" and owner.node is not owner.base):
+            continue
+        nbytes = stored_bytes(owner, plan)
+        seconds = offload_seconds(nbytes, str(tensor_val(owner.base).device))
+        owner_plans[storage] = dataclasses.replace(
+            plan, host=True, seconds=plan.seconds + seconds,
+            reason=f"{plan.reason}; in host memory between forward and backward ({nbytes} bytes there and back, "
+                   f"{seconds * 1e3:.3g} ms)")
 
 
 def _rebuild_source(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,

@@ -61,6 +61,18 @@ def recompute_seconds(input_bytes: int, device: str = "cpu") -> float:
     return input_bytes / memory_bandwidth(device)
 
 
+# A GPU's link to host memory, each way: a PCIe 5 x16 link moves about 50 GB/s of its 64 (torch's own
+# activation offloading assumes the same, torch._functorch.config.activation_offload_cpu_gpu_bw).
+HOST_LINK_BANDWIDTH = 50e9
+
+
+def offload_seconds(nbytes: int, device: str = "cpu") -> float:
+    """A tensor copied to host memory and back: over the host link, or on a CPU two copies in its memory."""
+    if device.startswith("cpu"):
+        return 2 * 2 * nbytes / memory_bandwidth(device)  # two copies, each reading and writing it
+    return 2 * nbytes / HOST_LINK_BANDWIDTH
+
+
 def attention_seconds(batch: int, heads: int, queries: int, keys: int, head_dim: int, *, causal: bool,
                       device: str = "cpu") -> float:
     """One attention forward (QK^T and PV: 4 x batch x heads x queries x keys x head_dim flops, half of them under a

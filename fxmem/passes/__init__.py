@@ -14,6 +14,7 @@ from fxmem.passes.lora_reorder import LoraReorder
 from fxmem.passes.lowrank import LowRankSaved
 from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineState
 from fxmem.passes.merge_casts import MergeCasts
+from fxmem.passes.offload_blocks import OffloadBlocks
 from fxmem.passes.onednn_matmul import OnednnMatmul
 from fxmem.passes.quantize import QuantizeSaved
 from fxmem.passes.recompute_attention import RecomputeAttention
@@ -25,6 +26,6 @@ from fxmem.passes.sparsify import SparsifyAttention
 
 __all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "ChunkNorm", "FuseEpilogue",
            "GqaAttention", "GraphPass", "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts",
-           "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved", "RecomputeAdapterCast",
-           "RecomputeAttention", "RecomputeInputs", "RecomputeLogits", "ReplayDropout", "RunLora",
-           "SparsifyAttention"]
+           "OffloadBlocks", "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
+           "RecomputeAdapterCast", "RecomputeAttention", "RecomputeInputs", "RecomputeLogits", "ReplayDropout",
+           "RunLora", "SparsifyAttention"]

@@ -50,6 +50,8 @@ class PipelineState:
     slots: list[QuantSlot] = field(default_factory=list)  # runtime state the rewritten graphs use
     # backward node restoring a quantized storage -> (packed codes, scale, zero, QuantSpec) it reads (quantize)
     dequantized: dict[Node, tuple] = field(default_factory=dict)
+    # forward node (by name) -> the forward nodes saved in its place (quantize, lowrank: saved_rewrite.compress_storage)
+    stored: dict[str, list[Node]] = field(default_factory=dict)
     # fidelity probes (fxmem.kernels.probe) inserted, as (probe id, saved tensor name); None: insert none
     probes: list[tuple[int, str]] | None = None
     # recompute_attention: the layers (analysis.graph.layer_of) whose attention it recomputes; None: every layer
@@ -140,7 +142,8 @@ class PassManager:
         if not active:
             return skipped
         snapshot = {key: copy_graph_module(gm) for key, gm in state.graphs(stage).items()}
-        plans, slots, dequantized = list(state.plans), list(state.slots), dict(state.dequantized)
+        plans, slots, dequantized, stored = list(state.plans), list(state.slots), dict(state.dequantized), dict(
+            state.stored)
         probes = None if state.probes is None else list(state.probes)
         records: list[PassRecord] = []
         for position, graph_pass in enumerate(active):
@@ -160,7 +163,7 @@ class PassManager:
                     probe_kernel.release([probe for probe, _ in state.probes if probe not in kept])
                 kept_slots = {slot.id for slot in slots}  # and its calibration slots
                 calibration.release(slot for slot in state.slots if slot.id not in kept_slots)
-                state.slots, state.dequantized, state.probes = slots, dequantized, probes
+                state.slots, state.dequantized, state.stored, state.probes = slots, dequantized, stored, probes
                 state.plans = [p if p.action == "keep" else Plan("keep", f"pass {graph_pass.name} failed: rolled back")
                                for p in plans]
                 records.append(PassRecord(graph_pass.name, stage, "", time.perf_counter() - start,

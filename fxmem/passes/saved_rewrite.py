@@ -41,6 +41,7 @@ class SavedTensorEditor:
         self.bw: GraphModule = state.bw
         self.num_fwd_outputs = state.num_fwd_outputs
         self.probes = state.probes
+        self.stored = state.stored
         self.fw_output = self.fw.graph.find_nodes(op="output")[0]
         self.bw_nodes = {n.name: n for n in self.bw.graph.nodes}
         self.placeholder_of: dict[Node, Node] = saved_placeholders(self.fw.graph, self.bw.graph, self.num_fwd_outputs)
@@ -177,6 +178,7 @@ def compress_storage(editor: SavedTensorEditor, members: list[Node],
     with editor.fw.graph.inserting_before(source.next):
         parts = compress(editor.fw.graph, source)
     saved_parts = [editor.save(part) for part in parts]
+    editor.stored[source.name] = parts
     values = {t: editor.save(t) for t in tables}
     exact = probe_node = None
     with editor.bw.graph.inserting_before(first_use):
