@@ -74,7 +74,7 @@ class Report:
                 continue
             entry = totals.setdefault(_FIGURES.sub("", plan.reason), {"count": 0, "bytes": 0})
             entry["count"] += 1
-            entry["bytes"] += saved.nbytes
+            entry["bytes"] += planned_bytes(saved, plan)  # on the device: none for what waits in host memory
         return dict(sorted(totals.items(), key=lambda kv: -kv[1]["bytes"]))
 
     def to_dict(self) -> dict[str, Any]:

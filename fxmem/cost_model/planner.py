@@ -592,15 +592,26 @@ def offload_block_inputs(analysis: Analysis, by_storage: dict[str, list[SavedTen
         return
     for storage, group in by_storage.items():
         owner, plan = group[0], owner_plans[storage]
+        # kept exact, the storage moves only where it is saved once, as itself (a saved view would hold it here)
+        kept_whole = plan.action != "keep" or (len(group) == 1 and owner.node is owner.base)
         if BLOCK_SOURCE not in owner.base.meta or not owner.frees_memory or storage in analysis.output_storages \
-                or plan.action not in _OFFLOADABLE or (plan.action == "keep" and owner.node is not owner.base):
+                or plan.action not in _OFFLOADABLE or not kept_whole:
             continue
-        nbytes = stored_bytes(owner, plan)
-        seconds = offload_seconds(nbytes, str(tensor_val(owner.base).device))
+        seconds = _offload_seconds(owner, plan)
         owner_plans[storage] = dataclasses.replace(
             plan, host=True, seconds=plan.seconds + seconds,
-            reason=f"{plan.reason}; in host memory between forward and backward ({nbytes} bytes there and back, "
-                   f"{seconds * 1e3:.3g} ms)")
+            reason=f"{plan.reason}; in host memory between forward and backward ({stored_bytes(owner, plan)} bytes "
+                   f"there and back, {seconds * 1e3:.3g} ms)")
+
+
+def on_device(plan: Plan, owner: SavedTensor, why: str) -> Plan:
+    """``plan`` (an offload_block_inputs plan) with its storage left on the device, and ``why``."""
+    return dataclasses.replace(plan, host=False, seconds=plan.seconds - _offload_seconds(owner, plan),
+                               reason=f"{plan.reason}; left on the device: {why}")
+
+
+def _offload_seconds(owner: SavedTensor, plan: Plan) -> float:
+    return offload_seconds(stored_bytes(owner, plan), str(tensor_val(owner.base).device))
 
 
 def _rebuild_source(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,

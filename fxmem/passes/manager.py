@@ -164,8 +164,9 @@ class PassManager:
                 kept_slots = {slot.id for slot in slots}  # and its calibration slots
                 calibration.release(slot for slot in state.slots if slot.id not in kept_slots)
                 state.slots, state.dequantized, state.stored, state.probes = slots, dequantized, stored, probes
-                state.plans = [p if p.action == "keep" else Plan("keep", f"pass {graph_pass.name} failed: rolled back")
-                               for p in plans]
+                # what the stage would have moved to host memory (block_offload) stays on the device too
+                state.plans = [p if p.action == "keep" and not p.host
+                               else Plan("keep", f"pass {graph_pass.name} failed: rolled back") for p in plans]
                 records.append(PassRecord(graph_pass.name, stage, "", time.perf_counter() - start,
                                           error=f"{type(error).__name__}: {error}"))
                 records.extend(PassRecord(p.name, stage, "not run: an earlier pass of this stage failed", 0.0)

@@ -7,21 +7,30 @@ device before its first reader. Both copies are ``prims.device_put``, as torch's
 inserts them (torch/_functorch/_activation_offloading), and run on the compute stream in the graph's order: the
 device holds one block's input at a time, for the time of two copies over the host link per block. The bytes
 that come back are the bytes that left, so the gradients do not change.
+
+On a GPU inductor copies each tensor into pinned host memory and waits for it: one synchronization per tensor (a
+block's 8-bit codes are five), as torch's synchronous offloading does. Overlapping the copies with compute (its
+side-stream form) is not done. A plan whose tensors cannot all move (not saved as themselves, unread in backward,
+not contiguous, or with fidelity probes on) stays on the device, and its plan says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 from torch.fx import Node
 
-from fxmem.analysis.graph import storage_bytes
+from fxmem.analysis.graph import is_view, storage_bytes
 from fxmem.analysis.meta import HOST, VALUE
 from fxmem.analysis.saved import stashed_unchecked
+from fxmem.cost_model.planner import on_device
+from fxmem.fallback import fall_back
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import SavedTensorEditor, call
 
+aten = torch.ops.aten
 prims = torch.ops.prims
 HOST_DEVICE = torch.device("cpu")
 
@@ -43,16 +52,22 @@ class OffloadBlocks(GraphPass):
             parts = [p for p in parts if storage_bytes(p.meta[VALUE])]  # an empty one (no outliers) holds nothing
             unmovable = [p.name for p in parts if p not in editor.placeholder_of or stashed_unchecked(p)
                          or not editor.placeholder_of[p].users or not p.meta[VALUE].is_contiguous()]
-            if unmovable or not parts:  # the plan says what stays: the device holds it whole
+            why = ("fidelity probes save its exact value beside" if state.probes is not None
+                   else "nothing stored as planned" if not parts
+                   else f"{', '.join(unmovable)} not saved as itself, unread in backward, or not contiguous"
+                   if unmovable else None)
+            if why is not None:  # the plan says what stays: the device holds it whole
                 left.append(owner.name)
                 for i in indices:
-                    state.plans[i] = dataclasses.replace(state.plans[i], host=False, reason=(
-                        f"{state.plans[i].reason}; left on the device: {', '.join(unmovable) or 'nothing stored'} "
-                        "not saved as itself, unread in backward, or not contiguous"))
+                    state.plans[i] = on_device(state.plans[i], owner, why) if i == indices[0] else \
+                        dataclasses.replace(state.plans[i], host=False)
                 continue
             for part in parts:
                 _offload(editor, part)
             moved.extend(parts)
+        if left:  # strict mode raises, as for any planned rewrite left undone
+            fall_back(f"planned offload to host memory left undone, kept on the device: {', '.join(left)}",
+                      state.config, stacklevel=3)
         nbytes = sum(storage_bytes(p.meta[VALUE]) for p in moved)
         summary = [f"{len(moved)} stored tensor(s) of {len(storages) - len(left)} block input(s) in host memory "
                    f"between forward and backward ({nbytes / 2**20:.2f} MiB)" if moved else "",
@@ -67,8 +82,12 @@ def _offload(editor: SavedTensorEditor, part: Node) -> None:
     position = {n: i for i, n in enumerate(fw_graph.nodes)}
     readers = [u for u in part.users if u.op != "output"]
     after = max(readers, key=position.__getitem__) if readers else part
-    with fw_graph.inserting_after(after):
-        host = call(fw_graph, prims.device_put.default, (part, HOST_DEVICE), kwargs={"non_blocking": True})
+    with fw_graph.inserting_before(after.next):  # in order: inserting_after would place each before the last
+        source = part
+        if part.target is operator.getitem or is_view(part):
+            # torch's own offloading moves neither an item of a multi-output op nor a view: a tensor of its own
+            source = call(fw_graph, aten.clone.default, (part,))
+        host = call(fw_graph, prims.device_put.default, (source, HOST_DEVICE), kwargs={"non_blocking": True})
     host.meta[HOST] = True
     outputs = list(editor.fw_output.args[0])
     outputs[outputs.index(part, editor.num_fwd_outputs)] = host

@@ -73,12 +73,34 @@ def test_block_offload_needs_block_checkpoint():
         fxmem.Config(block_offload=True)
 
 
-def test_a_stored_input_the_pass_cannot_move_stays_on_the_device_and_its_plan_says_so(monkeypatch):
+def test_a_stored_input_the_pass_cannot_move_stays_on_the_device_and_its_plan_says_so(monkeypatch, lenient):
     monkeypatch.setattr(offload_blocks, "stashed_unchecked", lambda node: True)  # as if AOTAutograd held them
     model, batch = tiny_model("llama", lora=True)
-    report = fxmem.inspect(model, **batch, config=_config("exact", return_logits=False, block_offload=True))
+    with pytest.warns(fxmem.FallbackWarning, match="planned offload to host memory left undone, kept on the device: "
+                                                   "embedding, add_10, add_20"):
+        report = fxmem.inspect(model, **batch, config=_config("exact", return_logits=False, block_offload=True))
     [region] = report.regions
-    assert report.host_bytes == 0
-    left = [p.reason for p in region.plans if "left on the device" in p.reason]
-    assert len(left) == 3 and all(not p.host for p in region.plans)
+    assert report.host_bytes == 0 and not any(p.host for p in region.plans)
+    left = [p for p in region.plans if "left on the device: " in p.reason]
+    assert len(left) == 3 and all(p.seconds == 0 for p in left)  # the copies' price gone with them
     assert _summary(report) == "left on the device: embedding, add_10, add_20 (their plans say why)"
+
+
+def test_strict_mode_refuses_an_offload_left_undone(monkeypatch):
+    monkeypatch.setattr(offload_blocks, "stashed_unchecked", lambda node: True)
+    model, batch = tiny_model("llama", lora=True, layers=1)
+    # dynamo wraps the backend's error
+    with pytest.raises(Exception, match="planned offload to host memory left undone, kept on the device: embedding, "
+                                        "add_10 .strict mode"):
+        fxmem.inspect(model, **batch, config=_config("exact", return_logits=False, block_offload=True, strict=True))
+
+
+def test_a_stage_rolled_back_leaves_nothing_in_host_memory(monkeypatch, lenient):
+    def failing(self, state):
+        raise RuntimeError("a failing pass")
+
+    monkeypatch.setattr(offload_blocks.OffloadBlocks, "run", failing)
+    model, batch = tiny_model("llama", lora=True)
+    with pytest.warns(fxmem.FallbackWarning, match="pass offload_blocks"):
+        report = fxmem.inspect(model, **batch, config=_config("exact", return_logits=False, block_offload=True))
+    assert report.host_bytes == 0 and not any(p.host for _, _, p in report.rows())
