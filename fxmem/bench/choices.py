@@ -74,5 +74,11 @@ POINTS: tuple[Point, ...] = (
     Point("hyclora-4bit-no-logits-fp32-lora", "fxmem hyclora-4bit, no logits, fp32 LoRA products", "fxmem",
           "hyclora-4bit", return_logits=False, options=(("lora_half_products", "off"),)),
     Point("hyclora-2bit-no-logits", "fxmem hyclora-2bit, no logits", "fxmem", "hyclora-2bit", return_logits=False),
+    # the long-context plan, its stored block inputs on the device and in host memory (the same gradients expected)
+    Point("hyclora-4bit-blocks", "fxmem hyclora-4bit, no logits, blocks checkpointed", "fxmem", "hyclora-4bit",
+          return_logits=False, options=(("block_checkpoint", True), ("mlp_chunk", 2048))),
+    Point("hyclora-4bit-blocks-offload", "fxmem hyclora-4bit, no logits, blocks checkpointed, inputs in host memory",
+          "fxmem", "hyclora-4bit", return_logits=False,
+          options=(("block_checkpoint", True), ("mlp_chunk", 2048), ("block_offload", True))),
 )
 POINT_KEYS = tuple(p.key for p in POINTS)

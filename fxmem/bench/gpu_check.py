@@ -4,7 +4,8 @@ At Llama-3-8B's layer shape (workload ``llama3-8b-shape``: 4 layers, bf16, 2 x 2
 every linear with fp32 adapters), each point of ``POINTS`` is built from the same seeded weights and compiled in one
 process: eager PEFT, torch.compile, inductor's ``activation_memory_budget`` at 0.15 and 0.05, HF gradient
 checkpointing, and fxmem's presets with and without the logits returned (and hyclora-4bit with its LoRA products
-kept fp32, to show what the half-precision products buy). For each: the step peak above the weights and optimizer
+kept fp32, to show what the half-precision products buy; and with its blocks checkpointed, their stored inputs on
+the device and in host memory, ``block_offload``). For each: the step peak above the weights and optimizer
 state, the worst LoRA-gradient cosine against eager on the first batch, then every point's training step timed
 interleaved, as ratios to torch.compile's. Last, one profiled training step (optimizer included) of fxmem's
 hyclora-4bit without logits and of torch.compile: their busiest kernels and the kernels each launches

@@ -59,3 +59,14 @@ def test_a_failing_point_is_reported_and_the_others_still_run(tiny_workloads, mo
     assert check.to_dict()["failures"] == {"compile": "RuntimeError: CUDA out of memory"}
     assert "torch.compile failed: RuntimeError: CUDA out of memory" in printed
     assert any(line.startswith("eager PEFT: step peak ") and "(reference)" in line for line in printed)
+
+
+def test_the_block_points_give_the_same_gradients_with_their_inputs_in_host_memory(tiny_workloads):
+    from fxmem.bench import gpu_check
+    from fxmem.bench.workloads import get_workload
+
+    check = gpu_check.run_gpu_check(get_workload("llama-tiny"), device="cpu", steps=1,
+                                    keys=["eager", "hyclora-4bit-blocks", "hyclora-4bit-blocks-offload"])
+    on_device, offloaded = check.results[1:]
+    assert check.keys[1:] == ["hyclora-4bit-blocks", "hyclora-4bit-blocks-offload"] and not check.failures
+    assert offloaded.fidelity.min_cosine == on_device.fidelity.min_cosine >= on_device.fidelity_bound
