@@ -46,6 +46,8 @@ class OffloadBlocks(GraphPass):
             if plan.host:
                 storages.setdefault(saved.storage, []).append(index)
         moved, left = [], []
+        # forward's order, taken once: the nodes _offload inserts read only their own part, never another's
+        position = {n: i for i, n in enumerate(editor.fw.graph.nodes)}
         for indices in storages.values():
             owner, plan = state.analysis.saved[indices[0]], state.plans[indices[0]]  # the owner carries the plan
             parts = [owner.node] if plan.action == "keep" else state.stored.get(owner.base.name, [])
@@ -63,7 +65,7 @@ class OffloadBlocks(GraphPass):
                         dataclasses.replace(state.plans[i], host=False)
                 continue
             for part in parts:
-                _offload(editor, part)
+                _offload(editor, part, position)
             moved.extend(parts)
         if left:  # strict mode raises, as for any planned rewrite left undone
             fall_back(f"planned offload to host memory left undone, kept on the device: {', '.join(left)}",
@@ -75,11 +77,10 @@ class OffloadBlocks(GraphPass):
         return "; ".join(p for p in summary if p)
 
 
-def _offload(editor: SavedTensorEditor, part: Node) -> None:
-    """Save a host copy of forward ``part``, made after its last forward reader; backward reads it back on
-    ``part``'s device before its first reader."""
+def _offload(editor: SavedTensorEditor, part: Node, position: dict[Node, int]) -> None:
+    """Save a host copy of forward ``part``, made after its last forward reader (``position``: forward's order);
+    backward reads it back on ``part``'s device before its first reader."""
     fw_graph, bw_graph = editor.fw.graph, editor.bw.graph
-    position = {n: i for i, n in enumerate(fw_graph.nodes)}
     readers = [u for u in part.users if u.op != "output"]
     after = max(readers, key=position.__getitem__) if readers else part
     with fw_graph.inserting_before(after.next):  # in order: inserting_after would place each before the last
@@ -89,13 +90,7 @@ def _offload(editor: SavedTensorEditor, part: Node) -> None:
             source = call(fw_graph, aten.clone.default, (part,))
         host = call(fw_graph, prims.device_put.default, (source, HOST_DEVICE), kwargs={"non_blocking": True})
     host.meta[HOST] = True
-    outputs = list(editor.fw_output.args[0])
-    outputs[outputs.index(part, editor.num_fwd_outputs)] = host
-    editor.fw_output.args = (tuple(outputs), *editor.fw_output.args[1:])
-
-    placeholder = editor.placeholder_of.pop(part)
-    editor.placeholder_of[host] = placeholder
-    placeholder.meta[VALUE] = host.meta[VALUE]
+    placeholder = editor.replace_saved(part, host)
     placeholder.meta[HOST] = True
     first_reader = editor.first_backward_use([placeholder])
     with bw_graph.inserting_before(first_reader):

@@ -74,6 +74,19 @@ class SavedTensorEditor:
         self._last_saved = node
         return placeholder
 
+    def replace_saved(self, node: Node, new: Node) -> Node:
+        """Save forward ``new`` in the place of saved ``node``: the same backward placeholder, now of ``new``'s
+        value."""
+        outputs = self._outputs()
+        outputs[outputs.index(node, self.num_fwd_outputs)] = new
+        self._set_outputs(outputs)
+        placeholder = self.placeholder_of.pop(node)
+        self.placeholder_of[new] = placeholder
+        placeholder.meta[VALUE] = new.meta[VALUE]
+        if self._last_saved is node:
+            self._last_saved = new
+        return placeholder
+
     def unsave(self, node: Node) -> None:
         """Stop saving ``node``; its placeholder must have no users left."""
         placeholder = self.placeholder_of.pop(node)

@@ -23,8 +23,8 @@ def _summary(backend) -> str:
 def test_what_goes_to_host_memory_is_what_the_plans_store_and_the_gradients_do_not_change(monkeypatch):
     # Inductor lowers each device_put on a CPU as a copy: the step runs on the copies both ways
     sent = []
-    monkeypatch.setattr(offload_blocks, "_offload", lambda editor, part: (
-        sent.append(storage_bytes(part.meta["val"])), moved(editor, part)))
+    monkeypatch.setattr(offload_blocks, "_offload", lambda editor, part, position: (
+        sent.append(storage_bytes(part.meta["val"])), moved(editor, part, position)))
     model, batch = tiny_model("llama", lora=True)
     randomize_lora_b(model)
     loss, grads = loss_and_grads(torch.compile(model, backend=fxmem.Backend(_config("hyclora-4bit"))), model, batch)
