@@ -43,6 +43,13 @@ def test_eager_is_its_own_reference_and_a_preset_is_compared_before_and_after_tr
         assert comparison.fp32.min_cosine > eager.comparisons[0].fp32.min_cosine - 0.01
 
 
+def test_each_method_starts_from_the_same_random_state_whatever_ran_before_it():
+    # loract's rows are sampled: without the seed its second run would draw after the first's draws
+    first, second = measure(TINY_BF16, ["loract", "loract"], lowering="eager")
+    assert first.comparisons[0].same_dtype == second.comparisons[0].same_dtype
+    assert first.comparisons[0].same_dtype.min_cosine < 0.99  # factored, so the draw shows
+
+
 def test_random_tokens_span_the_vocabulary_and_bad_choices_are_refused():
     from fxmem.bench.fidelity import _random_batches
     setup = TINY_BF16.build()
