@@ -93,8 +93,8 @@ def released_activations(fw: Graph, bw: Graph, num_fwd_outputs: int) -> dict[Nod
 def inlined_elementwise(graph: Graph) -> frozenset[Node]:
     """The element-wise ops inductor computes inside the kernels of their readers instead of storing: every reader
     (through views) takes the value inside its own loop, none is the graph's output, and there are at most
-    ``_MAX_INLINED_READERS``. (Inductor also stores a value that is costly to recompute for several readers; that is
-    not modelled.)"""
+    ``_MAX_INLINED_READERS``, or any number for a constant fill, which reads nothing. (Inductor also stores a value
+    that is costly to recompute for several readers; that is not modelled.)"""
     inlined = set()
     for node in graph.nodes:
         if node.op != "call_function" or not _elementwise(node) or not isinstance(node.meta.get("val"), torch.Tensor):
@@ -106,7 +106,8 @@ def inlined_elementwise(graph: Graph) -> frozenset[Node]:
                     stack.append(user)
                 else:
                     readers.add(user)
-        if readers and len(readers) <= _MAX_INLINED_READERS and all(_takes_inline(r) for r in readers):
+        few = len(readers) <= _MAX_INLINED_READERS or node.target in CONSTANT_FILLS
+        if readers and few and all(_takes_inline(r) for r in readers):
             inlined.add(node)
     return frozenset(inlined)
 
@@ -118,6 +119,8 @@ _ELEMENTWISE = DTYPE_CASTS | CONSTANT_FILLS | {aten.slice_scatter.default, aten.
 _TAKES_INLINE = _ELEMENTWISE | {aten.cat.default, aten.index_put.default}
 # Inductor stores a value read by several kernels where recomputing it in each would cost (realize_reads_threshold,
 # 4, counts the loads inside it; on a CPU an exp, log, sigmoid or tanh always): a bound in readers stands for that.
+# A constant fill loads nothing, so it is never stored for its readers' sake (StorageBox.should_realize_on_reuse):
+# AOTAutograd's CSE gives every block's rotary backward one shared buffer of zeros, read far apart.
 _MAX_INLINED_READERS = 4
 
 

@@ -67,6 +67,19 @@ def test_an_element_wise_op_read_only_inside_other_loops_is_not_stored():
     assert graph_liveness(graph).peak_bytes == 3 * 4096  # run as aten ops: c, a and b at once
 
 
+def test_a_constant_fill_is_never_stored_however_many_kernels_read_it():
+    def f(x):
+        zeros = torch.full((32, 32), 0.0)  # read by six scatters, as CSE shares one buffer of zeros among blocks
+        parts = [torch.slice_scatter(zeros, x[:, :16] * i, dim=1, start=0, end=16) for i in range(6)]
+        return torch.stack([p.sum() for p in parts])
+
+    graph = make_fx(f)(torch.randn(32, 32)).graph
+    [fill] = graph.find_nodes(op="call_function", target=torch.ops.aten.full.default)
+    assert len(fill.users) == 6 and fill in inlined_elementwise(graph)
+    # nothing of 32 x 32 is ever stored: the six sums (4 bytes each) and their stack
+    assert graph_liveness(graph, inlined=inlined_elementwise(graph)).peak_bytes == 6 * 4 + 6 * 4
+
+
 def _region_and_measured_transients(preset, overrides, lowering):
     """A 256-token step of the tests' tiny Llama compiled with ``lowering``: its region, and the measured step peak
     beyond what forward saved."""
