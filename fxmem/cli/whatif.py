@@ -176,7 +176,7 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
               "(analysis/liveness.py): backward's gradients and "
               "intermediates at its peak, or forward's transients. Inductor fuses and places kernels otherwise: under "
               "the compressing presets it holds more at once (llama-small's hyclora-4bit at 2,048 tokens: the "
-              "measured step 1.09x the predicted with mlp_chunk=512, 1.30x without; exact within 0.1% and 2.6%, "
+              "measured step 1.12x the predicted with mlp_chunk=512, 1.30x without; exact within 0.1% and 2.6%, "
               "docs/long-context.md), so a compiled step reaches a shorter length; `fxmem bench context` measures "
               "real steps.")
     legend += "".join(f"\n{fit.preset}: {fit.how}" for fit in fits if fit.how)
