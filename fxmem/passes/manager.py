@@ -142,8 +142,8 @@ class PassManager:
         if not active:
             return skipped
         snapshot = {key: copy_graph_module(gm) for key, gm in state.graphs(stage).items()}
-        plans, slots, dequantized, stored = list(state.plans), list(state.slots), dict(state.dequantized), dict(
-            state.stored)
+        plans, slots = list(state.plans), list(state.slots)
+        dequantized, stored = dict(state.dequantized), dict(state.stored)
         probes = None if state.probes is None else list(state.probes)
         records: list[PassRecord] = []
         for position, graph_pass in enumerate(active):

@@ -52,12 +52,7 @@ class OffloadBlocks(GraphPass):
             owner, plan = state.analysis.saved[indices[0]], state.plans[indices[0]]  # the owner carries the plan
             parts = [owner.node] if plan.action == "keep" else state.stored.get(owner.base.name, [])
             parts = [p for p in parts if storage_bytes(p.meta[VALUE])]  # an empty one (no outliers) holds nothing
-            unmovable = [p.name for p in parts if p not in editor.placeholder_of or stashed_unchecked(p)
-                         or not editor.placeholder_of[p].users or not p.meta[VALUE].is_contiguous()]
-            why = ("fidelity probes save its exact value beside" if state.probes is not None
-                   else "nothing stored as planned" if not parts
-                   else f"{', '.join(unmovable)} not saved as itself, unread in backward, or not contiguous"
-                   if unmovable else None)
+            why = _unmovable(state, editor, parts)
             if why is not None:  # the plan says what stays: the device holds it whole
                 left.append(owner.name)
                 for i in indices:
@@ -75,6 +70,19 @@ class OffloadBlocks(GraphPass):
                    f"between forward and backward ({nbytes / 2**20:.2f} MiB)" if moved else "",
                    f"left on the device: {', '.join(left)} (their plans say why)" if left else ""]
         return "; ".join(p for p in summary if p)
+
+
+def _unmovable(state: PipelineState, editor: SavedTensorEditor, parts: list[Node]) -> str | None:
+    """Why a storage stored as ``parts`` stays on the device, or None where every part can move."""
+    if state.probes is not None:
+        return "fidelity probes save its exact value beside"
+    if not parts:
+        return "nothing stored as planned"
+    unmovable = [p.name for p in parts if p not in editor.placeholder_of or stashed_unchecked(p)
+                 or not editor.placeholder_of[p].users or not p.meta[VALUE].is_contiguous()]
+    if unmovable:
+        return f"{', '.join(unmovable)} not saved as itself, unread in backward, or not contiguous"
+    return None
 
 
 def _offload(editor: SavedTensorEditor, part: Node, position: dict[Node, int]) -> None:
