@@ -80,6 +80,12 @@ class Config:
         that the MLP-wide tensors, the step's largest transients at long context, are never whole. Exact up to
         rounding, for two more products per MLP; it replaces what the other techniques do inside the MLP. None
         (every preset) is off.
+    linear_chunk: run the PEFT LoRA linears outside a chunked MLP (an attention's projections: q, k and v, which
+        read one input, as one op) this many tokens at a time in forward and backward, their input the only tensor
+        they save (passes/chunk_linears.py): in backward each holds its output gradient again in float32 for a
+        float32 adapter, and d x is a sum of two products per linear made whole before they are added, the largest
+        transients of a recomputed block at long context once its MLP and norms are chunked. Exact up to rounding;
+        it replaces what the other techniques do to those linears. None (every preset) is off.
     norm_chunk: run each RMSNorm (Llama's form) this many tokens at a time, recomputed in backward from its input,
         the only tensor it saves (passes/chunk_norm.py): a half-precision model's norm upcasts to float32, and its
         backward holds five float32 tensors of the hidden width at once, the largest transients of a recomputed
@@ -138,6 +144,7 @@ class Config:
     chunk_loss: bool = True
     mlp_chunk: int | None = None
     norm_chunk: int | None = None
+    linear_chunk: int | None = None
     block_checkpoint: bool = False
     block_input_bits: int | None = None
     block_offload: bool = False
@@ -188,7 +195,7 @@ class Config:
             raise ValueError("prenorm_sharing=False turns off a part of lowrank: set lowrank too")
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)
         _check_choice("lora_half_products", self.lora_half_products, LORA_HALF_PRODUCTS_CHOICES)
-        for name in ("mlp_chunk", "norm_chunk"):
+        for name in ("mlp_chunk", "norm_chunk", "linear_chunk"):
             rows = getattr(self, name)
             if rows is not None and (_is_bool(rows) or not isinstance(rows, int) or rows < 1):
                 raise ValueError(f"{name} must be an integer number of tokens >= 1 or None (off); got {rows!r}")

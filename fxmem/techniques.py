@@ -14,6 +14,7 @@ from fxmem.cost_model import planner
 from fxmem.passes import (
     CausalMaskAttention,
     CheckpointBlocks,
+    ChunkLinears,
     ChunkLoss,
     ChunkMlp,
     ChunkNorm,
@@ -85,6 +86,8 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
     Technique("chunk_mlp", ("mlp_chunk",), lambda config: config.mlp_chunk is not None, ("chunk_mlp",)),
     Technique("chunk_norm", ("norm_chunk",), lambda config: config.norm_chunk is not None, ("chunk_norm",)),
+    Technique("chunk_linears", ("linear_chunk",), lambda config: config.linear_chunk is not None,
+              ("chunk_linears",)),
     Technique("block_checkpoint", ("block_checkpoint", "block_input_bits"), lambda config: config.block_checkpoint,
               ("checkpoint_blocks",)),
     # PEFT's fp32 adapters on a half-precision model: their products with half-precision inputs (tensor cores).
@@ -101,17 +104,18 @@ TECHNIQUES: tuple[Technique, ...] = (
 GENERAL_FIELDS = ("strict",)
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    CausalMaskAttention, CheckpointBlocks, ChunkLoss, ChunkMlp, ChunkNorm, GqaAttention, MergeCasts,
+    CausalMaskAttention, CheckpointBlocks, ChunkLinears, ChunkLoss, ChunkMlp, ChunkNorm, GqaAttention, MergeCasts,
     RecomputeAdapterCast, ReplayDropout, RecomputeInputs, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention,
     SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, OffloadBlocks, LoraHalfProducts, OnednnMatmul)}
 # The dynamo passes first (they change what AOTAutograd traces; gqa_attention after causal_mask, which removes the
-# mask it needs gone), then the joint passes (merge_casts first: the LoRA matcher the others run must see one cast of
-# x; recompute_adapter_cast next: its must-save of x is a default the later ones may override; lora_reorder tags what
-# runlora must leave alone; checkpoint_blocks last: its tags override theirs inside a block), then the partitioned
-# ones: sparsify, quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses, offload_blocks moves what
-# is then saved for the blocks, lora_half_products and onednn_matmul swap the products of the finished graphs.
-PASS_ORDER = ("causal_mask", "gqa_attention", "chunk_loss", "chunk_mlp", "chunk_norm", "merge_casts",
-              "recompute_adapter_cast", "replay_dropout", "recompute_inputs", "lora_reorder", "runlora",
+# mask it needs gone; chunk_linears after chunk_mlp, which takes an MLP's linears whole), then the joint passes
+# (merge_casts first: the LoRA matcher the others run must see one cast of x; recompute_adapter_cast next: its
+# must-save of x is a default the later ones may override; lora_reorder tags what runlora must leave alone;
+# checkpoint_blocks last: its tags override theirs inside a block), then the partitioned ones: sparsify, quantize
+# and lowrank rewrite saved tensors that fuse_epilogue then fuses, offload_blocks moves what is then saved for the
+# blocks, lora_half_products and onednn_matmul swap the products of the finished graphs.
+PASS_ORDER = ("causal_mask", "gqa_attention", "chunk_loss", "chunk_mlp", "chunk_norm", "chunk_linears",
+              "merge_casts", "recompute_adapter_cast", "replay_dropout", "recompute_inputs", "lora_reorder", "runlora",
               "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize",
               "lowrank", "fuse_epilogue", "offload_blocks", "lora_half_products", "onednn_matmul")
 

@@ -49,6 +49,7 @@ def test_defaults_are_the_exact_preset():
     ("mlp_chunk", 0, "mlp_chunk must be an integer number of tokens >= 1 or None (off); got 0"),
     ("mlp_chunk", 64.0, "mlp_chunk must be an integer number of tokens >= 1 or None (off); got 64.0"),
     ("mlp_chunk", True, "mlp_chunk must be an integer number of tokens >= 1"),
+    ("linear_chunk", -8, "linear_chunk must be an integer number of tokens >= 1 or None (off); got -8"),
     ("norm_chunk", -8, "norm_chunk must be an integer number of tokens >= 1 or None (off); got -8"),
     ("norm_chunk", "512", "norm_chunk must be an integer number of tokens >= 1 or None (off); got '512'"),
     ("block_checkpoint", 1, "block_checkpoint must be True or False; got 1"),
@@ -67,6 +68,7 @@ def test_bad_values_name_the_valid_range(field, value, expected):
     ("bits", 1), ("bits", 8), ("outlier_ratio", 0.0), ("attn_sparsity", 1.0), ("calibration_steps", 100),
     ("lowrank", 0.125), ("lowrank", 32), ("runlora", "time"), ("memory_budget", 0.5),
     ("memory_budget", 1), ("memory_budget", 2**20), ("mlp_chunk", 1), ("mlp_chunk", 4096), ("norm_chunk", 2048),
+    ("linear_chunk", 2048),
 ])
 def test_good_values_are_accepted(field, value):
     assert getattr(Config(**{field: value}), field) == value

@@ -58,7 +58,7 @@ def _uncast(node: object) -> object:
     return node
 
 
-def _lora_linear(output: object) -> tuple[Node, LoraLinearNodes] | None:
+def lora_linear_of(output: object) -> tuple[Node, LoraLinearNodes] | None:
     """(x, the linear) of a LoRA linear whose output, cast or not, is ``output``; its base weight frozen."""
     if not isinstance(output, Node):
         return None
@@ -78,7 +78,7 @@ def _match(product: Node) -> SwigluMlp | None:
                 and len(activated.args) == 1 and not activated.kwargs and len(activated.users) == 1):
             continue
         gate_output, up_output = _uncast(activated.args[0]), _uncast(up_output)
-        gate, up = _lora_linear(gate_output), _lora_linear(up_output)
+        gate, up = lora_linear_of(gate_output), lora_linear_of(up_output)
         if gate is None or up is None or gate[0] is not up[0] or len(gate_output.users) != 1 \
                 or len(up_output.users) != 1:
             continue
@@ -105,7 +105,7 @@ def _down_projection(product: Node) -> tuple[Node, LoraLinearNodes] | None:
         total = adds[0]
         cast = next(iter(total.users)) if len(total.users) == 1 else None
         output = cast if cast is not None and _uncast(cast) is total else total
-        down = _lora_linear(total)
+        down = lora_linear_of(total)
         if down is not None and down[0] is product and _only_down_reads(product, down[1]):
             return output, down[1]
     return None

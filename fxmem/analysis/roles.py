@@ -355,6 +355,8 @@ def _product(f: TensorFacts) -> Match | None:
 # fxmem's chunked MLP (kernels/chunked_mlp.py): its first input feeds the gate and up projections, which backward
 # replays from it
 CHUNKED_MLP = "fxmem::chunked_swiglu_mlp"
+# fxmem's chunked LoRA linears (kernels/chunked_lora_linear.py): their first input feeds each linear
+CHUNKED_LINEARS = "fxmem::chunked_lora_linears"
 # fxmem's chunked RMSNorm (kernels/chunked_rms_norm.py), recomputed in backward from its first input
 # (passes/chunk_norm.py)
 CHUNKED_NORM = "fxmem::chunked_rms_norm"
@@ -379,6 +381,8 @@ def _linear_input(f: TensorFacts) -> Match | None:
     for user in f.fw_users:
         if reads_as_chunked_mlp_input(user, f.base):
             readers.append("chunked MLP: gate_proj, up_proj")
+        elif _reads_as_first_input(user, f.base, CHUNKED_LINEARS):
+            readers.append(f"chunked LoRA linears: {_short_module(module_path(user))}")
         elif user.target in MATMULS or user.target in BATCHED_MATMULS:
             if any(strip(o) in f.params for o in matmul_operands(user) if storage_base(o) is not f.base):
                 readers.append(_short_module(module_path(user)))

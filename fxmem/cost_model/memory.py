@@ -11,7 +11,7 @@ from torch.fx import Node
 
 from fxmem.analysis.graph import hint
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes
-from fxmem.kernels import chunked_mlp, chunked_rms_norm
+from fxmem.kernels import chunked_lora_linear, chunked_mlp, chunked_rms_norm
 from fxmem.kernels.lowrank import factor_numel
 from fxmem.kernels.quantize import packed_width
 
@@ -95,12 +95,13 @@ def epilogue_traffic_saved(numel: int, element_size: int, lora_sums: int, *, bac
 # op name: is backward
 _CHUNKED_MLP_OPS = {"chunked_swiglu_mlp": False, "chunked_swiglu_mlp_backward": True}
 _CHUNKED_NORM_OPS = {"chunked_rms_norm": False, "chunked_rms_norm_backward": True}
+_CHUNKED_LINEARS_OPS = {"chunked_lora_linears": False, "chunked_lora_linears_backward": True}
 
 
 def op_workspace_bytes(node: Node) -> int:
     """What the op of an aten graph's ``node`` holds inside, beyond its inputs and outputs: one chunk's MLP-wide
     tensors for the chunked MLP (kernels/chunked_mlp.py), one chunk's float32 rows for the chunked RMSNorm
-    (kernels/chunked_rms_norm.py), one chunk's logits for the chunked loss; 0 for the ops a graph's liveness sees
+    (kernels/chunked_rms_norm.py) and the chunked LoRA linears (kernels/chunked_lora_linear.py), one chunk's logits for the chunked loss; 0 for the ops a graph's liveness sees
     whole."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "fxmem":
@@ -117,11 +118,18 @@ def op_workspace_bytes(node: Node) -> int:
         rows = math.prod(hint(s) for s in x.shape[:-1])
         return chunked_rms_norm.workspace_bytes(rows, int(node.args[3 + backward]), hint(x.shape[-1]),
                                                 x.element_size(), backward=backward)
+    if target._opname in _CHUNKED_LINEARS_OPS:
+        backward = _CHUNKED_LINEARS_OPS[target._opname]
+        x, weights, a = (node.args[i + backward] for i in (0, 1, 2))
+        x = x.meta["val"]
+        rows = math.prod(hint(s) for s in x.shape[:-1])
+        return chunked_lora_linear.workspace_bytes(
+            rows, int(node.args[5 + backward]), hint(x.shape[-1]), [hint(w.meta["val"].shape[0]) for w in weights],
+            hint(a[0].meta["val"].shape[0]), x.element_size(), backward=backward)
     if target._opname not in _CHUNKED_MLP_OPS:
         return 0
     backward = _CHUNKED_MLP_OPS[target._opname]
-    x, gate_a, down_w = (node.args[i + backward].meta["val"] for i in (0, 2, 9))
+    x, down_w = (node.args[i + backward].meta["val"] for i in (0, 9))
     rows = math.prod(hint(s) for s in x.shape[:-1])
     return chunked_mlp.workspace_bytes(rows, int(node.args[13 + backward]), hint(down_w.shape[1]),
-                                       hint(x.shape[-1]), hint(gate_a.shape[0]), x.element_size(),
-                                       backward=backward)
+                                       x.element_size(), backward=backward)

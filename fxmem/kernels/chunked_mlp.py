@@ -9,30 +9,16 @@ outputs and takes its gradients, so that no more than one chunk of MLP-wide tens
 the gate and up products run again in backward. The base weights are frozen (PEFT's); the LoRA gradients
 accumulate in float32.
 
-A LoRA linear is PEFT's: ``(x W^T + scale (x A^T) B^T)`` in the promoted dtype, cast back to x's dtype, x cast to
-A's dtype for the adapter (PEFT keeps fp32 adapters on a half-precision model). ``swiglu_mlp_reference`` is the
-unchunked torch computation the op is tested against.
+A LoRA linear is PEFT's (kernels/chunked_lora_linear.py). ``swiglu_mlp_reference`` is the unchunked torch
+computation the op is tested against.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
-
-class LoraLinear(NamedTuple):
-    weight: Tensor  # (out, in), frozen
-    a: Tensor  # (rank, in)
-    b: Tensor  # (out, rank)
-    scale: float
-
-
-def lora_linear(x: Tensor, linear: LoraLinear) -> Tensor:
-    base = x @ linear.weight.t()
-    adapter = (x.to(linear.a.dtype) @ linear.a.t()) @ linear.b.t()
-    return (base + adapter * linear.scale).to(x.dtype)
+from fxmem.kernels.chunked_lora_linear import LoraLinear, lora_linear, lora_linear_backward
 
 
 def swiglu_mlp_reference(x: Tensor, gate: LoraLinear, up: LoraLinear, down: LoraLinear) -> Tensor:
@@ -51,16 +37,16 @@ def chunked_swiglu_mlp(x: Tensor, gate: LoraLinear, up: LoraLinear, down: LoraLi
                         down.weight, down.a, down.b, down.scale, chunk_rows)
 
 
-def workspace_bytes(rows: int, chunk_rows: int, width: int, hidden: int, rank: int, element_size: int, *,
-                    backward: bool) -> int:
-    """The most bytes the op holds at once beyond its inputs and outputs (the LoRA gradients' float32
-    accumulators and products aside, rank-sized): one chunk's MLP-wide tensors. Measured (tests/kernels/test_chunked_mlp.py):
-    forward, five of the chunk's float32 sums of a base and a LoRA product (an fp32 adapter promotes them);
-    backward, five in the model's dtype and three in float32, and the LoRA's rank-wide and hidden-wide rows."""
+def workspace_bytes(rows: int, chunk_rows: int, width: int, element_size: int, *, backward: bool) -> int:
+    """The most bytes the op holds at once beyond its inputs and outputs: one chunk's MLP-wide tensors. Measured
+    (tests/kernels/test_chunked_mlp.py): forward, five of the chunk's float32 sums of a base and a LoRA product (an
+    fp32 adapter promotes them); backward, five in the model's dtype and three in float32 (the hidden- and
+    rank-wide rows beside them, and the LoRA gradients' accumulators, are within one float32 row of the hidden
+    width per token)."""
     chunk = min(rows, chunk_rows)
     if not backward:
         return 5 * chunk * width * 4
-    return chunk * (width * (5 * element_size + 3 * 4) + (hidden + rank) * 4)
+    return chunk * width * (5 * element_size + 3 * 4)
 
 
 def _linears(weights: tuple) -> tuple[LoraLinear, LoraLinear, LoraLinear]:
@@ -122,12 +108,8 @@ def _chunk_backward(x: Tensor, grad_out: Tensor, gate: LoraLinear, up: LoraLinea
 
 def _linear_backward(x: Tensor, grad_out: Tensor, linear: LoraLinear, lora_grads: list[Tensor]) -> Tensor:
     """d x of ``lora_linear(x, linear)``; adds d A and d B into ``lora_grads``."""
-    adapter_grad = grad_out.to(linear.b.dtype) * linear.scale
-    x_adapter = x.to(linear.a.dtype)
-    lora_grads[1] += (adapter_grad.t() @ (x_adapter @ linear.a.t())).float()
-    grad_xa = adapter_grad @ linear.b
-    lora_grads[0] += (grad_xa.t() @ x_adapter).float()
-    return grad_out @ linear.weight + (grad_xa @ linear.a).to(x.dtype)
+    base, adapter = lora_linear_backward(x.to(linear.a.dtype), grad_out, linear, lora_grads)
+    return base + adapter.to(x.dtype)
 
 
 @_chunked_mlp_backward.register_fake

@@ -4,6 +4,7 @@ order and which technique enables each)."""
 from fxmem.passes.adapter_cast import RecomputeAdapterCast
 from fxmem.passes.causal_mask import CausalMaskAttention
 from fxmem.passes.checkpoint_blocks import CheckpointBlocks
+from fxmem.passes.chunk_linears import ChunkLinears
 from fxmem.passes.chunk_loss import ChunkLoss
 from fxmem.passes.chunk_mlp import ChunkMlp
 from fxmem.passes.chunk_norm import ChunkNorm
@@ -24,7 +25,7 @@ from fxmem.passes.replay_dropout import ReplayDropout
 from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
-__all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLoss", "ChunkMlp", "ChunkNorm", "FuseEpilogue",
+__all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLinears", "ChunkLoss", "ChunkMlp", "ChunkNorm", "FuseEpilogue",
            "GqaAttention", "GraphPass", "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts",
            "OffloadBlocks", "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
            "RecomputeAdapterCast", "RecomputeAttention", "RecomputeInputs", "RecomputeLogits", "ReplayDropout",

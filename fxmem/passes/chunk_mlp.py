@@ -9,7 +9,8 @@ chunked products. An MLP of another form is left as torch runs it.
 from __future__ import annotations
 
 from fxmem.analysis.mlp import LoraLinearNodes, find_swiglu_mlps
-from fxmem.kernels.chunked_mlp import LoraLinear, chunked_swiglu_mlp
+from fxmem.kernels.chunked_lora_linear import LoraLinear
+from fxmem.kernels.chunked_mlp import chunked_swiglu_mlp
 from fxmem.passes.manager import GraphPass, PipelineState, replace_with_call
 
 

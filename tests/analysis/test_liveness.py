@@ -101,12 +101,13 @@ def _region_and_measured_transients(preset, overrides, lowering):
 
 # mlp_chunk 128 of 256 tokens: the MLP's backward stays the peak (at 64 it is CPU flash attention's backward, which
 # holds about 130 KiB inside that no graph shows)
-@pytest.mark.parametrize("preset, overrides", [("exact", {}), ("hyclora-4bit", {}), ("exact", {"mlp_chunk": 128})])
+@pytest.mark.parametrize("preset, overrides", [("exact", {}), ("hyclora-4bit", {}), ("exact", {"mlp_chunk": 128}),
+                                               ("exact", {"mlp_chunk": 128, "linear_chunk": 64})])
 def test_transients_are_the_measured_step_peak_beyond_the_saved_bytes(preset, overrides):
     # Run as the graphs' own order runs them (lowering="eager"), a step's peak above what it saved is the region's
     # transients to the byte, up to the few bytes of scalars the profiler sees and the graphs do not. The chunked
     # MLP's op and the chunked loss's are opaque to the graph: what they hold inside is the cost model's
-    # (op_workspace_bytes).
+    # (op_workspace_bytes), and so is what the chunked linears' op holds.
     region, measured = _region_and_measured_transients(preset, overrides, "eager")
     assert region.transient_bytes == pytest.approx(measured, rel=0.01)
 
@@ -115,7 +116,7 @@ def test_transients_are_the_measured_step_peak_beyond_the_saved_bytes(preset, ov
 # of it. The aten order with every saved tensor held to the end (transient_bytes) says 1.4x the measured. Unchunked
 # (526 of 593 KiB) and under the compressing presets inductor's fused kernels hold more than the model counts
 # (docs/long-context.md), so they are left out.
-@pytest.mark.parametrize("overrides", [{"mlp_chunk": 128}])
+@pytest.mark.parametrize("overrides", [{"mlp_chunk": 128}, {"mlp_chunk": 128, "linear_chunk": 64}])
 def test_compiled_transients_are_the_measured_inductor_step_beyond_the_saved_bytes(overrides):
     region, measured = _region_and_measured_transients("exact", overrides, "inductor")
     assert region.compiled_transient_bytes == pytest.approx(measured, rel=0.02)  # measured: 0.1%

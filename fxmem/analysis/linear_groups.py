@@ -1,0 +1,77 @@
+"""PEFT LoRA linears in the graph dynamo captured (torch-level ops), grouped by the input they read: an
+attention's q, k and v projections are one group, its o projection another.
+
+A linear is ``x W^T + scale (x A^T) B^T`` on a frozen W, cast back to x's dtype, as PEFT runs it
+(analysis/mlp.py's matcher). Its output must be in x's dtype: the chunked op (kernels/chunked_lora_linear.py)
+returns that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.fx import Graph, Node
+
+from fxmem.analysis.graph import hint
+from fxmem.analysis.loss import cast_dtype, example_tensor
+from fxmem.analysis.mlp import LoraLinearNodes, lora_linear_of
+
+
+@dataclass(frozen=True)
+class LoraLinearGroup:
+    x: Node
+    linears: tuple[LoraLinearNodes, ...]
+    outputs: tuple[Node, ...]  # each linear's output, cast back to x's dtype
+    tokens: int  # x's rows (a dynamic count: its hint)
+    features: int
+    element_size: int
+
+
+def find_lora_linear_groups(graph: Graph) -> list[LoraLinearGroup]:
+    """Every group of PEFT LoRA linears on a frozen base weight that read one input, in graph order, each of them
+    placed where all the group's operands exist before any of its outputs is read (a group that is not is split into
+    its linears)."""
+    by_input: dict[Node, list[tuple[Node, LoraLinearNodes]]] = {}
+    for node in graph.nodes:
+        found = lora_linear_of(node) if node.op == "call_function" else None
+        if found is None:
+            continue
+        x, linear = found
+        output = _cast_back(node)
+        x_value, out_value = example_tensor(x), example_tensor(output)
+        if x_value is not None and out_value is not None and out_value.dtype == x_value.dtype:
+            by_input.setdefault(x, []).append((output, linear))
+    groups = []
+    for x, members in by_input.items():
+        for part in ([members] if _placeable(members, x) else [[m] for m in members]):
+            value = example_tensor(x)
+            groups.append(LoraLinearGroup(
+                x=x, linears=tuple(linear for _, linear in part), outputs=tuple(output for output, _ in part),
+                tokens=hint(value.numel() // value.shape[-1]), features=int(value.shape[-1]),
+                element_size=value.element_size()))
+    return groups
+
+
+def last_operand(group: LoraLinearGroup) -> Node:
+    """The node after which the group's op goes."""
+    order = {node: position for position, node in enumerate(group.x.graph.nodes)}
+    return max(_operands(group.linears, group.x), key=order.__getitem__)
+
+
+def _cast_back(total: Node) -> Node:
+    """PEFT's ``.to(result dtype)`` after the sum where it is the sum's only reader, else the sum."""
+    cast = next(iter(total.users)) if len(total.users) == 1 else None
+    return cast if cast is not None and cast_dtype(cast) is not None else total
+
+
+def _operands(linears: tuple[LoraLinearNodes, ...] | list[LoraLinearNodes], x: Node) -> list[Node]:
+    return [x, *(n for linear in linears for n in (linear.weight, linear.a, linear.b))]
+
+
+def _placeable(members: list[tuple[Node, LoraLinearNodes]], x: Node) -> bool:
+    """Every operand of the group is made before any output of it is read (not so where a member's weight is
+    dequantized after another member's output is reshaped)."""
+    order = {node: position for position, node in enumerate(x.graph.nodes)}
+    operands = max(order[n] for n in _operands([linear for _, linear in members], x))
+    first_read = min((order[user] for output, _ in members for user in output.users), default=len(order))
+    return operands < first_read

@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from fxmem.kernels.chunked_lora_linear import LoraLinear, chunked_lora_linears, lora_linear, workspace_bytes
+from fxmem.measure import peak_memory
+
+FEATURES, RANK = 32, 4
+WIDTHS = (32, 8, 8)  # an attention's q, k and v of GQA: k and v narrower
+
+
+def _linears(dtype, widths=WIDTHS, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def linear(out):  # PEFT's: the base in the model's dtype, fp32 factors, B past its zero init
+        return LoraLinear((torch.randn(out, FEATURES, generator=generator) / FEATURES**0.5).to(dtype),
+                          (torch.randn(RANK, FEATURES, generator=generator) / FEATURES**0.5).requires_grad_(),
+                          (torch.randn(out, RANK, generator=generator) / RANK**0.5).requires_grad_(), 2.0)
+
+    x = torch.randn(2, 37, FEATURES, generator=generator).to(dtype).requires_grad_()
+    return x, [linear(width) for width in widths]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [1, 16, 74, 1000])
+def test_the_chunked_linears_match_torch_in_output_and_every_gradient(dtype, chunk_rows):
+    x, linears = _linears(dtype)
+    trained = [x, *(t for linear in linears for t in (linear.a, linear.b))]
+    generator = torch.Generator().manual_seed(5)
+    grads_out = [torch.randn(2, 37, width, generator=generator).to(dtype) for width in WIDTHS]
+    reference = [lora_linear(x, linear) for linear in linears]
+    expected = torch.autograd.grad(reference, trained, grads_out)
+    outputs = chunked_lora_linears(x, linears, chunk_rows)
+    for output, want in zip(outputs, reference, strict=True):
+        assert output.dtype == dtype and output.shape == want.shape
+        if dtype == torch.float32:  # the same products on fewer rows: rounding only
+            assert float((output - want).abs().max()) <= 1e-6 * float(want.abs().max())
+        else:  # the same ops on each chunk's rows, rounded to bf16
+            assert torch.equal(output, want)
+    got = torch.autograd.grad(outputs, trained, grads_out)
+    names = ["x", *(f"{i} {f}" for i in range(len(linears)) for f in "AB")]
+    for name, want, have in zip(names, expected, got, strict=True):
+        assert have.dtype == want.dtype, name
+        if dtype == torch.float32:  # the same products on fewer rows: rounding only
+            assert float((have - want).abs().max()) <= 1e-5 * float(want.abs().max()), name
+        else:  # bf16: the adapters' terms of d x summed in float32 before one cast, where torch casts each
+            cosine = torch.nn.functional.cosine_similarity(have.float().flatten(), want.float().flatten(), 0)
+            assert float(cosine) >= 0.9995, name
+
+
+def test_an_unused_output_adds_nothing_to_the_gradients():
+    x, linears = _linears(torch.float32)
+    q, _, v = chunked_lora_linears(x, linears, 16)
+    got = torch.autograd.grad((q.sum() + v.sum()), [x, linears[1].a, linears[1].b])
+    want = torch.autograd.grad((lora_linear(x, linears[0]).sum() + lora_linear(x, linears[2]).sum()), x)
+    assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert not got[1].any() and not got[2].any()
+
+
+def test_bad_arguments_are_refused():
+    x, linears = _linears(torch.float32)
+    with pytest.raises(ValueError, match="chunk_rows must be >= 1; got 0"):
+        chunked_lora_linears(x, linears, 0)
+    with pytest.raises(ValueError, match="no linear given"):
+        chunked_lora_linears(x, [], 8)
+    with pytest.raises(ValueError, match="linear 1's base weight trains"):
+        chunked_lora_linears(x, [linears[0], linears[1]._replace(weight=linears[1].weight.clone().requires_grad_())],
+                             8)
+    with pytest.raises(ValueError, match="linear 0 takes 32 features; x has 16"):
+        chunked_lora_linears(x[..., :16], linears, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("widths", [WIDTHS, (8, 32)])
+@pytest.mark.parametrize("rows, chunk_rows", [(1024, 256), (1024, 2048)])
+def test_the_workspace_is_what_the_op_holds_beyond_its_inputs_and_outputs(dtype, widths, rows, chunk_rows):
+    _, linears = _linears(dtype, widths)
+    x = torch.randn(rows, FEATURES).to(dtype)
+    grads_out = [torch.randn(rows, width).to(dtype) for width in widths]
+    operands = [list(field) for field in zip(*linears, strict=True)]
+    outputs = sum(rows * width * x.element_size() for width in widths)
+    accumulators = sum((linear.a.numel() + linear.b.numel()) * 4 for linear in linears)
+    forward = peak_memory(lambda: torch.ops.fxmem.chunked_lora_linears(x, *operands, chunk_rows), "cpu") - outputs
+    backward = peak_memory(lambda: torch.ops.fxmem.chunked_lora_linears_backward(grads_out, x, *operands, chunk_rows),
+                           "cpu") - rows * FEATURES * x.element_size() - accumulators
+    shape = (rows, chunk_rows, FEATURES, widths, RANK, x.element_size())
+    assert forward == workspace_bytes(*shape, backward=False)
+    # and, beside them, the LoRA gradients' rank-wide products (at most their accumulators) and, in bf16, a scratch
+    # buffer of the CPU's matmuls whatever the rows (measured: 9.6 KiB at most)
+    scratch = 16 * 1024 if dtype == torch.bfloat16 else 0
+    assert 0 <= backward - workspace_bytes(*shape, backward=True) <= accumulators + scratch
