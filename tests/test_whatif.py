@@ -183,3 +183,11 @@ def test_max_context_with_chunked_mlps_fits_longer_and_says_so(tiny_config):
                             options={"mlp_chunk": 64})
     assert chunked.preset == "exact, mlp_chunk=64"
     assert chunked.seq > whole.seq and chunked.total <= memory
+
+
+def test_max_context_says_when_its_chunked_layers_would_not_read_an_nf4_base(tiny_config, capsys):
+    assert cli.main(["whatif", str(tiny_config), "--max-context", "24MiB", "--dtype", "fp32", "--presets", "exact",
+                     "--granularity", "256", "--base", "nf4", "--set", "linear_chunk=64"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert ("With an NF4 base, linear_chunk is priced as on a float base: fxmem's chunked ops do not read a "
+            "bitsandbytes 4-bit weight yet, and leave a QLoRA model's layers whole.") in printed

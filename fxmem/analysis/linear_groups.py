@@ -69,8 +69,11 @@ def _operands(linears: tuple[LoraLinearNodes, ...] | list[LoraLinearNodes], x: N
 
 
 def _placeable(members: list[tuple[Node, LoraLinearNodes]], x: Node) -> bool:
-    """Every operand of the group is made before any output of it is read (not so where a member's weight is
-    dequantized after another member's output is reshaped)."""
+    """The group's adapters share a dtype (the op casts x to it once), and every operand of the group is made before
+    any output of it is read (not so where a member's weight is dequantized after another member's output is
+    reshaped)."""
+    if len({getattr(example_tensor(linear.a), "dtype", None) for _, linear in members}) > 1:
+        return False
     order = {node: position for position, node in enumerate(x.graph.nodes)}
     operands = max(order[n] for n in _operands([linear for _, linear in members], x))
     first_read = min((order[user] for output, _ in members for user in output.users), default=len(order))

@@ -179,6 +179,11 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
               "measured step 1.12x the predicted with mlp_chunk=512, 1.30x without; exact within 0.1% and 2.6%, "
               "docs/long-context.md), so a compiled step reaches a shorter length; `fxmem bench context` measures "
               "real steps.")
+    chunked = [name for name in ("mlp_chunk", "linear_chunk") if dict(args.set).get(name) is not None]
+    if args.base == "nf4" and chunked:
+        legend += (f" With an NF4 base, {' and '.join(chunked)} {'are' if len(chunked) > 1 else 'is'} priced as on "
+                   "a float base: fxmem's chunked ops do not read a bitsandbytes 4-bit weight yet, and leave a QLoRA "
+                   "model's layers whole.")
     legend += "".join(f"\n{fit.preset}: {fit.how}" for fit in fits if fit.how)
     show_table(title, columns, rows, legend)
     console.print(provenance_line(run_metadata(args)))

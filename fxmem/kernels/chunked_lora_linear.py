@@ -58,6 +58,9 @@ def chunked_lora_linears(x: Tensor, linears: Sequence[LoraLinear], chunk_rows: i
                              "(a LoRA's)")
         if linear.weight.shape[1] != x.shape[-1]:
             raise ValueError(f"linear {index} takes {linear.weight.shape[1]} features; x has {x.shape[-1]}")
+        if linear.a.dtype != linears[0].a.dtype:
+            raise ValueError(f"linear {index}'s adapter is {linear.a.dtype}, linear 0's {linears[0].a.dtype}: the "
+                             "op casts x to one adapter dtype")
     weights, a, b, scales = (list(field) for field in zip(*linears, strict=True))
     return _chunked_lora_linears(x, weights, a, b, scales, chunk_rows)
 

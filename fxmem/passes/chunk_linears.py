@@ -40,7 +40,8 @@ class ChunkLinears(GraphPass):
                 item.meta[MODULE_STACK] = dict(output.meta.get(MODULE_STACK, {}))
                 output.replace_all_uses_with(item)
         if not groups:
-            return "no PEFT LoRA linear (no dropout) on a frozen weight, outside a chunked MLP"
+            return ("no PEFT LoRA linear (no dropout) on a frozen float weight (a bitsandbytes 4-bit base is not read), "
+                    "outside a chunked MLP")
         graph.eliminate_dead_code()
         sizes = ", ".join(str(len(group.linears)) for group in groups)
         group = groups[0]

@@ -67,6 +67,9 @@ def test_bad_arguments_are_refused():
                              8)
     with pytest.raises(ValueError, match="linear 0 takes 32 features; x has 16"):
         chunked_lora_linears(x[..., :16], linears, 8)
+    half = linears[2]._replace(a=linears[2].a.half(), b=linears[2].b.half())
+    with pytest.raises(ValueError, match="linear 1's adapter is torch.float16, linear 0's torch.float32"):
+        chunked_lora_linears(x, [linears[0], half], 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -32,6 +32,14 @@ def test_without_chunked_mlps_the_mlps_linears_are_grouped_too():
     assert _summary(backend).startswith("7 LoRA linear(s) in 4 op(s) of one input each (3, 1, 2, 1 linears)")
 
 
+def test_linears_with_lora_dropout_are_left_as_torch_runs_them():
+    model, batch = tiny_model("llama", lora=True, layers=1, lora_dropout=0.1)
+    backend = fxmem.backend("exact", linear_chunk=8)
+    torch.compile(model, backend=backend)(**batch).loss.backward()
+    assert _summary(backend) == ("no PEFT LoRA linear (no dropout) on a frozen float weight (a bitsandbytes 4-bit "
+                                 "base is not read), outside a chunked MLP")
+
+
 def test_a_bf16_block_checkpointed_with_its_linears_in_chunks_keeps_the_gradients_of_torch_compile():
     model, batch = tiny_model("llama", lora=True, layers=1, dtype=torch.bfloat16)
     randomize_lora_b(model)
