@@ -23,6 +23,15 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256}
 
 
+def wide_bf16_transient(directory, config: Config) -> int:
+    """The transients whatif traces for a two-block bf16 Llama of hidden size 256 at 4,096 tokens (a wider one than
+    TINY, so that hidden-wide rows are a fair share of its peak)."""
+    path = directory / "config.json"
+    path.write_text(json.dumps({**TINY, "hidden_size": 256, "intermediate_size": 688}))
+    return traced_activation_bytes(hf_config(str(path)), layers=2, rank=8, dtype=torch.bfloat16, batch=1, seq=4096,
+                                   preset=config).transient
+
+
 def tiny_config_file(directory, layers: int):
     path = directory / "config.json"
     path.write_text(json.dumps({**TINY, "num_hidden_layers": layers}))

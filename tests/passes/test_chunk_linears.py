@@ -1,12 +1,9 @@
-import json
-
 import torch
 
 import fxmem
 from fxmem.analysis.roles import Role
-from fxmem.whatif import hf_config, traced_activation_bytes
 from tests.conftest import assert_matches_eager, loss_and_grads, randomize_lora_b, tiny_model, worst_cosine
-from tests.test_whatif import TINY
+from tests.test_whatif import wide_bf16_transient
 
 
 def _summary(backend) -> str:
@@ -73,15 +70,9 @@ def test_the_linears_save_only_their_inputs():
 def test_a_recomputed_bf16_block_holds_less_at_its_peak(tmp_path):
     # traced on fake tensors as whatif traces, with the MLP and the norms already in chunks: the projections'
     # backward then sets the peak
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({**TINY, "hidden_size": 256, "intermediate_size": 688}))
     options = {"mlp_chunk": 256, "norm_chunk": 256, "block_checkpoint": True, "return_logits": False}
-
-    def transient(config):
-        return traced_activation_bytes(hf_config(str(path)), layers=2, rank=8, dtype=torch.bfloat16, batch=1,
-                                       seq=4096, preset=config).transient
-
-    whole, chunked = transient(fxmem.Config(**options)), transient(fxmem.Config(linear_chunk=256, **options))
+    whole = wide_bf16_transient(tmp_path, fxmem.Config(**options))
+    chunked = wide_bf16_transient(tmp_path, fxmem.Config(linear_chunk=256, **options))
     hidden_wide_bf16 = 4096 * 256 * 2
     # measured, as inductor runs the graphs: 12.6 and 8.4 bf16 rows of the hidden width
     assert whole - chunked >= 4 * hidden_wide_bf16

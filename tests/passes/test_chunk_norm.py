@@ -1,14 +1,11 @@
-import json
-
 import pytest
 import torch
 
 import fxmem
 from fxmem.analysis.roles import Role
 from fxmem.config import PUBLISHED_MIN_COSINE
-from fxmem.whatif import hf_config, traced_activation_bytes
 from tests.conftest import assert_matches_eager, loss_and_grads, randomize_lora_b, tiny_model, worst_cosine
-from tests.test_whatif import TINY
+from tests.test_whatif import wide_bf16_transient
 
 
 def _summary(backend) -> str:
@@ -59,15 +56,9 @@ def test_the_norm_saves_only_its_input_and_is_recomputed_in_backward():
 
 def test_a_recomputed_bf16_block_holds_less_at_its_peak(tmp_path):
     # traced on fake tensors as whatif traces (a norm's float32 rows are a small share of the tiny test model's peak)
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({**TINY, "hidden_size": 256, "intermediate_size": 688}))
     options = {"mlp_chunk": 256, "block_checkpoint": True, "return_logits": False}
-
-    def transient(config):
-        return traced_activation_bytes(hf_config(str(path)), layers=2, rank=8, dtype=torch.bfloat16, batch=1,
-                                       seq=4096, preset=config).transient
-
-    whole, chunked = transient(fxmem.Config(**options)), transient(fxmem.Config(norm_chunk=256, **options))
+    whole = wide_bf16_transient(tmp_path, fxmem.Config(**options))
+    chunked = wide_bf16_transient(tmp_path, fxmem.Config(norm_chunk=256, **options))
     hidden_wide_fp32 = 4096 * 256 * 4
     # measured, as inductor runs the graphs (analysis.liveness.compiled_liveness): 8.32 and 6.81 float32 rows of the
     # hidden width (in the graphs' own order with the saved tensors held: 9.40 and 7.42)
