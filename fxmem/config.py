@@ -86,7 +86,8 @@ class Config:
         float32 adapter, and d x is a sum of two products per linear made whole before they are added, the largest
         transients of a recomputed block at long context once its MLP and norms are chunked. Exact up to rounding;
         it replaces what the other techniques do to those linears. On a frozen float weight, as ``mlp_chunk``: a
-        bitsandbytes 4-bit base (QLoRA) is left as torch runs it. None (every preset) is off.
+        bitsandbytes 4-bit base (QLoRA) is left as torch runs it, and so is a linear whose output or base weight
+        has another dtype than its input (as under autocast). None (every preset) is off.
     norm_chunk: run each RMSNorm (Llama's form) this many tokens at a time, recomputed in backward from its input,
         the only tensor it saves (passes/chunk_norm.py): a half-precision model's norm upcasts to float32, and its
         backward holds five float32 tensors of the hidden width at once, the largest transients of a recomputed

@@ -23,15 +23,15 @@ class LoraLinearGroup:
     linears: tuple[LoraLinearNodes, ...]
     outputs: tuple[Node, ...]  # each linear's output, cast back to x's dtype
     tokens: int  # x's rows (a dynamic count: its hint)
-    features: int
-    element_size: int
 
 
-def find_lora_linear_groups(graph: Graph) -> list[LoraLinearGroup]:
+def find_lora_linear_groups(graph: Graph) -> tuple[list[LoraLinearGroup], int]:
     """Every group of PEFT LoRA linears on a frozen base weight that read one input, in graph order, each of them
     placed where all the group's operands exist before any of its outputs is read (a group that is not is split into
-    its linears)."""
+    its linears); and how many LoRA linears were left out because their output's or base weight's dtype is not their
+    input's (as under autocast, which the op does not reproduce)."""
     by_input: dict[Node, list[tuple[Node, LoraLinearNodes]]] = {}
+    other_dtype = 0
     for node in graph.nodes:
         found = lora_linear_of(node) if node.op == "call_function" else None
         if found is None:
@@ -39,17 +39,21 @@ def find_lora_linear_groups(graph: Graph) -> list[LoraLinearGroup]:
         x, linear = found
         output = _cast_back(node)
         x_value, out_value = example_tensor(x), example_tensor(output)
-        if x_value is not None and out_value is not None and out_value.dtype == x_value.dtype:
-            by_input.setdefault(x, []).append((output, linear))
+        if x_value is None or out_value is None:
+            continue
+        weight_value = example_tensor(linear.weight)
+        if out_value.dtype != x_value.dtype or weight_value is None or weight_value.dtype != x_value.dtype:
+            other_dtype += 1  # the op computes x W^T as it is
+            continue
+        by_input.setdefault(x, []).append((output, linear))
     groups = []
     for x, members in by_input.items():
         for part in ([members] if _placeable(members, x) else [[m] for m in members]):
             value = example_tensor(x)
             groups.append(LoraLinearGroup(
                 x=x, linears=tuple(linear for _, linear in part), outputs=tuple(output for output, _ in part),
-                tokens=hint(value.numel() // value.shape[-1]), features=int(value.shape[-1]),
-                element_size=value.element_size()))
-    return groups
+                tokens=hint(value.numel() // value.shape[-1])))
+    return groups, other_dtype
 
 
 def last_operand(group: LoraLinearGroup) -> Node:
@@ -69,12 +73,12 @@ def _operands(linears: tuple[LoraLinearNodes, ...] | list[LoraLinearNodes], x: N
 
 
 def _placeable(members: list[tuple[Node, LoraLinearNodes]], x: Node) -> bool:
-    """The group's adapters share a dtype (the op casts x to it once), and every operand of the group is made before
-    any output of it is read (not so where a member's weight is dequantized after another member's output is
-    reshaped)."""
+    """The group's adapters share a dtype (the op's backward casts x to it once a chunk), and every operand of the
+    group is made before any output of it is read (not so where a member's weight is dequantized after another
+    member's output is reshaped)."""
     if len({getattr(example_tensor(linear.a), "dtype", None) for _, linear in members}) > 1:
         return False
     order = {node: position for position, node in enumerate(x.graph.nodes)}
-    operands = max(order[n] for n in _operands([linear for _, linear in members], x))
+    last_operand_position = max(order[n] for n in _operands([linear for _, linear in members], x))
     first_read = min((order[user] for output, _ in members for user in output.users), default=len(order))
-    return operands < first_read
+    return last_operand_position < first_read

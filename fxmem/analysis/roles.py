@@ -382,7 +382,10 @@ def _linear_input(f: TensorFacts) -> Match | None:
         if reads_as_chunked_mlp_input(user, f.base):
             readers.append("chunked MLP: gate_proj, up_proj")
         elif _reads_as_first_input(user, f.base, CHUNKED_LINEARS):
-            readers.append(f"chunked LoRA linears: {_short_module(module_path(user))}")
+            # the op carries its first linear's module
+            others = len(user.args[1]) - 1
+            readers.append(f"chunked LoRA linears: {_short_module(module_path(user))}"
+                           + (f" and {others} more" if others else ""))
         elif user.target in MATMULS or user.target in BATCHED_MATMULS:
             if any(strip(o) in f.params for o in matmul_operands(user) if storage_base(o) is not f.base):
                 readers.append(_short_module(module_path(user)))

@@ -101,8 +101,8 @@ _CHUNKED_LINEARS_OPS = {"chunked_lora_linears": False, "chunked_lora_linears_bac
 def op_workspace_bytes(node: Node) -> int:
     """What the op of an aten graph's ``node`` holds inside, beyond its inputs and outputs: one chunk's MLP-wide
     tensors for the chunked MLP (kernels/chunked_mlp.py), one chunk's float32 rows for the chunked RMSNorm
-    (kernels/chunked_rms_norm.py) and the chunked LoRA linears (kernels/chunked_lora_linear.py), one chunk's logits for the chunked loss; 0 for the ops a graph's liveness sees
-    whole."""
+    (kernels/chunked_rms_norm.py) and the chunked LoRA linears (kernels/chunked_lora_linear.py), one chunk's
+    logits for the chunked loss; 0 for the ops a graph's liveness sees whole."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "fxmem":
         return 0
@@ -125,7 +125,8 @@ def op_workspace_bytes(node: Node) -> int:
         rows = math.prod(hint(s) for s in x.shape[:-1])
         return chunked_lora_linear.workspace_bytes(
             rows, int(node.args[5 + backward]), hint(x.shape[-1]), [hint(w.meta["val"].shape[0]) for w in weights],
-            hint(a[0].meta["val"].shape[0]), x.element_size(), backward=backward)
+            max(hint(t.meta["val"].shape[0]) for t in a), x.element_size(), backward=backward,
+            x_trains=bool(node.args[7]) if backward else True)
     if target._opname not in _CHUNKED_MLP_OPS:
         return 0
     backward = _CHUNKED_MLP_OPS[target._opname]

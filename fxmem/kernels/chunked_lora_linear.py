@@ -35,14 +35,16 @@ def lora_linear(x: Tensor, linear: LoraLinear) -> Tensor:
     return (base + adapter * linear.scale).to(x.dtype)
 
 
-def lora_linear_backward(x_adapter: Tensor, grad_out: Tensor, linear: LoraLinear, lora_grads: list[Tensor]
-                         ) -> tuple[Tensor, Tensor]:
-    """d x of ``lora_linear(x, linear)`` as (the base's term in grad_out's dtype, the adapter's in A's dtype);
-    adds d A and d B into ``lora_grads``. ``x_adapter``: x cast to A's dtype."""
+def lora_linear_backward(x_adapter: Tensor, grad_out: Tensor, linear: LoraLinear, lora_grads: list[Tensor], *,
+                         input_grad: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    """d x of ``lora_linear(x, linear)`` as (the base's term in grad_out's dtype, the adapter's in A's dtype), or
+    (None, None) without ``input_grad``; adds d A and d B into ``lora_grads``. ``x_adapter``: x cast to A's dtype."""
     adapter_grad = grad_out.to(linear.b.dtype) * linear.scale
     lora_grads[1] += (adapter_grad.t() @ (x_adapter @ linear.a.t())).float()
     grad_xa = adapter_grad @ linear.b
     lora_grads[0] += (grad_xa.t() @ x_adapter).float()
+    if not input_grad:
+        return None, None
     return grad_out @ linear.weight, grad_xa @ linear.a
 
 
@@ -66,20 +68,23 @@ def chunked_lora_linears(x: Tensor, linears: Sequence[LoraLinear], chunk_rows: i
 
 
 def workspace_bytes(rows: int, chunk_rows: int, features: int, widths: Sequence[int], rank: int, element_size: int,
-                    *, backward: bool) -> int:
+                    *, backward: bool, x_trains: bool = True) -> int:
     """The most bytes the op holds at once beyond its inputs and outputs, for float32 adapters (PEFT's): one chunk's
     rows. Measured (tests/kernels/test_chunked_lora_linear.py), with x in float32 beside each phase where x is
     narrower. Forward, per linear: its base product and x's rank-wide rows, then its base product and three float32
     rows of its width (the adapter's product, its scaled copy, their sum), and a float32 copy of the base product
     where it is narrower. Backward, per linear: its output gradient in float32 and scaled (twice its width in
     float32 where narrower), then the scaled one with the base's and the adapter's terms of d x and the rank-wide
-    rows, and from the second linear on, the adapters' running sum of d x in float32."""
+    rows, and from the second linear on, the adapters' running sum of d x in float32 (no term of d x where x does
+    not train)."""
     chunk = min(rows, chunk_rows)
     narrower = element_size < 4
     upcast = features * 4 if narrower else 0
     if not backward:
         return chunk * max(max(upcast + rank * 4 + width * element_size,
                                width * (element_size + 3 * 4 + (4 if narrower else 0))) for width in widths)
+    if not x_trains:
+        return chunk * (upcast + max(max(width * (8 if narrower else 4), (width + rank) * 4) for width in widths))
     return chunk * (upcast + max(
         (features * 4 if index else 0)
         + max(width * (8 if narrower else 4), width * 4 + features * (element_size + 4)) + rank * 4
@@ -105,57 +110,73 @@ def _(x, weights, a, b, scales, chunk_rows):
 
 @torch.library.custom_op("fxmem::chunked_lora_linears_backward", mutates_args=())
 def _chunked_lora_linears_backward(grads: list[Tensor], x: Tensor, weights: list[Tensor], a: list[Tensor],
-                                   b: list[Tensor], scales: list[float], chunk_rows: int) -> list[Tensor]:
-    """[d x, then d A and d B of each linear]."""
+                                   b: list[Tensor], scales: list[float], chunk_rows: int, x_trains: bool
+                                   ) -> list[Tensor]:
+    """[d x (empty where x does not train), then d A and d B of each linear]."""
     linears = [LoraLinear(*fields) for fields in zip(weights, a, b, scales, strict=True)]
     rows = x.reshape(-1, x.shape[-1])
     grad_rows = [grad.reshape(-1, grad.shape[-1]) for grad in grads]
-    grad_x = torch.empty_like(rows)
+    grad_x = rows.new_empty(rows.shape if x_trains else (0, rows.shape[1]))
     lora_grads = [[torch.zeros(t.shape, dtype=torch.float32, device=x.device) for t in (linear.a, linear.b)]
                   for linear in linears]
     for start in range(0, rows.shape[0], chunk_rows):
         end = start + chunk_rows
-        _chunk_backward(rows[start:end], [grad[start:end] for grad in grad_rows], linears, grad_x[start:end],
-                        lora_grads)
-    return [grad_x.reshape(x.shape), *(g.to(t.dtype) for linear, pair in zip(linears, lora_grads, strict=True)
-                                       for g, t in zip(pair, (linear.a, linear.b), strict=True))]
+        _chunk_backward(rows[start:end], [grad[start:end] for grad in grad_rows], linears,
+                        grad_x[start:end] if x_trains else None, lora_grads)
+    return [grad_x.reshape(x.shape if x_trains else (0,)),
+            *(g.to(t.dtype) for linear, pair in zip(linears, lora_grads, strict=True)
+              for g, t in zip(pair, (linear.a, linear.b), strict=True))]
 
 
-def _chunk_backward(x: Tensor, grads: list[Tensor], linears: list[LoraLinear], grad_x: Tensor,
+def _chunk_backward(x: Tensor, grads: list[Tensor], linears: list[LoraLinear], grad_x: Tensor | None,
                     lora_grads: list[list[Tensor]]) -> None:
-    """One chunk: writes its rows of ``grad_x``, adds into the LoRA gradients. A function of its own so that its
-    rows are freed before the next chunk's are made."""
+    """One chunk: writes its rows of ``grad_x`` (where x trains), adds into the LoRA gradients. A function of its
+    own so that its rows are freed before the next chunk's are made."""
     x_adapter = x.to(linears[0].a.dtype)
     adapter_term = None
-    for index, (grad, linear, pair) in enumerate(zip(grads, linears, lora_grads, strict=True)):
-        base, adapter = lora_linear_backward(x_adapter, grad, linear, pair)
-        grad_x.copy_(base) if index == 0 else grad_x.add_(base)
+    for grad, linear, pair in zip(grads, linears, lora_grads, strict=True):
+        base, adapter = lora_linear_backward(x_adapter, grad, linear, pair, input_grad=grad_x is not None)
+        if grad_x is None:
+            continue
         if adapter_term is None:
+            grad_x.copy_(base)
             adapter_term = adapter
         else:
+            grad_x.add_(base)
             adapter_term += adapter
         del base, adapter  # freed before the next linear's are made
     del x_adapter
-    grad_x.add_(adapter_term.to(x.dtype))
+    if grad_x is not None:
+        grad_x.add_(adapter_term.to(x.dtype))
 
 
 @_chunked_lora_linears_backward.register_fake
-def _(grads, x, weights, a, b, scales, chunk_rows):
-    return [torch.empty_like(x), *(torch.empty_like(t) for pair in zip(a, b, strict=True) for t in pair)]
+def _(grads, x, weights, a, b, scales, chunk_rows, x_trains):
+    return [x.new_empty(x.shape if x_trains else (0,)),
+            *(torch.empty_like(t) for pair in zip(a, b, strict=True) for t in pair)]
 
 
 def _setup_context(ctx, inputs, output) -> None:
     x, weights, a, b, scales, chunk_rows = inputs
     ctx.save_for_backward(x, *weights, *a, *b)
     ctx.count, ctx.scales, ctx.chunk_rows = len(weights), scales, chunk_rows
+    ctx.set_materialize_grads(False)  # an output nothing reads gets no gradient, not a buffer of zeros
 
 
 def _backward(ctx, grads):
     x, *params = ctx.saved_tensors
     n = ctx.count
-    weights, a, b = params[:n], params[n:2 * n], params[2 * n:]
-    grad_x, *lora = _chunked_lora_linears_backward(list(grads), x, weights, a, b, ctx.scales, ctx.chunk_rows)
-    return grad_x, [None] * n, lora[0::2], lora[1::2], None, None
+    read = [i for i, grad in enumerate(grads) if grad is not None]  # the linears whose output backward reaches
+    x_trains = ctx.needs_input_grad[0]
+    a_grads, b_grads = [None] * n, [None] * n
+    grad_x = None
+    if read:
+        pick = [params[i] for i in read], [params[n + i] for i in read], [params[2 * n + i] for i in read]
+        grad_x, *lora = _chunked_lora_linears_backward([grads[i] for i in read], x, *pick,
+                                                       [ctx.scales[i] for i in read], ctx.chunk_rows, x_trains)
+        for i, a_grad, b_grad in zip(read, lora[0::2], lora[1::2], strict=True):
+            a_grads[i], b_grads[i] = a_grad, b_grad
+    return grad_x if x_trains else None, [None] * n, a_grads, b_grads, None, None
 
 
 _chunked_lora_linears.register_autograd(_backward, setup_context=_setup_context)

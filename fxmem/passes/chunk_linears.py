@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import operator
 
+from torch.fx import Node
+
 from fxmem.analysis.linear_groups import find_lora_linear_groups, last_operand
 from fxmem.analysis.meta import EXAMPLE_VALUE, MODULE_STACK
 from fxmem.kernels.chunked_lora_linear import LoraLinear, chunked_lora_linears
@@ -25,26 +27,39 @@ class ChunkLinears(GraphPass):
     def run(self, state: PipelineState) -> str:
         rows = state.config.linear_chunk
         graph = state.dynamo.graph
-        groups = find_lora_linear_groups(graph)
+        groups, other_dtype = find_lora_linear_groups(graph)
+        replaced: dict[Node, Node] = {}  # an output already rewritten, and the item that now stands for it
         for group in groups:
             linears = [LoraLinear(n.weight, n.a, n.b, n.scale) for n in group.linears]
-            with graph.inserting_after(last_operand(group)):
-                call = graph.call_function(chunked_lora_linears, (group.x, linears, rows))
+            with graph.inserting_after(_after(last_operand(group))):
+                call = graph.call_function(chunked_lora_linears, (replaced.get(group.x, group.x), linears, rows))
+            # what dynamo traced each value with and its module, as every node of its graph carries: the dynamo
+            # passes' matchers and checkpoint_blocks read them
+            call.meta[EXAMPLE_VALUE] = [output.meta[EXAMPLE_VALUE] for output in group.outputs]
             call.meta[MODULE_STACK] = dict(group.outputs[0].meta.get(MODULE_STACK, {}))
+            previous = call
             for index, output in enumerate(group.outputs):
-                with graph.inserting_after(call):
-                    item = graph.call_function(operator.getitem, (call, index))
-                # what dynamo traced the output with and its module, as every node of its graph carries: the
-                # dynamo passes' matchers and checkpoint_blocks read them
+                with graph.inserting_after(previous):
+                    item = previous = graph.call_function(operator.getitem, (call, index))
                 item.meta[EXAMPLE_VALUE] = output.meta[EXAMPLE_VALUE]
                 item.meta[MODULE_STACK] = dict(output.meta.get(MODULE_STACK, {}))
                 output.replace_all_uses_with(item)
+                replaced[output] = item
+        left = (f"; {other_dtype} LoRA linear(s) left whole, their output or base weight in another dtype than "
+                "their input (as under autocast)") if other_dtype else ""
         if not groups:
-            return ("no PEFT LoRA linear (no dropout) on a frozen float weight (a bitsandbytes 4-bit base is not read), "
-                    "outside a chunked MLP")
+            return ("no PEFT LoRA linear (no dropout) on a frozen float weight (a bitsandbytes 4-bit base is not "
+                    f"read), outside a chunked MLP{left}")
         graph.eliminate_dead_code()
         sizes = ", ".join(str(len(group.linears)) for group in groups)
         group = groups[0]
         return (f"{sum(len(g.linears) for g in groups)} LoRA linear(s) in {len(groups)} op(s) of one input each "
                 f"({sizes} linears), {group.tokens} tokens in chunks of {rows}: each group's input the only tensor "
-                "it saves, its d x one buffer")
+                f"it saves, its d x one buffer{left}")
+
+
+def _after(operand: Node) -> Node:
+    """Where the op goes: after its last operand, and after every placeholder (a graph's inputs come first)."""
+    if operand.op != "placeholder":
+        return operand
+    return list(operand.graph.find_nodes(op="placeholder"))[-1]

@@ -26,8 +26,8 @@ class ChunkMlp(GraphPass):
             replace_with_call(graph, mlp.output, chunked_swiglu_mlp,
                               (mlp.x, _linear(mlp.gate), _linear(mlp.up), _linear(mlp.down), rows))
         if not found:
-            return ("no SwiGLU MLP with a PEFT LoRA (no dropout) on its gate, up and down projections, each on a frozen "
-                    "float weight (a bitsandbytes 4-bit base is not read)")
+            return ("no SwiGLU MLP with a PEFT LoRA (no dropout) on its gate, up and down projections, each on a "
+                    "frozen float weight (a bitsandbytes 4-bit base is not read)")
         graph.eliminate_dead_code()
         mlp = found[0]
         wide = mlp.tokens * mlp.width * mlp.element_size

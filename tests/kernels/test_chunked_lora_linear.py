@@ -47,13 +47,24 @@ def test_the_chunked_linears_match_torch_in_output_and_every_gradient(dtype, chu
             assert float(cosine) >= 0.9995, name
 
 
-def test_an_unused_output_adds_nothing_to_the_gradients():
+def test_an_unused_output_gets_no_gradient_and_adds_nothing_to_the_others():
     x, linears = _linears(torch.float32)
     q, _, v = chunked_lora_linears(x, linears, 16)
-    got = torch.autograd.grad((q.sum() + v.sum()), [x, linears[1].a, linears[1].b])
+    got = torch.autograd.grad((q.sum() + v.sum()), [x, linears[1].a, linears[1].b], allow_unused=True)
     want = torch.autograd.grad((lora_linear(x, linears[0]).sum() + lora_linear(x, linears[2]).sum()), x)
     assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
-    assert not got[1].any() and not got[2].any()
+    assert got[1] is None and got[2] is None  # k's adapters: no gradient, not a buffer of zeros
+
+
+def test_a_frozen_input_gets_no_gradient_and_the_adapters_theirs():
+    x, linears = _linears(torch.float32)
+    x = x.detach()
+    trained = [t for linear in linears for t in (linear.a, linear.b)]
+    want = torch.autograd.grad([lora_linear(x, linear).sum() for linear in linears], trained)
+    outputs = chunked_lora_linears(x, linears, 16)
+    got = torch.autograd.grad([output.sum() for output in outputs], trained)
+    for have, expected in zip(got, want, strict=True):
+        assert torch.allclose(have, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_arguments_are_refused():
@@ -75,7 +86,8 @@ def test_bad_arguments_are_refused():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("widths", [WIDTHS, (8, 32)])
 @pytest.mark.parametrize("rows, chunk_rows", [(1024, 256), (1024, 2048)])
-def test_the_workspace_is_what_the_op_holds_beyond_its_inputs_and_outputs(dtype, widths, rows, chunk_rows):
+@pytest.mark.parametrize("x_trains", [True, False])
+def test_the_workspace_is_what_the_op_holds_beyond_its_inputs_and_outputs(dtype, widths, rows, chunk_rows, x_trains):
     _, linears = _linears(dtype, widths)
     x = torch.randn(rows, FEATURES).to(dtype)
     grads_out = [torch.randn(rows, width).to(dtype) for width in widths]
@@ -83,11 +95,12 @@ def test_the_workspace_is_what_the_op_holds_beyond_its_inputs_and_outputs(dtype,
     outputs = sum(rows * width * x.element_size() for width in widths)
     accumulators = sum((linear.a.numel() + linear.b.numel()) * 4 for linear in linears)
     forward = peak_memory(lambda: torch.ops.fxmem.chunked_lora_linears(x, *operands, chunk_rows), "cpu") - outputs
-    backward = peak_memory(lambda: torch.ops.fxmem.chunked_lora_linears_backward(grads_out, x, *operands, chunk_rows),
-                           "cpu") - rows * FEATURES * x.element_size() - accumulators
+    backward = peak_memory(lambda: torch.ops.fxmem.chunked_lora_linears_backward(
+        grads_out, x, *operands, chunk_rows, x_trains), "cpu") - (rows * FEATURES * x.element_size() if x_trains
+                                                                  else 0) - accumulators
     shape = (rows, chunk_rows, FEATURES, widths, RANK, x.element_size())
     assert forward == workspace_bytes(*shape, backward=False)
     # and, beside them, the LoRA gradients' rank-wide products (at most their accumulators) and, in bf16, a scratch
     # buffer of the CPU's matmuls whatever the rows (measured: 9.6 KiB at most)
     scratch = 16 * 1024 if dtype == torch.bfloat16 else 0
-    assert 0 <= backward - workspace_bytes(*shape, backward=True) <= accumulators + scratch
+    assert 0 <= backward - workspace_bytes(*shape, backward=True, x_trains=x_trains) <= accumulators + scratch
