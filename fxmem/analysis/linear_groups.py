@@ -23,6 +23,7 @@ class LoraLinearGroup:
     linears: tuple[LoraLinearNodes, ...]
     outputs: tuple[Node, ...]  # each linear's output, cast back to x's dtype
     tokens: int  # x's rows (a dynamic count: its hint)
+    after: Node  # where its op goes: after its last operand, and after every placeholder (the graph's inputs)
 
 
 def find_lora_linear_groups(graph: Graph) -> tuple[list[LoraLinearGroup], int]:
@@ -46,20 +47,19 @@ def find_lora_linear_groups(graph: Graph) -> tuple[list[LoraLinearGroup], int]:
             other_dtype += 1  # the op computes x W^T as it is
             continue
         by_input.setdefault(x, []).append((output, linear))
+    order = {node: position for position, node in enumerate(graph.nodes)}
+    inputs = list(graph.find_nodes(op="placeholder"))
     groups = []
     for x, members in by_input.items():
-        for part in ([members] if _placeable(members, x) else [[m] for m in members]):
+        for part in ([members] if _placeable(members, x, order) else [[m] for m in members]):
             value = example_tensor(x)
+            linears = tuple(linear for _, linear in part)
+            after = max(_operands(linears, x), key=order.__getitem__)
             groups.append(LoraLinearGroup(
-                x=x, linears=tuple(linear for _, linear in part), outputs=tuple(output for output, _ in part),
-                tokens=hint(value.numel() // value.shape[-1])))
+                x=x, linears=linears, outputs=tuple(output for output, _ in part),
+                tokens=hint(value.numel() // value.shape[-1]),
+                after=inputs[-1] if after.op == "placeholder" else after))
     return groups, other_dtype
-
-
-def last_operand(group: LoraLinearGroup) -> Node:
-    """The node after which the group's op goes."""
-    order = {node: position for position, node in enumerate(group.x.graph.nodes)}
-    return max(_operands(group.linears, group.x), key=order.__getitem__)
 
 
 def _cast_back(total: Node) -> Node:
@@ -72,13 +72,12 @@ def _operands(linears: tuple[LoraLinearNodes, ...] | list[LoraLinearNodes], x: N
     return [x, *(n for linear in linears for n in (linear.weight, linear.a, linear.b))]
 
 
-def _placeable(members: list[tuple[Node, LoraLinearNodes]], x: Node) -> bool:
+def _placeable(members: list[tuple[Node, LoraLinearNodes]], x: Node, order: dict[Node, int]) -> bool:
     """The group's adapters share a dtype (the op's backward casts x to it once a chunk), and every operand of the
     group is made before any output of it is read (not so where a member's weight is dequantized after another
     member's output is reshaped)."""
     if len({getattr(example_tensor(linear.a), "dtype", None) for _, linear in members}) > 1:
         return False
-    order = {node: position for position, node in enumerate(x.graph.nodes)}
     last_operand_position = max(order[n] for n in _operands([linear for _, linear in members], x))
     first_read = min((order[user] for output, _ in members for user in output.users), default=len(order))
     return last_operand_position < first_read

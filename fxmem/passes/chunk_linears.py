@@ -14,7 +14,7 @@ import operator
 
 from torch.fx import Node
 
-from fxmem.analysis.linear_groups import find_lora_linear_groups, last_operand
+from fxmem.analysis.linear_groups import find_lora_linear_groups
 from fxmem.analysis.meta import EXAMPLE_VALUE, MODULE_STACK
 from fxmem.kernels.chunked_lora_linear import LoraLinear, chunked_lora_linears
 from fxmem.passes.manager import GraphPass, PipelineState
@@ -31,7 +31,7 @@ class ChunkLinears(GraphPass):
         replaced: dict[Node, Node] = {}  # an output already rewritten, and the item that now stands for it
         for group in groups:
             linears = [LoraLinear(n.weight, n.a, n.b, n.scale) for n in group.linears]
-            with graph.inserting_after(_after(last_operand(group))):
+            with graph.inserting_after(group.after):
                 call = graph.call_function(chunked_lora_linears, (replaced.get(group.x, group.x), linears, rows))
             # what dynamo traced each value with and its module, as every node of its graph carries: the dynamo
             # passes' matchers and checkpoint_blocks read them
@@ -57,9 +57,3 @@ class ChunkLinears(GraphPass):
                 f"({sizes} linears), {group.tokens} tokens in chunks of {rows}: each group's input the only tensor "
                 f"it saves, its d x one buffer{left}")
 
-
-def _after(operand: Node) -> Node:
-    """Where the op goes: after its last operand, and after every placeholder (a graph's inputs come first)."""
-    if operand.op != "placeholder":
-        return operand
-    return list(operand.graph.find_nodes(op="placeholder"))[-1]
