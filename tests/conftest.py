@@ -109,6 +109,11 @@ def assert_matches_eager(reference, loss, grads) -> None:
         assert float((grads[name] - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name
 
 
+def pass_summary(backend, name: str) -> str:
+    """What the pass ``name`` reported in each region the backend compiled, joined."""
+    return "; ".join(p.summary for r in backend.regions for p in r.passes if p.name == name)
+
+
 def worst_cosine(reference_grads, grads) -> float:
     """The lowest cosine of any gradient against the reference's, in float32."""
     return min(float(torch.nn.functional.cosine_similarity(grads[k].flatten().float(), ref.flatten().float(), 0))

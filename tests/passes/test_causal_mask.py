@@ -1,14 +1,14 @@
+import functools
+
 import pytest
 import torch
 
 import fxmem
 from fxmem.passes import GraphPass, PassManager
 from fxmem.techniques import default_passes
-from tests.conftest import assert_matches_eager, loss_and_grads, randomize_lora_b, tiny_model
+from tests.conftest import assert_matches_eager, loss_and_grads, pass_summary, randomize_lora_b, tiny_model
 
-
-def _summary(backend) -> str:
-    return "; ".join(p.summary for r in backend.regions for p in r.passes if p.name == "causal_mask")
+_summary = functools.partial(pass_summary, name="causal_mask")
 
 
 class _SquareTensors(GraphPass):

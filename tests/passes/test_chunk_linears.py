@@ -1,13 +1,20 @@
+import functools
+
 import torch
 
 import fxmem
 from fxmem.analysis.roles import Role
-from tests.conftest import assert_matches_eager, loss_and_grads, randomize_lora_b, tiny_model, worst_cosine
+from tests.conftest import (
+    assert_matches_eager,
+    loss_and_grads,
+    pass_summary,
+    randomize_lora_b,
+    tiny_model,
+    worst_cosine,
+)
 from tests.test_whatif import wide_bf16_transient
 
-
-def _summary(backend) -> str:
-    return "; ".join(p.summary for r in backend.regions for p in r.passes if p.name == "chunk_linears")
+_summary = functools.partial(pass_summary, name="chunk_linears")
 
 
 def test_the_attention_projections_run_in_chunks_with_the_gradients_of_eager():

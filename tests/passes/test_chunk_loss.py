@@ -1,13 +1,13 @@
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fxmem
-from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
+from tests.conftest import loss_and_grads, pass_summary, randomize_lora_b, tiny_model
 
-
-def _summary(backend) -> str:
-    return "; ".join(p.summary for r in backend.regions for p in r.passes if p.name == "chunk_loss")
+_summary = functools.partial(pass_summary, name="chunk_loss")
 
 
 def _assert_same(reference, candidate, tolerance=1e-5):

@@ -1,14 +1,21 @@
+import functools
+
 import torch
 
 import fxmem
 from fxmem.analysis.roles import Role
 from fxmem.config import PUBLISHED_MIN_COSINE
 from fxmem.measure import peak_memory
-from tests.conftest import assert_matches_eager, loss_and_grads, randomize_lora_b, tiny_model, worst_cosine
+from tests.conftest import (
+    assert_matches_eager,
+    loss_and_grads,
+    pass_summary,
+    randomize_lora_b,
+    tiny_model,
+    worst_cosine,
+)
 
-
-def _summary(backend) -> str:
-    return "; ".join(p.summary for r in backend.regions for p in r.passes if p.name == "chunk_mlp")
+_summary = functools.partial(pass_summary, name="chunk_mlp")
 
 
 def test_each_swiglu_mlp_runs_in_chunks_with_the_gradients_of_eager():

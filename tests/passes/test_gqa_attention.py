@@ -1,3 +1,4 @@
+import functools
 import json
 
 import pytest
@@ -10,12 +11,10 @@ from fxmem.passes import gqa_attention
 from fxmem.passes.gqa_attention import fused_gqa_backend
 from fxmem.region import Region
 from fxmem.whatif import hf_config, traced_activation_bytes
-from tests.conftest import assert_matches_eager, loss_and_grads, randomize_lora_b, tiny_model
+from tests.conftest import assert_matches_eager, loss_and_grads, pass_summary, randomize_lora_b, tiny_model
 from tests.test_whatif import TINY
 
-
-def _summary(backend) -> str:
-    return "; ".join(p.summary for r in backend.regions for p in r.passes if p.name == "gqa_attention")
+_summary = functools.partial(pass_summary, name="gqa_attention")
 
 
 def test_gqa_attention_reads_each_head_once_with_the_gradients_of_eager():

@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 
@@ -6,7 +8,7 @@ from fxmem.analysis.graph import storage_bytes
 from fxmem.cost_model import host_bytes, planned_bytes
 from fxmem.passes import offload_blocks
 from fxmem.whatif import predicted_activation_bytes
-from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
+from tests.conftest import loss_and_grads, pass_summary, randomize_lora_b, tiny_model
 
 PRESETS = ["exact", "hyclora-4bit"]
 moved = offload_blocks._offload
@@ -16,8 +18,7 @@ def _config(preset: str, **options) -> fxmem.Config:
     return fxmem.Config.from_preset(preset, block_checkpoint=True, mlp_chunk=8, **options)
 
 
-def _summary(backend) -> str:
-    return "; ".join(p.summary for r in backend.regions for p in r.passes if p.name == "offload_blocks")
+_summary = functools.partial(pass_summary, name="offload_blocks")
 
 
 def test_what_goes_to_host_memory_is_what_the_plans_store_and_the_gradients_do_not_change(monkeypatch):
