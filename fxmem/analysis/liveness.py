@@ -5,10 +5,11 @@ its gradients, the loss's working set) as by the saved ones. This walks a partit
 would run it: each op's output storage is allocated when it runs and freed after its last reader (a view keeps its
 base alive; the graph's outputs live to its end). It counts storages, not tensors, each at its full size.
 
-That is the eager lowering's step. Inductor's differs in two ways modelled here (``compiled_liveness``): its
-backward frees each saved activation (its inputs) after its last reader instead of holding them all to its end, and
-it computes an element-wise op inside the kernel of each reader instead of storing it. What else it fuses, and
-where it places each kernel, is not modelled (docs/long-context.md has the error this leaves).
+That is the eager lowering's step. Inductor's differs in three ways modelled here (``compiled_liveness``): its
+backward frees each saved activation (its inputs) after its last reader instead of holding them all to its end, it
+computes an element-wise op inside the kernel of each reader instead of storing it, and it keeps a freed buffer for
+a later one of its size (``_reused_buffers``). What else it fuses, and where it places each kernel, is not modelled
+(docs/long-context.md has the error this leaves).
 """
 
 from __future__ import annotations
@@ -136,12 +137,12 @@ def _takes_inline(node: Node) -> bool:
 
 def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node: 0, *,
                    released: dict[Node, tuple[Node, int]] | None = None,
-                   inlined: frozenset[Node] = frozenset()) -> Liveness:
+                   inlined: frozenset[Node] = frozenset(), reuse_buffers: bool = False) -> Liveness:
     """The most bytes ``graph``'s ops hold at once when run in order, and what its outputs hold at the end.
     ``workspace(node)``: what the op holds inside while it runs, beyond its inputs and outputs (an opaque op that
     works in chunks). As inductor runs a graph (``compiled_liveness``): ``released``, inputs counted until their
     last reader, the peak then given beyond all of them; ``inlined``, ops that store nothing, their readers reading
-    their inputs instead."""
+    their inputs instead; ``reuse_buffers``, a freed buffer held for a later one of its size (``_reused_buffers``)."""
     released = released or {}
     nodes = list(graph.nodes)
     reads_of_inlined: dict[Node, set[Storage]] = {}
@@ -172,25 +173,88 @@ def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node:
             frees_after.setdefault(position, []).append(storage)
     inputs = dict(released.values())
     live = {storage: size for storage, size in inputs.items() if storage in last_read or storage in outputs}
-    current = peak = sum(live.values())
+    current = start = sum(live.values())
+    held: list[int] = []  # the bytes held at each position once its op's outputs exist, before it frees anything
+    inputs_held: list[int] = []  # of which released inputs
+    inputs_current = start
+    allocations: list[dict[Storage, int]] = []
+    freed: list[list[Storage]] = []
     for position, node in enumerate(nodes):
         allocated = {} if node in inlined else _allocations(node)
         live.update(allocated)
         current += sum(allocated.values())
-        peak = max(peak, current + workspace(node))
+        held.append(current)
+        inputs_held.append(inputs_current)
         unread = [s for s in allocated if s not in last_read and s not in outputs]  # freed as soon as made
-        for storage in [*frees_after.get(position, ()), *unread]:
-            current -= live.pop(storage, 0)
+        freed.append([*frees_after.get(position, ()), *unread])
+        allocations.append(allocated)
+        for storage in freed[-1]:
+            size = live.pop(storage, 0)
+            current -= size
+            inputs_current -= size if storage in inputs else 0
+    if reuse_buffers:
+        _reused_buffers(nodes, allocations, freed, held, inputs_held)
+    peak = max([start, *(size + workspace(node) for size, node in zip(held, nodes))])
     released_bytes = sum(inputs.values())
     return Liveness(peak_bytes=peak - released_bytes, end_bytes=current - sum(
         size for storage, size in inputs.items() if storage in outputs))
 
 
+def _reused_buffers(nodes: list[Node], allocations: list[dict[Storage, int]], freed: list[list[Storage]],
+                    held: list[int], estimate: list[int]) -> None:
+    """Inductor's buffer reuse, added to ``held`` in place. Its wrapper keeps a freed buffer in a pool and hands
+    it to the next allocation of its dtype and size (the last freed first) instead of freeing it: always when
+    that allocation is the next kernel's, and otherwise when the bytes its own estimate holds in between, plus
+    the buffer, stay under the peak of that estimate (``AllocateLine.should_reuse_buffer``). With its peak-memory
+    reordering off (fxmem's lowering) the estimate sizes none of its own buffers, so it is ``estimate``: the
+    released inputs not yet freed, and the buffers so kept. Backward therefore keeps more buffers the more saved
+    activations it has freed, across each opaque op's workspace too, and forward (no released inputs) reuses a
+    buffer only from one kernel to the next. Only buffers inductor allocates itself take part: an op it falls
+    back to (a custom op, CPU flash attention) allocates its own outputs."""
+    estimated_peak = max(estimate, default=0)
+    sizes = {storage: size for allocated in allocations for storage, size in allocated.items()}
+    pool: dict[tuple[torch.dtype | None, int], list[int]] = {}  # (dtype, bytes) -> where each waiting one was freed
+    kernels = [p for p, allocated in enumerate(allocations) if allocated]
+    previous_kernel = {p: kernels[i - 1] if i else -1 for i, p in enumerate(kernels)}
+    for position, node in enumerate(nodes):
+        own = _inductor_allocates(node)
+        for storage, size in allocations[position].items() if own else ():
+            waiting = pool.get((_dtype(storage), size))
+            if not waiting:
+                continue
+            free_position = waiting.pop()
+            between = range(free_position + 1, position)
+            if free_position == previous_kernel[position] or max(
+                    (estimate[p] for p in between), default=0) + size <= estimated_peak:
+                for p in between:
+                    held[p] += size
+                    estimate[p] += size
+            else:
+                waiting.append(free_position)
+        for storage in freed[position]:
+            if storage in sizes and _inductor_allocates(storage if isinstance(storage, Node) else storage[0]):
+                pool.setdefault((_dtype(storage), sizes[storage]), []).append(position)
+
+
+def _dtype(storage: Storage) -> torch.dtype | None:
+    node, item = (storage, None) if isinstance(storage, Node) else storage
+    val = node.meta.get("val")
+    val = val[item] if item is not None else val
+    return getattr(val, "dtype", None)
+
+
+def _inductor_allocates(node: Node) -> bool:
+    """Whether inductor makes ``node``'s output buffer itself (a kernel it generates, or an external kernel that
+    writes into a buffer it passes), rather than calling an op that allocates it."""
+    from torch._inductor.lowering import fallbacks, lowerings
+    return node.target in lowerings and node.target not in fallbacks
+
+
 def compiled_liveness(fw: Graph, bw: Graph, num_fwd_outputs: int,
                       workspace: Callable[[Node], int] = lambda node: 0) -> tuple[Liveness, Liveness]:
     """Forward's and backward's ``graph_liveness`` as inductor runs them: element-wise ops inside their readers'
-    kernels, and backward freeing each saved activation after its last reader. What inductor fuses beyond that,
-    and where it places each kernel, is not modelled."""
-    return (graph_liveness(fw, workspace, inlined=inlined_elementwise(fw)),
+    kernels, backward freeing each saved activation after its last reader, and freed buffers kept for reuse. What
+    inductor fuses beyond that, and where it places each kernel, is not modelled."""
+    return (graph_liveness(fw, workspace, inlined=inlined_elementwise(fw), reuse_buffers=True),
             graph_liveness(bw, workspace, released=released_activations(fw, bw, num_fwd_outputs),
-                           inlined=inlined_elementwise(bw)))
+                           inlined=inlined_elementwise(bw), reuse_buffers=True))

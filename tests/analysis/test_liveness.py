@@ -80,6 +80,50 @@ def test_a_constant_fill_is_never_stored_however_many_kernels_read_it():
     assert graph_liveness(graph, inlined=inlined_elementwise(graph)).peak_bytes == 6 * 4 + 6 * 4
 
 
+@torch.library.custom_op("fxmem_test::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    """An op inductor falls back to, as it does to fxmem's chunked ops."""
+    return x.clone()
+
+
+@_opaque.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _reuse_graph():
+    def f(saved, w, x, v):
+        a = torch.mm(saved, w)  # 8 KiB, made by inductor; the saved input's last reader
+        s = a.sum()  # a's last reader: its buffer waits for the next allocation of its size
+        y = _opaque(x * s)  # x * s stored for the opaque op: 4 KiB, as is y (which the op allocates)
+        return torch.mm(y, v)  # 8 KiB, inductor's: it takes a's buffer
+
+    graph = make_fx(f)(torch.randn(64, 32), torch.randn(32, 32), torch.randn(64, 16), torch.randn(16, 32)).graph
+    return graph, next(iter(graph.find_nodes(op="placeholder")))
+
+
+def _opaque_workspace(node):
+    return 1 << 20 if node.target is torch.ops.fxmem_test.opaque.default else 0
+
+
+def test_inductor_keeps_a_freed_buffer_across_an_opaque_op_while_its_estimate_has_room():
+    graph, saved = _reuse_graph()
+    released = {saved: (saved, 8192)}
+    freed = graph_liveness(graph, _opaque_workspace, released=released)
+    kept = graph_liveness(graph, _opaque_workspace, released=released, reuse_buffers=True)
+    # inductor's estimate (no workspace, none of its own buffers) peaks at 8 KiB, the saved input, freed once a is
+    # made: a's 8 KiB fit under it from the sum to the last mm, so a is held across the op's workspace
+    assert kept.peak_bytes == freed.peak_bytes + 8192
+    assert freed.peak_bytes == (1 << 20) + 4096 + 4096 - 8192  # x * s and y at the op, net of the input
+    assert kept.end_bytes == freed.end_bytes == 8192
+
+
+def test_without_released_inputs_a_buffer_is_reused_only_by_the_next_kernel():
+    # forward: inductor's estimate is zero throughout, so nothing is held across the op
+    graph, _ = _reuse_graph()
+    assert graph_liveness(graph, _opaque_workspace, reuse_buffers=True) == graph_liveness(graph, _opaque_workspace)
+
+
 def _region_and_measured_transients(preset, overrides, lowering):
     """A 256-token step of the tests' tiny Llama compiled with ``lowering``: its region, and the measured step peak
     beyond what forward saved."""
@@ -112,11 +156,16 @@ def test_transients_are_the_measured_step_peak_beyond_the_saved_bytes(preset, ov
     assert region.transient_bytes == pytest.approx(measured, rel=0.01)
 
 
-# exact's compiled step with its MLPs in chunks: inductor frees each saved activation after backward's last read
-# of it. The aten order with every saved tensor held to the end (transient_bytes) says 1.4x the measured. Unchunked
-# (526 of 593 KiB) and under the compressing presets inductor's fused kernels hold more than the model counts
-# (docs/long-context.md), so they are left out.
-@pytest.mark.parametrize("overrides", [{"mlp_chunk": 128}, {"mlp_chunk": 128, "linear_chunk": 64}])
-def test_compiled_transients_are_the_measured_inductor_step_beyond_the_saved_bytes(overrides):
-    region, measured = _region_and_measured_transients("exact", overrides, "inductor")
-    assert region.compiled_transient_bytes == pytest.approx(measured, rel=0.02)  # measured: 0.1%
+# The compiled step with its MLPs in chunks: inductor frees each saved activation after backward's last read of it,
+# and keeps freed buffers for reuse across the chunked MLP's workspace (_reused_buffers: without it the model says
+# 0.80x the measured under hyclora-4bit). The aten order with every saved tensor held to the end (transient_bytes)
+# says 1.4x the measured under exact. Unchunked (exact 0.93x) and with the linears in chunks too (hyclora-4bit
+# 0.93x) inductor's fused kernels hold more than the model counts (docs/long-context.md), so they are left out.
+@pytest.mark.parametrize("preset, overrides, tolerance", [
+    ("exact", {"mlp_chunk": 128}, 0.02),  # measured: 0.1%
+    ("exact", {"mlp_chunk": 128, "linear_chunk": 64}, 0.02),
+    ("hyclora-4bit", {"mlp_chunk": 128}, 0.05),  # measured: 0.967x
+])
+def test_compiled_transients_are_the_measured_inductor_step_beyond_the_saved_bytes(preset, overrides, tolerance):
+    region, measured = _region_and_measured_transients(preset, overrides, "inductor")
+    assert region.compiled_transient_bytes == pytest.approx(measured, rel=tolerance)
