@@ -17,7 +17,7 @@ import pathlib
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -234,7 +234,9 @@ def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16",
     _check_choices(dtype, optimizer, base, rank)
     config = hf_config(model)
     torch_dtype = DTYPES[dtype]
-    weights, _, state = parameter_bytes(build_lora_model(config, rank, torch_dtype), optimizer, base, shards)
+    lora_model = build_lora_model(config, rank, torch_dtype)
+    weights, _, state = parameter_bytes(lora_model, optimizer, base, shards)
+    dequantized = dequantized_base_bytes(lora_model, options or {}) if base == "nf4" else 0
     start = min(8 * granularity, max_seq - max_seq % granularity)
     fits = []
     for preset in presets:
@@ -245,7 +247,7 @@ def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16",
             traced[seq] = layer_scaled_activation_bytes(config, rank=rank, dtype=torch_dtype, batch=1, seq=seq,
                                                         preset=fxmem_config)
             activations = traced[seq][0]
-            return Probe(seq, activations.saved + activations.transient, weights + state)
+            return Probe(seq, activations.saved + activations.transient + dequantized, weights + state)
 
         fit = longest_fitting(probe, memory, start=start, granularity=granularity, max_seq=max_seq)
         activations, how = traced[fit.longest] if fit.longest else (ActivationBytes(0, 0), "")
@@ -253,8 +255,24 @@ def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16",
             how = f"{how}; the search stopped before the bracket closed".lstrip("; ")
         label = preset + overrides_text(options or {})
         fits.append(ContextFit(label, fit.longest, fit.shortest_failing, weights, state, activations.saved,
-                               activations.transient, how, activations.host))
+                               activations.transient + (dequantized if fit.longest else 0), how, activations.host))
     return fits
+
+
+def dequantized_base_bytes(lora_model: torch.nn.Module, options: Mapping[str, Any]) -> int:
+    """With an NF4 base, the float weights dequantized at once, which the traced float base holds as parameters
+    instead: bitsandbytes dequantizes one weight for its product; a chunked MLP (``mlp_chunk``) reads its three, and
+    chunked linears (``linear_chunk``) those that read one input, counted here as all of a module's LoRA-targeted
+    projections (for an attention, its o projection too, which is an op of its own: an upper bound)."""
+    siblings: dict[str, list[int]] = {}
+    for name, module in lora_model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
+            weight = module.base_layer.weight
+            siblings.setdefault(name.rpartition(".")[0], []).append(weight.numel() * weight.element_size())
+    one = max((size for sizes in siblings.values() for size in sizes), default=0)
+    if options.get("mlp_chunk") is None and options.get("linear_chunk") is None:
+        return one
+    return max(one, *(sum(sizes) for sizes in siblings.values()))
 
 
 def loss_cost(config: Any, tokens: int, dtype: torch.dtype, *, head_trains: bool) -> LossCost:
@@ -305,9 +323,20 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
     traces = [traced(d) for d in depths]
     # Where the peak sits in a shallow trace can differ (checkpointed blocks: at 2 blocks backward's peak is
     # elsewhere than at 3 and more), so one block more is traced until two steps agree.
+    bound = ""
     while step(*traces[-3:-1]) != step(*traces[-2:]):
-        if depths[-1] + 1 > MAX_SCALING_DEPTH or depths[-1] + 1 >= depth:
+        if depths[-1] + 1 >= depth:
             return traced(depth), f"all {depth} layers traced (blocks do not save alike)"
+        if depths[-1] + 1 > MAX_SCALING_DEPTH:
+            earlier, last = step(*traces[-3:-1]), step(*traces[-2:])
+            if (earlier[0], earlier[2]) != (last[0], last[2]):
+                return traced(depth), f"all {depth} layers traced (blocks do not save alike)"
+            # The blocks save alike but add unlike amounts to the peak: inductor keeps freed buffers for reuse
+            # while its estimate has room, and the room grows by what backward frees (analysis/liveness.py), in
+            # steps that need not repeat. The larger of the last two steps bounds each further block's.
+            traces[-1] = replace(traces[-1], transient=traces[-2].transient + max(earlier[1], last[1]))
+            bound = " (at most: the steps to the peak differ from block to block)"
+            break
         depths.append(depths[-1] + 1)
         traces.append(traced(depths[-1]))
     # what each further block adds: saved, at the peak, and in host memory
@@ -318,7 +347,7 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
                              deepest.host + further * host_per_layer)
     return scaled, (f"traced at {', '.join(map(str, depths))} layers, each further layer saves "
                     f"{per_layer / 2**20:.2f} MiB and adds {transient_per_layer / 2**20:.2f} MiB to the "
-                    f"transients; scaled to {depth}")
+                    f"transients{bound}; scaled to {depth}")
 
 
 def plot(result: WhatIf, path: pathlib.Path) -> None:

@@ -172,18 +172,17 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
               "searched by "
               "tracing the model on fake tensors (fxmem.fitting). transients: beside the saved activations, the most "
               "the step's graphs hold at once, run in their own order with element-wise ops inside their readers' "
-              "kernels and backward freeing each saved activation after its last reader, as inductor runs them "
-              "(analysis/liveness.py): backward's gradients and "
+              "kernels, backward freeing each saved activation after its last reader and freed buffers kept for "
+              "reuse, as inductor runs them (analysis/liveness.py): backward's gradients and "
               "intermediates at its peak, or forward's transients. Inductor fuses and places kernels otherwise: under "
-              "the compressing presets it holds more at once (llama-small's hyclora-4bit at 2,048 tokens: the "
-              "measured step 1.12x the predicted with mlp_chunk=512, 1.30x without; exact within 0.1% and 2.6%, "
-              "docs/long-context.md), so a compiled step reaches a shorter length; `fxmem bench context` measures "
-              "real steps.")
-    chunked = [name for name in ("mlp_chunk", "linear_chunk") if dict(args.set).get(name) is not None]
-    if args.base == "nf4" and chunked:
-        legend += (f" With an NF4 base, {' and '.join(chunked)} {'are' if len(chunked) > 1 else 'is'} priced as on "
-                   "a float base: fxmem's chunked ops do not read a bitsandbytes 4-bit weight yet, and leave a QLoRA "
-                   "model's layers whole.")
+              "the compressing presets it holds more at once (llama-small's hyclora-4bit with mlp_chunk=512: the "
+              "measured step 1.04x the predicted at 2,048 tokens and 1.07x at 11,520, 1.29x at 2,048 without "
+              "mlp_chunk; exact within 0.1% with mlp_chunk and linear_chunk, 1.9% without; docs/long-context.md), "
+              "so a compiled step reaches a shorter length; `fxmem bench context` measures real steps.")
+    if args.base == "nf4":
+        legend += (" With an NF4 base, the transients include the float weights dequantized at once (one weight for "
+                   "bitsandbytes' product; with mlp_chunk or linear_chunk, a module's projections together, "
+                   "fxmem.whatif.dequantized_base_bytes).")
     legend += "".join(f"\n{fit.preset}: {fit.how}" for fit in fits if fit.how)
     show_table(title, columns, rows, legend)
     console.print(provenance_line(run_metadata(args)))
