@@ -78,16 +78,18 @@ class Config:
     mlp_chunk: run each SwiGLU MLP with a LoRA on its three linears (Llama's) this many tokens at a time, its
         input the only tensor it saves, its gate and up products recomputed in backward (passes/chunk_mlp.py), so
         that the MLP-wide tensors, the step's largest transients at long context, are never whole. Exact up to
-        rounding, for two more products per MLP; it replaces what the other techniques do inside the MLP. None
-        (every preset) is off.
+        rounding, for two more products per MLP; it replaces what the other techniques do inside the MLP. A
+        bitsandbytes 4-bit base (QLoRA) is dequantized for the op, and again in backward
+        (passes/dequantize_bases.py). None (every preset) is off.
     linear_chunk: run the PEFT LoRA linears outside a chunked MLP (an attention's projections: q, k and v, which
         read one input, as one op) this many tokens at a time in forward and backward, their input the only tensor
         they save (passes/chunk_linears.py): in backward each holds its output gradient again in float32 for a
         float32 adapter, and d x is a sum of two products per linear made whole before they are added, the largest
         transients of a recomputed block at long context once its MLP and norms are chunked. Exact up to rounding;
-        it replaces what the other techniques do to those linears. On a frozen float weight, as ``mlp_chunk``: a
-        bitsandbytes 4-bit base (QLoRA) is left as torch runs it, and so is a linear whose output or base weight
-        has another dtype than its input (as under autocast). None (every preset) is off.
+        it replaces what the other techniques do to those linears. On a frozen weight, as ``mlp_chunk``: a
+        bitsandbytes 4-bit base (QLoRA) is dequantized for the op, and again in backward
+        (passes/dequantize_bases.py); a linear whose output or base weight has another dtype than its input (as
+        under autocast) is left as torch runs it. None (every preset) is off.
     norm_chunk: run each RMSNorm (Llama's form) this many tokens at a time, recomputed in backward from its input,
         the only tensor it saves (passes/chunk_norm.py): a half-precision model's norm upcasts to float32, and its
         backward holds five float32 tensors of the hidden width at once, the largest transients of a recomputed

@@ -18,6 +18,7 @@ from fxmem.passes import (
     ChunkLoss,
     ChunkMlp,
     ChunkNorm,
+    DequantizeBases,
     FuseEpilogue,
     GqaAttention,
     GraphPass,
@@ -84,10 +85,13 @@ TECHNIQUES: tuple[Technique, ...] = (
     # preset: exact.
     Technique("gqa_attention", (), lambda config: True, ("gqa_attention",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
-    Technique("chunk_mlp", ("mlp_chunk",), lambda config: config.mlp_chunk is not None, ("chunk_mlp",)),
+    # The chunked MLP and linears read a float base weight: a bitsandbytes 4-bit one is dequantized for them, and
+    # again in backward (passes/dequantize_bases.py).
+    Technique("chunk_mlp", ("mlp_chunk",), lambda config: config.mlp_chunk is not None,
+              ("dequantize_bases", "chunk_mlp")),
     Technique("chunk_norm", ("norm_chunk",), lambda config: config.norm_chunk is not None, ("chunk_norm",)),
     Technique("chunk_linears", ("linear_chunk",), lambda config: config.linear_chunk is not None,
-              ("chunk_linears",)),
+              ("dequantize_bases", "chunk_linears")),
     Technique("block_checkpoint", ("block_checkpoint", "block_input_bits"), lambda config: config.block_checkpoint,
               ("checkpoint_blocks",)),
     # PEFT's fp32 adapters on a half-precision model: their products with half-precision inputs (tensor cores).
@@ -104,20 +108,23 @@ TECHNIQUES: tuple[Technique, ...] = (
 GENERAL_FIELDS = ("strict",)
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
-    CausalMaskAttention, CheckpointBlocks, ChunkLinears, ChunkLoss, ChunkMlp, ChunkNorm, GqaAttention, MergeCasts,
-    RecomputeAdapterCast, ReplayDropout, RecomputeInputs, LoraReorder, RunLora, RecomputeLogits, RecomputeAttention,
-    SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, OffloadBlocks, LoraHalfProducts, OnednnMatmul)}
+    CausalMaskAttention, CheckpointBlocks, ChunkLinears, ChunkLoss, ChunkMlp, ChunkNorm, DequantizeBases, GqaAttention,
+    MergeCasts, RecomputeAdapterCast, ReplayDropout, RecomputeInputs, LoraReorder, RunLora, RecomputeLogits,
+    RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, OffloadBlocks, LoraHalfProducts,
+    OnednnMatmul)}
 # The dynamo passes first (they change what AOTAutograd traces; gqa_attention after causal_mask, which removes the
-# mask it needs gone; chunk_linears after chunk_mlp, which takes an MLP's linears whole), then the joint passes
-# (merge_casts first: the LoRA matcher the others run must see one cast of x; recompute_adapter_cast next: its
-# must-save of x is a default the later ones may override; lora_reorder tags what runlora must leave alone;
-# checkpoint_blocks last: its tags override theirs inside a block), then the partitioned ones: sparsify, quantize
-# and lowrank rewrite saved tensors that fuse_epilogue then fuses, offload_blocks moves what is then saved for the
-# blocks, lora_half_products and onednn_matmul swap the products of the finished graphs.
-PASS_ORDER = ("causal_mask", "gqa_attention", "chunk_loss", "chunk_mlp", "chunk_norm", "chunk_linears",
-              "merge_casts", "recompute_adapter_cast", "replay_dropout", "recompute_inputs", "lora_reorder", "runlora",
-              "recompute_logits", "recompute_attention", "checkpoint_blocks", "sparsify_attention", "quantize",
-              "lowrank", "fuse_epilogue", "offload_blocks", "lora_half_products", "onednn_matmul")
+# mask it needs gone; dequantize_bases before the chunked ops that read its weights; chunk_linears after chunk_mlp,
+# which takes an MLP's linears whole), then the joint passes (merge_casts first: the LoRA matcher the others run must
+# see one cast of x; recompute_adapter_cast next: its must-save of x is a default the later ones may override;
+# lora_reorder tags what runlora must leave alone; checkpoint_blocks last: its tags override theirs inside a block),
+# then the partitioned ones: sparsify, quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses,
+# offload_blocks moves what is then saved for the blocks, lora_half_products and onednn_matmul swap the products of
+# the finished graphs.
+PASS_ORDER = ("causal_mask", "gqa_attention", "chunk_loss", "dequantize_bases", "chunk_mlp", "chunk_norm",
+              "chunk_linears", "merge_casts", "recompute_adapter_cast", "replay_dropout", "recompute_inputs",
+              "lora_reorder", "runlora", "recompute_logits", "recompute_attention", "checkpoint_blocks",
+              "sparsify_attention", "quantize", "lowrank", "fuse_epilogue", "offload_blocks", "lora_half_products",
+              "onednn_matmul")
 
 
 # A pass runs when one of the techniques it serves is on, wherever it is built.

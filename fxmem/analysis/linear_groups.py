@@ -3,7 +3,8 @@ attention's q, k and v projections are one group, its o projection another.
 
 A linear is ``x W^T + scale (x A^T) B^T`` on a frozen W, cast back to x's dtype, as PEFT runs it
 (analysis/mlp.py's matcher). Its output must be in x's dtype: the chunked op (kernels/chunked_lora_linear.py)
-returns that.
+returns that. W's dtype is x's, or the base computes between two casts written in the graph (a bitsandbytes 4-bit
+base, passes/dequantize_bases.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 from torch.fx import Graph, Node
 
 from fxmem.analysis.graph import hint
-from fxmem.analysis.loss import cast_dtype, example_tensor
-from fxmem.analysis.mlp import LoraLinearNodes, lora_linear_of
+from fxmem.analysis.loss import base_computes_cast, cast_dtype, example_tensor
+from fxmem.analysis.mlp import LoraLinearNodes, adapter_keeps_its_dtype, lora_linear_of
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,10 @@ def find_lora_linear_groups(graph: Graph) -> tuple[list[LoraLinearGroup], int]:
         if x_value is None or out_value is None:
             continue
         weight_value = example_tensor(linear.weight)
-        if out_value.dtype != x_value.dtype or weight_value is None or weight_value.dtype != x_value.dtype:
-            other_dtype += 1  # the op computes x W^T as it is
+        between_casts = any(isinstance(arg, Node) and base_computes_cast(arg) for arg in node.args)
+        if out_value.dtype != x_value.dtype or weight_value is None or not adapter_keeps_its_dtype(linear) \
+                or (weight_value.dtype != x_value.dtype and not between_casts):
+            other_dtype += 1  # the op computes x W^T as it is, or between the casts written out
             continue
         by_input.setdefault(x, []).append((output, linear))
     order = {node: position for position, node in enumerate(graph.nodes)}

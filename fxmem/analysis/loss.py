@@ -157,7 +157,7 @@ def peft_linear(node: Node) -> tuple[Node, Node, tuple[Node, Node, float] | None
     ``node`` is; or why not (as the head of a loss: the reason names the logits)."""
     if node.op == "call_function" and node.target in _ADDS and len(node.args) == 2 and not node.kwargs:
         for base, delta in (node.args, node.args[::-1]):
-            if not isinstance(base, Node) or len(base.users) != 1 or isinstance(linear := _linear(base), str):
+            if not isinstance(base, Node) or len(base.users) != 1 or isinstance(linear := _base_linear(base), str):
                 continue
             lora = _lora_delta(delta, linear[0])
             if lora is not None:
@@ -167,8 +167,32 @@ def peft_linear(node: Node) -> tuple[Node, Node, tuple[Node, Node, float] | None
     return linear if isinstance(linear, str) else (*linear, None)
 
 
+def base_computes_cast(node: Node) -> bool:
+    """Whether ``node`` is a linear computed in another dtype between two explicit casts, ``linear(x.to(d),
+    W).to(x's dtype)``: a bitsandbytes 4-bit base as passes/dequantize_bases.py writes it."""
+    if cast_dtype(node) is None or not isinstance(node.args[0], Node) or len(node.args[0].users) != 1:
+        return False
+    inner = _linear(node.args[0])
+    if isinstance(inner, str) or not isinstance(inner[0], Node) or cast_dtype(inner[0]) is None:
+        return False
+    source = example_tensor(inner[0].args[0]) if isinstance(inner[0].args[0], Node) else None
+    return source is not None and source.dtype == cast_dtype(node)
+
+
+def _base_linear(node: Node) -> tuple[Node, Node] | str:
+    """(x, weight) of a bias-free linear, or of one computed between two casts (``base_computes_cast``), x then
+    the value before its cast."""
+    if base_computes_cast(node):
+        x, weight = _linear(node.args[0])
+        return x.args[0], weight
+    return _linear(node)
+
+
 def _lora_delta(node: object, x: Node) -> tuple[Node, Node, float] | None:
-    """(A, B, scale) if ``node`` is PEFT's ``lora_B(lora_A(x)) * scale`` of the head input ``x``, else None."""
+    """(A, B, scale) if ``node`` is PEFT's ``lora_B(lora_A(x)) * scale`` of the head input ``x``, else None; cast
+    to the base's dtype or not (PEFT's LoRA on a bitsandbytes 4-bit base casts it before the sum)."""
+    if isinstance(node, Node) and cast_dtype(node) is not None and len(node.users) == 1:
+        node = node.args[0]
     if not isinstance(node, Node) or node.op != "call_function" or node.target not in _MULS or len(node.users) != 1:
         return None
     product, scale = node.args if isinstance(node.args[1], (int, float)) else node.args[::-1]

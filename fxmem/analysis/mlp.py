@@ -72,6 +72,14 @@ def lora_linear_of(output: object) -> tuple[Node, LoraLinearNodes] | None:
     return x, LoraLinearNodes(weight, a, b, scale)
 
 
+def adapter_keeps_its_dtype(linear: LoraLinearNodes) -> bool:
+    """Whether the adapter's product x A^T comes out in A's dtype: not so under autocast, which the chunked ops do not
+    reproduce (a float base shows it in its output's dtype; a 4-bit base, cast back explicitly, does not)."""
+    a_value = example_tensor(linear.a)
+    products = [user for user in linear.a.users if user.op == "call_function"]
+    return a_value is not None and all(getattr(example_tensor(p), "dtype", None) == a_value.dtype for p in products)
+
+
 def _match(product: Node) -> SwigluMlp | None:
     for activated, up_output in (product.args, product.args[::-1]):
         if not (isinstance(activated, Node) and activated.op == "call_function" and activated.target in _SILUS
@@ -87,7 +95,8 @@ def _match(product: Node) -> SwigluMlp | None:
             continue
         output, down_linear = down
         x, x_value, out_value = gate[0], example_tensor(gate[0]), example_tensor(output)
-        if x_value is None or out_value is None or out_value.dtype != x_value.dtype:
+        if x_value is None or out_value is None or out_value.dtype != x_value.dtype \
+                or not all(adapter_keeps_its_dtype(linear) for linear in (gate[1], up[1], down_linear)):
             continue
         width = int(example_tensor(down_linear.weight).shape[1])
         return SwigluMlp(output=output, x=x, gate=gate[1], up=up[1], down=down_linear,
@@ -98,16 +107,16 @@ def _match(product: Node) -> SwigluMlp | None:
 
 def _down_projection(product: Node) -> tuple[Node, LoraLinearNodes] | None:
     """(output, linear) of the LoRA linear that is the product's only reader."""
-    for user in product.users:  # the base linear's add, then its cast
-        adds = [u for u in user.users if u.op == "call_function"] if len(user.users) == 1 else []
-        if not adds:
-            continue
-        total = adds[0]
-        cast = next(iter(total.users)) if len(total.users) == 1 else None
-        output = cast if cast is not None and _uncast(cast) is total else total
-        down = lora_linear_of(total)
-        if down is not None and down[0] is product and _only_down_reads(product, down[1]):
-            return output, down[1]
+    for user in product.users:
+        total = user
+        for _ in range(3):  # the base linear (between two casts where it computes in another dtype), then the add
+            if len(total.users) != 1:
+                break
+            total = next(iter(total.users))
+            down = lora_linear_of(total)
+            if down is not None and down[0] is product and _only_down_reads(product, down[1]):
+                cast = next(iter(total.users)) if len(total.users) == 1 else None
+                return (cast if cast is not None and _uncast(cast) is total else total), down[1]
     return None
 
 

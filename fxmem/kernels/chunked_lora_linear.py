@@ -2,7 +2,8 @@
 tokens: their float32 adapter rows and their input gradient's terms never exist whole.
 
 A LoRA linear is PEFT's: ``(x W^T + scale (x A^T) B^T)`` in the promoted dtype, cast back to x's dtype, x cast to
-A's dtype for the adapter (PEFT keeps fp32 adapters on a half-precision model). In backward, as aten runs it, each
+A's dtype for the adapter (PEFT keeps fp32 adapters on a half-precision model), and to W's for the base where W's
+differs (a bitsandbytes 4-bit base dequantized for the op: its product in its computation dtype, then cast back). In backward, as aten runs it, each
 linear holds its output gradient again in float32 for the adapter, and d x is a sum of two products per linear
 that inductor computes whole before it adds them: at long context, in a block recomputed in backward, these are the
 step's largest transients. ``chunked_lora_linears`` runs the linears ``chunk_rows`` tokens at a time in forward and
@@ -30,7 +31,7 @@ class LoraLinear(NamedTuple):
 
 
 def lora_linear(x: Tensor, linear: LoraLinear) -> Tensor:
-    base = x @ linear.weight.t()
+    base = _base_product(x, linear.weight.t())
     adapter = (x.to(linear.a.dtype) @ linear.a.t()) @ linear.b.t()
     return (base + adapter * linear.scale).to(x.dtype)
 
@@ -45,7 +46,15 @@ def lora_linear_backward(x_adapter: Tensor, grad_out: Tensor, linear: LoraLinear
     lora_grads[0] += (grad_xa.t() @ x_adapter).float()
     if not input_grad:
         return None, None
-    return grad_out @ linear.weight, grad_xa @ linear.a
+    return _base_product(grad_out, linear.weight), grad_xa @ linear.a
+
+
+def _base_product(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight in the weight's dtype, in x's: a bitsandbytes 4-bit base computes in its own dtype (its
+    ``compute_dtype``) between two casts, on inputs that QLoRA's preparation keeps in float32."""
+    if weight.dtype == x.dtype:
+        return x @ weight
+    return (x.to(weight.dtype) @ weight).to(x.dtype)
 
 
 def chunked_lora_linears(x: Tensor, linears: Sequence[LoraLinear], chunk_rows: int) -> list[Tensor]:

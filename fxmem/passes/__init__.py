@@ -8,6 +8,7 @@ from fxmem.passes.chunk_linears import ChunkLinears
 from fxmem.passes.chunk_loss import ChunkLoss
 from fxmem.passes.chunk_mlp import ChunkMlp
 from fxmem.passes.chunk_norm import ChunkNorm
+from fxmem.passes.dequantize_bases import DequantizeBases
 from fxmem.passes.fuse_epilogue import FuseEpilogue
 from fxmem.passes.gqa_attention import GqaAttention
 from fxmem.passes.lora_half_products import LoraHalfProducts
@@ -26,7 +27,7 @@ from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
 __all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLinears", "ChunkLoss", "ChunkMlp", "ChunkNorm",
-           "FuseEpilogue", "GqaAttention", "GraphPass", "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts",
+           "DequantizeBases", "FuseEpilogue", "GqaAttention", "GraphPass", "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts",
            "OffloadBlocks", "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
            "RecomputeAdapterCast", "RecomputeAttention", "RecomputeInputs", "RecomputeLogits", "ReplayDropout",
            "RunLora", "SparsifyAttention"]

@@ -48,8 +48,8 @@ class ChunkLinears(GraphPass):
         left = (f"; {other_dtype} LoRA linear(s) left whole, their output or base weight in another dtype than "
                 "their input (as under autocast)") if other_dtype else ""
         if not groups:
-            return ("no PEFT LoRA linear (no dropout) on a frozen float weight (a bitsandbytes 4-bit base is not "
-                    f"read), outside a chunked MLP{left}")
+            return ("no PEFT LoRA linear (no dropout) on a frozen weight (float, or bitsandbytes 4-bit: "
+                    f"dequantize_bases), outside a chunked MLP{left}")
         graph.eliminate_dead_code()
         sizes = ", ".join(str(len(group.linears)) for group in groups)
         group = groups[0]

@@ -27,7 +27,7 @@ class ChunkMlp(GraphPass):
                               (mlp.x, _linear(mlp.gate), _linear(mlp.up), _linear(mlp.down), rows))
         if not found:
             return ("no SwiGLU MLP with a PEFT LoRA (no dropout) on its gate, up and down projections, each on a "
-                    "frozen float weight (a bitsandbytes 4-bit base is not read)")
+                    "frozen weight (float, or bitsandbytes 4-bit: dequantize_bases)")
         graph.eliminate_dead_code()
         mlp = found[0]
         wide = mlp.tokens * mlp.width * mlp.element_size

@@ -47,6 +47,29 @@ def test_the_chunked_linears_match_torch_in_output_and_every_gradient(dtype, chu
             assert float(cosine) >= 0.9995, name
 
 
+def test_a_base_in_another_dtype_computes_between_two_casts_as_bitsandbytes_does():
+    # QLoRA: float32 inputs (its preparation keeps the hidden states so), the 4-bit base dequantized to its bf16
+    # computation dtype; bitsandbytes casts x to it, multiplies, and casts back
+    x, linears = _linears(torch.float32)
+    linears = [linear._replace(weight=linear.weight.to(torch.bfloat16)) for linear in linears]
+    trained = [x, *(t for linear in linears for t in (linear.a, linear.b))]
+    generator = torch.Generator().manual_seed(5)
+    grads_out = [torch.randn(2, 37, width, generator=generator) for width in WIDTHS]
+
+    def peft_on_bitsandbytes(linear):
+        base = (x.to(torch.bfloat16) @ linear.weight.t()).to(torch.float32)
+        return base + (x @ linear.a.t()) @ linear.b.t() * linear.scale
+
+    reference = [peft_on_bitsandbytes(linear) for linear in linears]
+    expected = torch.autograd.grad(reference, trained, grads_out)
+    outputs = chunked_lora_linears(x, linears, 16)
+    for output, want in zip(outputs, reference, strict=True):
+        assert output.dtype == torch.float32
+        assert float((output - want).detach().abs().max()) <= 1e-6 * float(want.detach().abs().max())
+    for want, have in zip(expected, torch.autograd.grad(outputs, trained, grads_out), strict=True):
+        assert float((have - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
 def test_an_unused_output_gets_no_gradient_and_adds_nothing_to_the_others():
     x, linears = _linears(torch.float32)
     q, _, v = chunked_lora_linears(x, linears, 16)

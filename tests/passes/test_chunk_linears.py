@@ -56,8 +56,8 @@ def test_under_autocast_the_linears_are_left_whole_and_the_report_says_why():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.compile(model, backend=backend)(**batch).loss.backward()
     # all seven: the MLP, its output bf16 from a float32 input, is not chunked either
-    assert _summary(backend) == ("no PEFT LoRA linear (no dropout) on a frozen float weight (a bitsandbytes 4-bit "
-                                 "base is not read), outside a chunked MLP; 7 LoRA linear(s) left whole, their output "
+    assert _summary(backend) == ("no PEFT LoRA linear (no dropout) on a frozen weight (float, or bitsandbytes 4-bit: "
+                                 "dequantize_bases), outside a chunked MLP; 7 LoRA linear(s) left whole, their output "
                                  "or base weight in another dtype than their input (as under autocast)")
 
 
@@ -65,8 +65,8 @@ def test_linears_with_lora_dropout_are_left_as_torch_runs_them():
     model, batch = tiny_model("llama", lora=True, layers=1, lora_dropout=0.1)
     backend = fxmem.backend("exact", linear_chunk=8)
     torch.compile(model, backend=backend)(**batch).loss.backward()
-    assert _summary(backend) == ("no PEFT LoRA linear (no dropout) on a frozen float weight (a bitsandbytes 4-bit "
-                                 "base is not read), outside a chunked MLP")
+    assert _summary(backend) == ("no PEFT LoRA linear (no dropout) on a frozen weight (float, or bitsandbytes 4-bit: "
+                                 "dequantize_bases), outside a chunked MLP")
 
 
 def test_a_bf16_block_checkpointed_with_its_linears_in_chunks_keeps_the_gradients_of_torch_compile():

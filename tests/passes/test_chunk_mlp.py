@@ -73,7 +73,7 @@ def test_an_mlp_with_lora_dropout_is_left_as_torch_runs_it():
     backend = fxmem.backend("exact", mlp_chunk=8)
     torch.compile(model, backend=backend)(**batch).loss.backward()
     assert _summary(backend) == ("no SwiGLU MLP with a PEFT LoRA (no dropout) on its gate, up and down projections, "
-                                 "each on a frozen float weight (a bitsandbytes 4-bit base is not read)")
+                                 "each on a frozen weight (float, or bitsandbytes 4-bit: dequantize_bases)")
 
 
 def test_under_hyclora_the_mlp_input_is_stored_at_8_bits_with_the_presets_fidelity():
