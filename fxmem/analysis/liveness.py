@@ -210,7 +210,10 @@ def _reused_buffers(nodes: list[Node], allocations: list[dict[Storage, int]], fr
     released inputs not yet freed, and the buffers so kept. Backward therefore keeps more buffers the more saved
     activations it has freed, across each opaque op's workspace too, and forward (no released inputs) reuses a
     buffer only from one kernel to the next. Only buffers inductor allocates itself take part: an op it falls
-    back to (a custom op, CPU flash attention) allocates its own outputs."""
+    back to (a custom op, CPU flash attention) allocates its own outputs, which inductor marks unaligned, so that
+    no allocation of its own (aligned) matches them in its pool. Simplified: inductor's estimate counts every input
+    of backward but the parameters and tangents, ``estimate`` the released ones only (not what forward also returns
+    or AOTAutograd stashes), so the model keeps slightly fewer buffers than inductor may."""
     estimated_peak = max(estimate, default=0)
     sizes = {storage: size for allocated in allocations for storage, size in allocated.items()}
     pool: dict[tuple[torch.dtype | None, int], list[int]] = {}  # (dtype, bytes) -> where each waiting one was freed

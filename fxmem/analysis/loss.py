@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fxmem.analysis.graph import hint
 
 _LINEARS = frozenset({torch._C._nn.linear, torch.nn.functional.linear})
-_ADDS = frozenset({operator.add, operator.iadd, torch.add})
+ADDS = frozenset({operator.add, operator.iadd, torch.add})
 _MULS = frozenset({operator.mul, operator.imul, torch.mul})
 # Methods and functions that only reshape or cast the logits on their way to the loss.
 _SHAPE_METHODS = frozenset({"view", "reshape", "float", "to", "contiguous", "flatten"})
@@ -155,11 +155,11 @@ def _linear(node: Node) -> tuple[Node, Node] | str:
 def peft_linear(node: Node) -> tuple[Node, Node, tuple[Node, Node, float] | None] | str:
     """(x, weight, LoRA (A, B, scale) or None) of the bias-free linear, PEFT's LoRA on it or not, whose output
     ``node`` is; or why not (as the head of a loss: the reason names the logits)."""
-    if node.op == "call_function" and node.target in _ADDS and len(node.args) == 2 and not node.kwargs:
+    if node.op == "call_function" and node.target in ADDS and len(node.args) == 2 and not node.kwargs:
         for base, delta in (node.args, node.args[::-1]):
             if not isinstance(base, Node) or len(base.users) != 1 or isinstance(linear := _base_linear(base), str):
                 continue
-            lora = _lora_delta(delta, linear[0])
+            lora = lora_delta(delta, linear[0], getattr(example_tensor(base), "dtype", None))
             if lora is not None:
                 return (*linear, lora)
         return "the logits are a sum that is not a PEFT LoRA on the head"
@@ -188,10 +188,12 @@ def _base_linear(node: Node) -> tuple[Node, Node] | str:
     return _linear(node)
 
 
-def _lora_delta(node: object, x: Node) -> tuple[Node, Node, float] | None:
-    """(A, B, scale) if ``node`` is PEFT's ``lora_B(lora_A(x)) * scale`` of the head input ``x``, else None; cast
-    to the base's dtype or not (PEFT's LoRA on a bitsandbytes 4-bit base casts it before the sum)."""
+def lora_delta(node: object, x: Node, base_dtype: torch.dtype | None) -> tuple[Node, Node, float] | None:
+    """(A, B, scale) if ``node`` is PEFT's ``lora_B(lora_A(x)) * scale`` of the input ``x``, else None; cast to the
+    base's dtype ``base_dtype`` or not (PEFT's LoRA on a bitsandbytes 4-bit base casts it before the sum)."""
     if isinstance(node, Node) and cast_dtype(node) is not None and len(node.users) == 1:
+        if cast_dtype(node) != base_dtype:
+            return None
         node = node.args[0]
     if not isinstance(node, Node) or node.op != "call_function" or node.target not in _MULS or len(node.users) != 1:
         return None

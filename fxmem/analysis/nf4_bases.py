@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from fxmem.analysis.loss import cast_dtype, example_tensor
+from fxmem.analysis.loss import ADDS, cast_dtype, example_tensor, lora_delta
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,9 @@ class Nf4Base:
 
 
 def find_nf4_bases(graph: Graph) -> tuple[list[Nf4Base], int]:
-    """Every bias-free 4-bit product read once through its cast back and PEFT's clone; and how many
-    4-bit products were left as they are. Two forms: ``gemm_4bit`` itself (bitsandbytes calls it directly where no
+    """Every bias-free 4-bit product outside autocast, read through its cast back and PEFT's clone by a sum with a
+    LoRA term of its input (no dropout: what the chunked ops take); and how many 4-bit products were left as they
+    are. Two forms: ``gemm_4bit`` itself (bitsandbytes calls it directly where no
     input needs a gradient: the first block's q, k and v read the frozen embedding), and bitsandbytes' autograd
     function around it, which dynamo captures as ``autograd_function_apply`` with a forward body that is the one
     ``gemm_4bit``."""
@@ -46,16 +47,31 @@ def find_nf4_bases(graph: Graph) -> tuple[list[Nf4Base], int]:
     if ops is None or not hasattr(ops, "gemm_4bit"):
         return [], 0
     found, left = [], 0
+    autocast = _under_autocast(graph)
     for node in graph.nodes:
         call = _gemm_call(node, ops.gemm_4bit.default) if node.op == "call_function" else None
         if call is None:
             continue
-        base = _match(node, *call)
+        base = None if node in autocast else _match(node, *call)
         if base is None:
             left += 1
         else:
             found.append(base)
     return found, left
+
+
+def _under_autocast(graph: Graph) -> set[Node]:
+    """The nodes dynamo captured inside an autocast region (one the compiled code enters): there ``linear`` would
+    run in autocast's dtype, where ``gemm_4bit`` (no autocast kernel) runs in its computation dtype."""
+    inside, depth = set(), 0
+    for node in graph.nodes:
+        if node.target is torch.amp.autocast_mode._enter_autocast:
+            depth += 1
+        elif node.target is torch.amp.autocast_mode._exit_autocast:
+            depth -= 1
+        elif depth:
+            inside.add(node)
+    return inside
 
 
 _GEMM_ARGUMENTS = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit", "absmax_code",
@@ -73,8 +89,8 @@ def _gemm_call(node: Node, gemm: torch._ops.OpOverload) -> tuple[dict[str, Any],
     body = getattr(node.graph.owning_module, body_node.target, None) if isinstance(body_node, Node) else None
     inner = [n for n in body.graph.nodes if n.target is gemm] if isinstance(body, torch.fx.GraphModule) else []
     products = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
-    if len(inner) != 1 or len(products) != 1:
-        return None
+    if len(inner) != 1 or len(products) != 1 or _returned_first(body.graph) is not inner[0]:
+        return None  # the body does more than the one product it returns
     outer = dict(zip(body.graph.find_nodes(op="placeholder"), node.args[2:]))
 
     def outside(value: Any) -> Any:
@@ -93,6 +109,13 @@ def _gemm_call(node: Node, gemm: torch._ops.OpOverload) -> tuple[dict[str, Any],
     return arguments, products[0]
 
 
+def _returned_first(body: Graph) -> object:
+    """What an autograd function's forward body returns first: ``((outputs...), (saved...))``."""
+    returned = body.find_nodes(op="output")[0].args[0]
+    outputs = returned[0] if isinstance(returned, (tuple, list)) and returned else None
+    return outputs[0] if isinstance(outputs, (tuple, list)) and outputs else None
+
+
 def _match(call: Node, args: dict[str, Any], product: Node) -> Nf4Base | None:
     x, packed, absmax = args["A"], args["B"], args["absmax"]
     if args.get("bias") is not None or not all(isinstance(n, Node) for n in (x, packed, absmax)):
@@ -100,8 +123,8 @@ def _match(call: Node, args: dict[str, Any], product: Node) -> Nf4Base | None:
     x_value = example_tensor(x)
     source = x.args[0] if cast_dtype(x) is not None else x  # Linear4bit's cast to its computation dtype
     source_value = example_tensor(source)
-    if x_value is None or source_value is None:
-        return None
+    if x_value is None or source_value is None or torch.is_autocast_enabled(x_value.device.type):
+        return None  # autocast around the compiled call: dynamo captures no region for it
     output = product
     while len(output.users) == 1:  # the cast back to the input's dtype, then PEFT's defensive clone
         user = next(iter(output.users))
@@ -111,6 +134,12 @@ def _match(call: Node, args: dict[str, Any], product: Node) -> Nf4Base | None:
         output = user
     output_value = example_tensor(output)
     if len(output.users) != 1 or output_value is None or output_value.dtype != source_value.dtype:
+        return None
+    # read by PEFT's sum with a LoRA term of the same input, which the chunked ops take (not through dropout)
+    total = next(iter(output.users))
+    is_sum = total.op == "call_function" and total.target in ADDS and len(total.args) == 2
+    others = [arg for arg in total.args if arg is not output] if is_sum else []
+    if len(others) != 1 or lora_delta(others[0], source, output_value.dtype) is None:
         return None
     shape = args["shapeB"]
     return Nf4Base(call=call, output=output, x=source, packed=packed, shape=(int(shape[0]), int(shape[1])),

@@ -2,8 +2,9 @@
 tokens: their float32 adapter rows and their input gradient's terms never exist whole.
 
 A LoRA linear is PEFT's: ``(x W^T + scale (x A^T) B^T)`` in the promoted dtype, cast back to x's dtype, x cast to
-A's dtype for the adapter (PEFT keeps fp32 adapters on a half-precision model), and to W's for the base where W's
-differs (a bitsandbytes 4-bit base dequantized for the op: its product in its computation dtype, then cast back). In backward, as aten runs it, each
+A's dtype for the adapter (PEFT keeps fp32 adapters on a half-precision model), and to W's for the base where
+W's differs (a bitsandbytes 4-bit base dequantized for the op: its product in its computation dtype, then cast
+back). In backward, as aten runs it, each
 linear holds its output gradient again in float32 for the adapter, and d x is a sum of two products per linear
 that inductor computes whole before it adds them: at long context, in a block recomputed in backward, these are the
 step's largest transients. ``chunked_lora_linears`` runs the linears ``chunk_rows`` tokens at a time in forward and

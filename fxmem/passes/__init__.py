@@ -27,7 +27,7 @@ from fxmem.passes.runlora import RunLora
 from fxmem.passes.sparsify import SparsifyAttention
 
 __all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLinears", "ChunkLoss", "ChunkMlp", "ChunkNorm",
-           "DequantizeBases", "FuseEpilogue", "GqaAttention", "GraphPass", "LoraHalfProducts", "LoraReorder", "LowRankSaved", "MergeCasts",
-           "OffloadBlocks", "OnednnMatmul", "PassManager", "PassRecord", "PipelineState", "QuantizeSaved",
-           "RecomputeAdapterCast", "RecomputeAttention", "RecomputeInputs", "RecomputeLogits", "ReplayDropout",
-           "RunLora", "SparsifyAttention"]
+           "DequantizeBases", "FuseEpilogue", "GqaAttention", "GraphPass", "LoraHalfProducts", "LoraReorder",
+           "LowRankSaved", "MergeCasts", "OffloadBlocks", "OnednnMatmul", "PassManager", "PassRecord",
+           "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention", "RecomputeInputs",
+           "RecomputeLogits", "ReplayDropout", "RunLora", "SparsifyAttention"]

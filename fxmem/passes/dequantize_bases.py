@@ -5,19 +5,18 @@ Runs on the graph dynamo captured, before chunk_mlp and chunk_linears, when eith
 must-recompute (AOTAutograd copies the tag onto its joint nodes): backward dequantizes it again, as
 bitsandbytes' own backward does, instead of saving a float weight. The same values as ``gemm_4bit``, which
 dequantizes the same way inside (bitsandbytes' default kernel is exactly this), in the same dtype between the same
-casts; a product the chunked ops then do not take stays a plain linear on the recomputed W. A product with a bias
-is left as bitsandbytes runs it.
+casts. A product with a bias, under autocast (a linear would run in autocast's dtype, gemm_4bit in its own), or
+whose sum has no LoRA term the chunked ops take (dropout), is left as bitsandbytes runs it.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.fx import Graph, Node
-from torch.utils.checkpoint import CheckpointPolicy
 
-from fxmem.analysis.meta import EXAMPLE_VALUE, MODULE_STACK, RECOMPUTE
+from fxmem.analysis.meta import EXAMPLE_VALUE, MODULE_STACK
 from fxmem.analysis.nf4_bases import Nf4Base, find_nf4_bases
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
 
 # bitsandbytes' nested quantization scales blocks of 256 absmax values (its gemm_4bit refuses any other)
 _NESTED_BLOCKSIZE = 256
@@ -31,10 +30,15 @@ class DequantizeBases(GraphPass):
         graph = state.dynamo.graph
         found, left = find_nf4_bases(graph)
         order = {node: position for position, node in enumerate(graph.nodes)}
-        for base in found:
-            weight = _dequantized_weight(graph, base, order)
+        # with linear_chunk, where x is made: the weights of the linears that read x then all exist before any of
+        # their outputs is read, and chunk_linears runs them as one op; else just before the product, so that
+        # forward holds one at a time, as bitsandbytes does (a chunked MLP reads its three at once anyway)
+        places = [(base, base.x if state.config.linear_chunk is not None else base.call.prev) for base in found]
+        for base, at in places:
+            weight = _dequantized_weight(graph, base, order, at)
             base.output.replace_all_uses_with(_linear(graph, base, weight))
-        left_note = f"; {left} left as bitsandbytes runs it (a bias, or its output read elsewhere)" if left else ""
+        left_note = (f"; {left} left as bitsandbytes runs it (a bias, autocast, or no LoRA sum the chunked ops take: "
+                     "dropout)") if left else ""
         if not found:
             return f"no bitsandbytes 4-bit product (gemm_4bit){left_note}"
         graph.eliminate_dead_code()
@@ -60,16 +64,15 @@ def _linear(graph: Graph, base: Nf4Base, weight: Node) -> Node:
         return back
 
 
-def _dequantized_weight(graph: Graph, base: Nf4Base, order: dict[Node, int]) -> Node:
-    """The float weight, from nodes each tagged must-recompute, inserted where the product's input is made (or after
-    the last of the graph's inputs and the weight's operands, if later): the weights of the linears that read one
-    input then all exist before any of their outputs is read, and chunk_linears can run them as one op."""
+def _dequantized_weight(graph: Graph, base: Nf4Base, order: dict[Node, int], at: Node) -> Node:
+    """The float weight, from nodes each tagged must-recompute, inserted after ``at`` (or after the last of the
+    graph's inputs and the weight's operands, if later)."""
     ops = torch.ops.bitsandbytes
     packed = base.packed
     # bitsandbytes views the packed weight just before its product, which may be after another linear of the same
     # input has been read: viewed again here
     view_again = packed.op == "call_method" and packed.target == "view" and packed.args[0].op == "placeholder"
-    operands = [base.x, list(graph.find_nodes(op="placeholder"))[-1], packed.args[0] if view_again else packed,
+    operands = [at, list(graph.find_nodes(op="placeholder"))[-1], packed.args[0] if view_again else packed,
                 *(n for n in (base.absmax, base.absmax_8bit, base.absmax_code, base.absmax_offset)
                   if isinstance(n, Node))]
     with graph.inserting_before(max(operands, key=order.__getitem__).next):
@@ -97,5 +100,5 @@ def _describe(node: Node, base: Nf4Base, value: torch.Tensor) -> None:
 
 def _recomputed(node: Node, base: Nf4Base) -> None:
     """A node of the weight: tagged must-recompute, its value the op run on its arguments' values."""
-    node.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+    tag_must_recompute([node])
     _describe(node, base, node.target(*torch.fx.node.map_arg(node.args, lambda n: n.meta[EXAMPLE_VALUE])))

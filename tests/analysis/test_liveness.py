@@ -124,6 +124,23 @@ def test_without_released_inputs_a_buffer_is_reused_only_by_the_next_kernel():
     assert graph_liveness(graph, _opaque_workspace, reuse_buffers=True) == graph_liveness(graph, _opaque_workspace)
 
 
+def test_the_pool_hands_out_the_last_freed_buffer_first():
+    def f(saved, w, x, x2, v):
+        a1 = torch.mm(saved, w)  # 8 KiB, the saved input's last reader
+        a2 = torch.mm(x2, w)  # 8 KiB, alive across the op
+        s1 = a1.sum()  # a1 waits in the pool
+        y = _opaque(x * s1)  # the op's workspace
+        s2 = a2.sum(0)  # a2 waits too, freed last (s2 not of s1's size, which would wait for it)
+        return torch.mm(y, v), s2  # 8 KiB: takes a2's buffer, the next kernel's; a1 is freed where it was
+
+    graph = make_fx(f)(*(torch.randn(shape) for shape in ((64, 32), (32, 32), (64, 16), (64, 32), (16, 32)))).graph
+    saved = next(iter(graph.find_nodes(op="placeholder")))
+    released = {saved: (saved, 8192)}
+    # first freed first, a1 would be held across the op's workspace: 8 KiB more
+    assert graph_liveness(graph, _opaque_workspace, released=released, reuse_buffers=True) \
+        == graph_liveness(graph, _opaque_workspace, released=released)
+
+
 def _region_and_measured_transients(preset, overrides, lowering):
     """A 256-token step of the tests' tiny Llama compiled with ``lowering``: its region, and the measured step peak
     beyond what forward saved."""

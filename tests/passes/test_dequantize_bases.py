@@ -55,3 +55,17 @@ def test_without_a_4bit_base_the_pass_says_so():
     backend = fxmem.backend("exact", mlp_chunk=8)
     torch.compile(model, backend=backend)(**batch).loss.backward()
     assert _summary(backend) == "no bitsandbytes 4-bit product (gemm_4bit)"
+
+
+@pytest.mark.parametrize("setting", ["dropout", "autocast"])
+def test_a_product_the_chunked_ops_would_not_take_is_left_as_bitsandbytes_runs_it(setting):
+    # dropout: PEFT's LoRA term reads dropout(x), which no chunked op reproduces; autocast: a linear would run in
+    # autocast's dtype where gemm_4bit runs in its computation dtype
+    setup = TINY_QLORA.build(lora_dropout=0.1 if setting == "dropout" else 0.0)
+    model, batch = setup.model, next(setup.batches)
+    backend = fxmem.backend("exact", mlp_chunk=8, linear_chunk=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setting == "autocast"):
+        torch.compile(model, backend=backend)(**batch).loss.backward()
+    assert _summary(backend) == ("no bitsandbytes 4-bit product (gemm_4bit); 14 left as bitsandbytes runs it (a bias, "
+                                 "autocast, or no LoRA sum the chunked ops take: dropout)")
+    assert pass_summary(backend, "chunk_mlp").startswith("no SwiGLU MLP")
