@@ -187,6 +187,12 @@ def _check_choices(dtype: str, optimizer: str, base: str, rank: int) -> None:
         raise ValueError(f"rank must be an integer >= 1; got {rank}")
 
 
+def _lora_targeted(lora_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """PEFT's LoRA layers of ``lora_model``, by name: each wraps a frozen ``base_layer``."""
+    return [(name, module) for name, module in lora_model.named_modules()
+            if hasattr(module, "lora_A") and hasattr(module, "base_layer")]
+
+
 def parameter_bytes(lora_model: torch.nn.Module, optimizer: str, base: str, shards: int = 1) -> tuple[int, int, int]:
     """Weights, gradients and optimizer state of ``lora_model`` per rank: every parameter (the LoRA-targeted frozen
     weights in NF4 for ``base`` "nf4"), the trainable ones' gradients in their dtype, and the optimizer's fp32
@@ -194,8 +200,7 @@ def parameter_bytes(lora_model: torch.nn.Module, optimizer: str, base: str, shar
     params = list(lora_model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     if base == "nf4":
-        frozen = [m.base_layer.weight for m in lora_model.modules()
-                  if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+        frozen = [module.base_layer.weight for _, module in _lora_targeted(lora_model)]
         weights += sum(nf4_nbytes(w.numel()) - w.numel() * w.element_size() for w in frozen)
     trainable = [p for p in params if p.requires_grad]
     gradients = sum(p.numel() * p.element_size() for p in trainable)
@@ -265,10 +270,9 @@ def dequantized_base_bytes(lora_model: torch.nn.Module, options: Mapping[str, An
     chunked linears (``linear_chunk``) those that read one input, counted here as all of a module's LoRA-targeted
     projections (for an attention, its o projection too, which is an op of its own: an upper bound)."""
     siblings: dict[str, list[int]] = {}
-    for name, module in lora_model.named_modules():
-        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
-            weight = module.base_layer.weight
-            siblings.setdefault(name.rpartition(".")[0], []).append(weight.numel() * weight.element_size())
+    for name, module in _lora_targeted(lora_model):
+        weight = module.base_layer.weight
+        siblings.setdefault(name.rpartition(".")[0], []).append(weight.numel() * weight.element_size())
     one = max((size for sizes in siblings.values() for size in sizes), default=0)
     if options.get("mlp_chunk") is None and options.get("linear_chunk") is None:
         return one

@@ -56,4 +56,3 @@ class ChunkLinears(GraphPass):
         return (f"{sum(len(g.linears) for g in groups)} LoRA linear(s) in {len(groups)} op(s) of one input each "
                 f"({sizes} linears), {group.tokens} tokens in chunks of {rows}: each group's input the only tensor "
                 f"it saves, its d x one buffer{left}")
-
