@@ -51,7 +51,8 @@ class Config:
         norm's input, by dividing out gamma and rstd (cost_model.planner.rebuild_from_x). Fewer bytes and a far
         closer gradient on a pretrained model (SwiGLU's backward multiplies the two rebuilt values, so each one's
         rounding reached the other's gradient whole), for the matmuls' time. Without lora_reorder nothing is
-        rebuilt, and under ``memory_budget``, whose plan starts from nothing compressed, it is not used.
+        rebuilt; under ``memory_budget`` the replayed X W is one of the budget's exact options (x then held at
+        8 bits or more), and the norm's input is not rebuilt.
     fused_epilogue: with ``lora_reorder``, on CUDA, run each rebuilt LoRA output's SwiGLU or GELU (forward and
         backward) in fxmem's hand-written Triton kernel (kernels/lora_epilogue.py) instead of inductor's code. Off by
         default: on an H200 (llama-small, bf16, hyclora-4bit) the step took 1.76x torch.compile's with the kernels
@@ -68,9 +69,11 @@ class Config:
         the library measured faster on the machine (aten's MKL or oneDNN).
     memory_budget: the planner's target for each compiled region's saved-activation bytes: a fraction in (0, 1]
         of what torch.compile's own partition of the region saves, or an integer number of bytes (> 1). The planner
-        starts from the exact plan and spends down to the target cheapest first: tensors backward can rebuild
-        element-wise from what stays saved, then quantization 8, 4, 2 bits, least sensitive roles and largest
-        tensors first (cost_model.planner.fit_budget); the preset's structural passes (lora_reorder, the
+        starts from the exact plan and spends down to the target over typed options, the least error class first
+        and the fewest seconds per byte saved within it: exact ones (element-wise recomputation, an X W replayed
+        from its x with ``rebuild_from_x``, a block's input in host memory with ``block_offload``), then
+        quantization 8, 4, 2 bits, least sensitive roles first, then ``lowrank``'s factors
+        (cost_model.planner.fit_budget); the preset's structural passes (lora_reorder, the
         recomputed logits) stay, and attention is recomputed only in the layers whose q, k or v the plan
         compresses. The report says whether the target was met. None is no target: the preset's plan.
     chunk_loss: compute an LM head and its cross-entropy a chunk of tokens at a time, so that the (tokens x

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -93,9 +95,9 @@ BUDGET_STAGES = ((8, 0), (8, 1), (8, 2), (8, 3), (4, 0), (4, 1), (4, 2), (2, 0),
 
 def rebuild_refusal(consumer: str, config: Config) -> str | None:
     """Why lora_reorder should leave a LoRA output feeding ``consumer`` as is, or None to rebuild it.
-    ``config`` has ``bits`` (Config refuses lora_reorder without them). With ``rebuild_from_x`` (not used under
-    memory_budget) the X W is replayed from x at REBUILD_SOURCE_BITS, or else stored at that width
-    (_configured_bits): never rounded coarser."""
+    ``config`` has ``bits`` (Config refuses lora_reorder without them). With ``rebuild_from_x`` (not counted on
+    under memory_budget, whose plan replays an X W only where that is its cheapest move) the X W is replayed from x
+    at REBUILD_SOURCE_BITS, or else stored at that width (_configured_bits): never rounded coarser."""
     if consumer in DERIVATIVE_SAVED_ACTIVATIONS and config.bits < REBUILD_ALL_ACTIVATIONS_BITS \
             and not (config.rebuild_from_x and config.memory_budget is None):
         return (f"feeding {consumer} left as is: at {config.bits} bits the saved {consumer} derivative is more "
@@ -468,49 +470,162 @@ def _share_norm_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTens
             nbytes=nbytes)
 
 
+# The error class of a memory_budget option: exact ones first (recompute, an X W replayed from its x, a block's input
+# waiting in host memory), then quantization down BUDGET_STAGES, then low-rank factors, whose error no bit width
+# bounds (a rank keeps a subspace, not a range): every quantizable storage reaches 2 bits before any is factored.
+EXACT_ERROR = 0
+LOWRANK_ERROR = len(BUDGET_STAGES) + 1
+
+
+@dataclass(frozen=True)
+class Option:
+    """One typed way to hold a saved storage between forward and backward (keep, recompute, replay, quantize b,
+    low-rank k, offload): its plan, which prices it in device bytes and seconds, and its error class."""
+
+    storage: str
+    plan: Plan
+    error: int
+    tables: frozenset[str] = frozenset()  # RoPE tables the plan pays for, added to the region's once it is chosen
+
+
 def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
                config: Config, tables_saved: set[str]) -> None:
-    """memory_budget: from the exact plan, spend the region down to its target cheapest first. First the storages
-    backward can rebuild element-wise from what stays saved (exact, and nearly free: cost_model/prices.py), the
-    cheapest per byte first; then quantization down BUDGET_STAGES' bit widths, the largest first within a stage.
-    Stops at 2 bits (budget_note then says the target is not met)."""
+    """memory_budget: one rule over every typed option (``budget_options``). From the exact plan, each step moves
+    one storage to the option with the least error class, and within it the fewest seconds per byte it saves (the
+    largest storage on a tie), among the options of every storage that save bytes; until the region fits its
+    target or no option is left (budget_note then says the target is not met)."""
     target = budget_bytes(analysis, config)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
-    free = {storage for storage, group in by_storage.items()
-            if _held_as_is(group[0], group, analysis) is None}
-    chosen: set[str] = set()
-    recomputes = [(plan.seconds / by_storage[storage][0].nbytes, storage) for storage in free
-                  if (plan := _recompute_plan(by_storage[storage][0], by_storage, owner_plans, chosen)) is not None]
-    for _, storage in sorted(recomputes):
-        if total <= target:
-            return
-        plan = _recompute_plan(by_storage[storage][0], by_storage, owner_plans, chosen)  # again: after the others
-        if plan is not None:
-            total -= planned_bytes(by_storage[storage][0], owner_plans[storage])
-            owner_plans[storage] = dataclasses.replace(plan, reason=f"{plan.reason} (memory_budget)")
-            chosen.add(storage)
-    eligible = sorted((storage for storage in free - chosen if owner_plans[storage].action in ("keep", "quantize")
-                       and _quantizable(by_storage[storage], config)),
-                      key=lambda storage: -by_storage[storage][0].nbytes)
-    for bits, sensitivity in BUDGET_STAGES:
-        for storage in eligible:
-            if total <= target:
-                return
-            owner, plan = by_storage[storage][0], owner_plans[storage]
-            if _sensitivity(owner) != sensitivity or (plan.action == "quantize" and plan.bits <= bits) \
-                    or bits < _lowest_bits(owner):
-                continue
-            if plan.action == "keep":
-                lowered = _quantize(owner, by_storage[storage], analysis, config, tables_saved, bits)
-            else:  # the RoPE tables the plan pays for stay in its bytes: price both widths without them
-                known = set(tables_saved)
-                lowered = _quantize(owner, by_storage[storage], analysis, config, set(known), bits)
-                lowered = dataclasses.replace(lowered, nbytes=plan.nbytes + lowered.nbytes - _quantize(
-                    owner, by_storage[storage], analysis, config, known, plan.bits).nbytes)
-            if lowered.action != "quantize":
-                continue
-            total += lowered.nbytes - planned_bytes(owner, plan)
-            owner_plans[storage] = dataclasses.replace(lowered, reason=f"{lowered.reason} (memory_budget)")
+    free = [storage for storage, group in by_storage.items() if _held_as_is(group[0], group, analysis) is None]
+    floors: dict[str, int] = {}  # the fewest bits a storage may go to: an X W is replayed from it
+    heap: list[tuple[tuple[int, float, int], int, Option]] = []
+    counter = 0
+
+    def push(storage: str) -> None:
+        nonlocal counter
+        move = _next_move(storage, analysis, by_storage, owner_plans, config, tables_saved, floors)
+        if move is not None:
+            heapq.heappush(heap, (move[0], counter, move[1]))
+            counter += 1
+
+    for storage in free:
+        push(storage)
+    while total > target and heap:
+        key, _, option = heapq.heappop(heap)
+        fresh = _next_move(option.storage, analysis, by_storage, owner_plans, config, tables_saved, floors)
+        if fresh is None:
+            continue
+        if fresh[0] != key or fresh[1].plan != option.plan:  # another move changed what this one reads: priced again
+            heapq.heappush(heap, (fresh[0], counter, fresh[1]))
+            counter += 1
+            continue
+        owner = by_storage[option.storage][0]
+        total += planned_bytes(owner, option.plan) - planned_bytes(owner, owner_plans[option.storage])
+        owner_plans[option.storage] = dataclasses.replace(option.plan, reason=f"{option.plan.reason} (memory_budget)")
+        tables_saved.update(option.tables)
+        if option.plan.action == "recompute" and option.plan.chain is owner.rebuild_product:
+            source = _replay_source_storage(owner, by_storage)
+            floors[source] = REBUILD_SOURCE_BITS
+        push(option.storage)
+
+
+def _next_move(storage: str, analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
+               owner_plans: dict[str, Plan], config: Config, tables_saved: set[str],
+               floors: dict[str, int]) -> tuple[tuple[int, float, int], Option] | None:
+    """The best option ``storage`` can move to now that saves device bytes, with its key, or None."""
+    owner, plan = by_storage[storage][0], owner_plans[storage]
+    before = planned_bytes(owner, plan)
+    best = None
+    for option in budget_options(owner, by_storage, analysis, owner_plans, config, tables_saved, floors):
+        saved = before - planned_bytes(owner, option.plan)
+        if saved <= 0:
+            continue
+        key = (option.error, (option.plan.seconds - plan.seconds) / saved, -saved)
+        if best is None or key < best[0]:
+            best = key, option
+    return best
+
+
+def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], analysis: Analysis,
+                   owner_plans: dict[str, Plan], config: Config, tables_saved: set[str],
+                   floors: dict[str, int]) -> list[Option]:
+    """The options memory_budget weighs for ``owner``'s storage from its plan now: recomputed element-wise from what
+    stays saved; an X W replayed from its x (``rebuild_from_x``), x then held at REBUILD_SOURCE_BITS or more; a
+    checkpointed block's input in host memory (``block_offload``); quantized at each BUDGET_STAGES width below its
+    plan's; factored at ``lowrank``'s rank. Pre-norm sharing and the preset's sparsified probabilities are not
+    among them."""
+    storage, group = owner.storage, by_storage[owner.storage]
+    plan = owner_plans[storage]
+    options = []
+    if plan.action in ("keep", "quantize", "lowrank") and not plan.host:
+        chosen = {s for s, p in owner_plans.items() if p.action == "recompute" and p.chain is by_storage[s][0].recompute}
+        recompute = _recompute_plan(owner, by_storage, owner_plans, chosen)
+        if recompute is not None and storage not in floors:
+            options.append(Option(storage, recompute, EXACT_ERROR))
+        replay = _replay_plan(owner, by_storage, owner_plans, config)
+        if replay is not None:
+            options.append(Option(storage, replay, EXACT_ERROR))
+    if config.block_offload and _offloadable(owner, group, plan, analysis):
+        options.append(Option(storage, _offloaded(owner, plan), _error(owner, plan)))
+    if plan.action not in ("keep", "quantize") or plan.host:
+        return options
+    # the RoPE tables a quantized plan pays for stay saved with what replaces it: they stay in its bytes
+    held_tables = 0 if plan.action == "keep" else plan.nbytes - _quantize(
+        owner, group, analysis, config, set(tables_saved), plan.bits).nbytes
+    lower = []
+    if _quantizable(group, config):
+        floor = max(_lowest_bits(owner), floors.get(storage, 0))
+        lower = [(bits, 1 + BUDGET_STAGES.index((bits, sensitivity))) for bits, sensitivity in BUDGET_STAGES
+                 if sensitivity == _sensitivity(owner) and bits >= floor
+                 and (plan.action == "keep" or bits < plan.bits)]
+    for bits, error in lower:
+        tables = set(tables_saved)
+        lowered = _quantize(owner, group, analysis, config, tables, bits)
+        if lowered.action == "quantize":
+            options.append(Option(storage, dataclasses.replace(lowered, nbytes=lowered.nbytes + held_tables), error,
+                                  frozenset(tables - tables_saved)))
+    if config.lowrank is not None and storage not in floors:
+        tables = set(tables_saved)
+        factored = propose_lowrank(owner, group, analysis, config, tables)
+        if factored is not None and factored.action == "lowrank":
+            options.append(Option(storage, dataclasses.replace(factored, nbytes=factored.nbytes + held_tables),
+                                  LOWRANK_ERROR, frozenset(tables - tables_saved)))
+    return options
+
+
+def _error(owner: SavedTensor, plan: Plan) -> int:
+    """``plan``'s error class under memory_budget."""
+    if plan.action == "quantize":
+        return 1 + BUDGET_STAGES.index((plan.bits, _sensitivity(owner)))
+    return LOWRANK_ERROR if plan.action == "lowrank" else EXACT_ERROR
+
+
+def _replay_source_storage(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]]) -> str | None:
+    """The one saved storage an X W's matmul replays from (its x; the weight frees nothing), or None."""
+    if owner.rebuild_product is None:
+        return None
+    leaves = [n.name for n in rebuild_inputs(owner.rebuild_product)
+              if n.name in by_storage and by_storage[n.name][0].frees_memory]
+    return leaves[0] if len(leaves) == 1 else None
+
+
+def _replay_plan(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
+                 config: Config) -> Plan | None:
+    """``rebuild_from_x``: an X W rebuilt in backward by replaying its matmul from its x, where x is kept or stored at
+    REBUILD_SOURCE_BITS or more, priced by the matmul's flops; None where it cannot be."""
+    source = _replay_source_storage(owner, by_storage) if config.rebuild_from_x else None
+    if source is None:
+        return None
+    x = owner_plans[source]
+    if not (x.action == "keep" or (x.action == "quantize" and x.bits >= REBUILD_SOURCE_BITS)):
+        return None
+    product = owner.rebuild_product[-1]
+    out = tensor_val(product)  # 2-d from mm, or (batch, tokens, out) from an NF4 gemm
+    rows, cols = numel_hint(out) // hint(out.shape[-1]), hint(out.shape[-1])
+    inner = hint(tensor_val(matmul_operands(product)[0]).shape[-1])
+    seconds = product_seconds(rows, inner, cols, str(out.device))
+    return Plan("recompute", f"rebuilt in backward as x W^T from {source} and the frozen weight: a matmul, "
+                f"{seconds * 1e3:.3g} ms", nbytes=0, seconds=seconds, chain=owner.rebuild_product)
 
 
 def rebuild_from_x(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
@@ -587,21 +702,29 @@ def offload_block_inputs(analysis: Analysis, by_storage: dict[str, list[SavedTen
                          config: Config, tables_saved: set[str]) -> None:
     """``block_offload``: what a checkpointed block is recomputed from waits in host memory between forward and
     backward, as its plan stores it (exact, or its codes), priced by the two copies over the host link. Left on the
-    device: a storage a forward output also holds, one saved as a view, and one a plan rebuilds otherwise."""
-    if not config.block_offload:
+    device: a storage a forward output also holds, one saved as a view, and one a plan rebuilds otherwise. Under
+    memory_budget it is one of the budget's options instead (fit_budget)."""
+    if not config.block_offload or config.memory_budget is not None:
         return
     for storage, group in by_storage.items():
-        owner, plan = group[0], owner_plans[storage]
-        # kept exact, the storage moves only where it is saved once, as itself (a saved view would hold it here)
-        kept_whole = plan.action != "keep" or (len(group) == 1 and owner.node is owner.base)
-        if BLOCK_SOURCE not in owner.base.meta or not owner.frees_memory or storage in analysis.output_storages \
-                or plan.action not in _OFFLOADABLE or not kept_whole:
-            continue
-        seconds = _offload_seconds(owner, plan)
-        owner_plans[storage] = dataclasses.replace(
-            plan, host=True, seconds=plan.seconds + seconds,
-            reason=f"{plan.reason}; in host memory between forward and backward ({stored_bytes(owner, plan)} bytes "
-                   f"there and back, {seconds * 1e3:.3g} ms)")
+        if _offloadable(group[0], group, owner_plans[storage], analysis):
+            owner_plans[storage] = _offloaded(group[0], owner_plans[storage])
+
+
+def _offloadable(owner: SavedTensor, group: list[SavedTensor], plan: Plan, analysis: Analysis) -> bool:
+    """Whether a checkpointed block's input, planned ``plan``, can wait in host memory (offload_block_inputs)."""
+    # kept exact, the storage moves only where it is saved once, as itself (a saved view would hold it here)
+    kept_whole = plan.action != "keep" or (len(group) == 1 and owner.node is owner.base)
+    return BLOCK_SOURCE in owner.base.meta and owner.frees_memory and owner.storage not in analysis.output_storages \
+        and plan.action in _OFFLOADABLE and kept_whole and not plan.host
+
+
+def _offloaded(owner: SavedTensor, plan: Plan) -> Plan:
+    seconds = _offload_seconds(owner, plan)
+    return dataclasses.replace(
+        plan, host=True, seconds=plan.seconds + seconds,
+        reason=f"{plan.reason}; in host memory between forward and backward ({stored_bytes(owner, plan)} bytes "
+               f"there and back, {seconds * 1e3:.3g} ms)")
 
 
 def on_device(plan: Plan, owner: SavedTensor, why: str) -> Plan:

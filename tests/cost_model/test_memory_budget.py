@@ -1,5 +1,6 @@
-"""memory_budget: from the exact plan, the planner spends each region down to its target, cheapest first: free
-recomputation, then quantization least sensitive tensors first."""
+"""memory_budget: from the exact plan, the planner spends each region down to its target over typed options, one
+rule for all (cost_model.planner.fit_budget): the least error class first (exact: recompute, replay, offload; then
+quantization, least sensitive tensors first; then low-rank factors), the fewest seconds per byte saved within it."""
 
 import pytest
 import torch
@@ -141,3 +142,44 @@ def test_x_w_rebuilt_for_gelu_or_tanh_stays_at_8_bits_under_any_budget():
     assert rebuilt["gelu"] == 8
     assert rebuilt["tanh"] is None  # the pooler's 2 x 64 X W: quantizing would not shrink it
     assert {bits for kind, bits in rebuilt.items() if kind not in ("gelu", "tanh")} == {2}
+
+
+def _exact_grads():
+    _, grads, _ = _budget_run(fxmem.Config())
+    return grads
+
+
+def test_exact_options_come_first_an_x_w_replayed_from_its_x_before_any_quantization():
+    # hyclora-4bit's rebuild_from_x: its q, k, v X W are rebuilt from their x by a matmul, exact; with the
+    # element-wise recomputations that meets 0.6 of torch.compile's bytes with nothing rounded
+    saved, grads, region = _budget_run(fxmem.Config.from_preset("hyclora-4bit", memory_budget=0.6))
+    assert saved == _planned(region) <= region.budget_bytes
+    assert not _quantized(region)
+    replayed = [(s, p) for s, p in zip(region.saved, region.plans, strict=True)
+                if p.reason.startswith("rebuilt in backward as x W^T from")]
+    assert replayed and all(s.role is Role.LORA_BASE_OUTPUT and p.action == "recompute" and p.seconds > 0
+                            for s, p in replayed)
+    assert gradient_fidelity(_exact_grads(), grads).min_cosine > 0.9999
+
+
+def test_low_rank_factors_come_after_every_quantizable_tensor_reaches_2_bits():
+    _, _, reachable = _budget_run(fxmem.Config(lowrank=1, memory_budget=0.3))
+    assert "lowrank" not in {p.action for p in reachable.plans} and _quantized(reachable)
+    with pytest.warns(UserWarning, match="memory_budget 0.05 not met"):
+        saved, _, region = _budget_run(fxmem.Config(lowrank=1, memory_budget=0.05))
+    factored = [p for p in region.plans if p.action == "lowrank"]
+    assert factored and all(p.rank == 1 and p.reason.endswith("(memory_budget)") for p in factored)
+    assert {p.bits for _, p in _quantized(region)} <= {2}  # rank-1 factors of these rows are fewer bytes than 2 bits
+    assert saved == _planned(region) < _planned(reachable)
+
+
+def test_a_checkpointed_blocks_input_waits_in_host_memory_before_anything_is_rounded():
+    config = fxmem.Config(block_checkpoint=True, block_offload=True, memory_budget=0.1)
+    saved, grads, region = _budget_run(config)
+    offloaded = [p for p in region.plans if p.host]
+    assert offloaded and all("in host memory between forward and backward" in p.reason for p in offloaded)
+    assert not _quantized(region)
+    assert saved == _planned(region) + sum(fxmem.cost_model.host_bytes(s, p)
+                                           for s, p in zip(region.saved, region.plans, strict=True))
+    assert _planned(region) <= region.budget_bytes
+    assert gradient_fidelity(_exact_grads(), grads).min_cosine > 0.9999
