@@ -5,11 +5,12 @@ its gradients, the loss's working set) as by the saved ones. This walks a partit
 would run it: each op's output storage is allocated when it runs and freed after its last reader (a view keeps its
 base alive; the graph's outputs live to its end). It counts storages, not tensors, each at its full size.
 
-That is the eager lowering's step. Inductor's differs in three ways modelled here (``compiled_liveness``): its
+That is the eager lowering's step. Inductor's differs in four ways modelled here (``compiled_liveness``): its
 backward frees each saved activation (its inputs) after its last reader instead of holding them all to its end, it
-computes an element-wise op inside the kernel of each reader instead of storing it, and it keeps a freed buffer for
-a later one of its size (``_reused_buffers``). What else it fuses, and where it places each kernel, is not modelled
-(docs/long-context.md has the error this leaves).
+computes an element-wise op inside the kernel of each reader instead of storing it, it keeps a freed buffer for a
+later one of its size (``_reused_buffers``), and on a CPU it runs the kernels between two library calls as one call,
+an output written over an input that dies there where it can (``_kernel_groups``). Where it places each kernel is
+not modelled (docs/long-context.md has the error this leaves).
 """
 
 from __future__ import annotations
@@ -137,14 +138,17 @@ def _takes_inline(node: Node) -> bool:
 
 def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node: 0, *,
                    released: dict[Node, tuple[Node, int]] | None = None,
-                   inlined: frozenset[Node] = frozenset(), reuse_buffers: bool = False) -> Liveness:
+                   inlined: frozenset[Node] = frozenset(), reuse_buffers: bool = False,
+                   group_kernels: bool = False) -> Liveness:
     """The most bytes ``graph``'s ops hold at once when run in order, and what its outputs hold at the end.
     ``workspace(node)``: what the op holds inside while it runs, beyond its inputs and outputs (an opaque op that
     works in chunks). As inductor runs a graph (``compiled_liveness``): ``released``, inputs counted until their
     last reader, the peak then given beyond all of them; ``inlined``, ops that store nothing, their readers reading
-    their inputs instead; ``reuse_buffers``, a freed buffer held for a later one of its size (``_reused_buffers``)."""
+    their inputs instead; ``reuse_buffers``, a freed buffer held for a later one of its size (``_reused_buffers``);
+    ``group_kernels``, the kernels between two library calls run as one call (``_kernel_groups``)."""
     released = released or {}
     nodes = list(graph.nodes)
+    groups = _kernel_groups(nodes, inlined) if group_kernels else {}
     reads_of_inlined: dict[Node, set[Storage]] = {}
 
     def reads(arg: Node) -> set[Storage]:
@@ -165,8 +169,8 @@ def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node:
             for storage in reads(arg):
                 if node.op == "output":
                     outputs.add(storage)
-                else:
-                    last_read[storage] = position
+                else:  # a group of kernels reads its inputs until its last kernel
+                    last_read[storage] = groups[position][-1] if position in groups else position
     frees_after: dict[int, list[Storage]] = {}
     for storage, position in last_read.items():
         if storage not in outputs:
@@ -179,29 +183,84 @@ def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node:
     inputs_current = start
     allocations: list[dict[Storage, int]] = []
     freed: list[list[Storage]] = []
+    sizes: dict[Storage, int] = {}  # what each storage allocated here holds
+    unread: dict[int, list[Storage]] = {}  # outputs no op reads, freed where their group of kernels ends
     for position, node in enumerate(nodes):
-        allocated = {} if node in inlined else _allocations(node)
+        group = groups.get(position, (position,))
+        allocated = {} if node in inlined or position != group[0] else {
+            s: size for p in group for s, size in _allocations(nodes[p]).items()}
+        if position in groups:  # a kernel writes an output over an input that dies with its group, where it can
+            dying = [s for s, last in last_read.items()
+                     if last == group[-1] and s in live and s not in outputs and s not in inputs and s in sizes]
+            for output, overwritten in _written_in_place(allocated, dying).items():
+                live[overwritten] = 0  # its buffer is the output's now
+                live[output] = sizes[output] = allocated.pop(output)
+        sizes.update(allocated)
         live.update(allocated)
         current += sum(allocated.values())
         held.append(current)
         inputs_held.append(inputs_current)
-        unread = [s for s in allocated if s not in last_read and s not in outputs]  # freed as soon as made
-        freed.append([*frees_after.get(position, ()), *unread])
+        unread.setdefault(group[-1], []).extend(s for s in allocated if s not in last_read and s not in outputs)
         allocations.append(allocated)
-        for storage in freed[-1]:
+        freed.append([])
+        for storage in [*frees_after.get(position, ()), *unread.pop(position, ())]:
             size = live.pop(storage, 0)
             current -= size
             inputs_current -= size if storage in inputs else 0
+            if size:
+                freed[-1].append(storage)
     if reuse_buffers:
-        _reused_buffers(nodes, allocations, freed, held, inputs_held)
+        _reused_buffers(nodes, allocations, freed, held, inputs_held, sizes)
     peak = max([start, *(size + workspace(node) for size, node in zip(held, nodes))])
     released_bytes = sum(inputs.values())
     return Liveness(peak_bytes=peak - released_bytes, end_bytes=current - sum(
         size for storage, size in inputs.items() if storage in outputs))
 
 
+def _kernel_groups(nodes: list[Node], inlined: frozenset[Node]) -> dict[int, tuple[int, ...]]:
+    """The positions of the ops whose kernels inductor runs as one call, each mapped to its group's. On a CPU its
+    C++ backend gathers every kernel it generates between two library calls (a matmul, an op it falls back to)
+    into one function, allocating their outputs before the call and freeing their inputs after it (``flush``):
+    llama-small's attention so holds q's, k's and v's adapter products with both rotary outputs at once."""
+    groups: dict[int, tuple[int, ...]] = {}
+    run: list[int] = []
+    for position, node in enumerate(list(nodes) + [None]):
+        if node is not None and (node.op != "call_function" or node in inlined or node.target is operator.getitem
+                                 or _base(node) is not node):
+            continue
+        if node is not None and _inductor_allocates(node) and node.target not in _LIBRARY_CALLS:
+            run.append(position)
+            continue
+        for member in run:
+            groups[member] = tuple(run)
+        run = []
+    return groups
+
+
+# Ops inductor lowers to a library call on a CPU (extern_kernels), which ends a group of generated kernels.
+_LIBRARY_CALLS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                            aten.convolution.default})
+
+
+def _written_in_place(outputs: dict[Storage, int], dying: list[Storage]) -> dict[Storage, Storage]:
+    """Which of a group's ``outputs`` (not a cat's, whose inputs are written into its slices) a kernel writes over
+    one of the group's inputs that die with it, ``dying``: one of inductor's own buffers of the same dtype and
+    bytes (its wrapper's in-place reuse, ``in_out_ptr``)."""
+    free: dict[tuple[torch.dtype | None, int], list[Storage]] = {}
+    for storage in dying:
+        if _inductor_allocates(storage if isinstance(storage, Node) else storage[0]):
+            free.setdefault((_dtype(storage), storage_bytes(_val(storage))), []).append(storage)
+    in_place = {}
+    for output, size in outputs.items():
+        node = output if isinstance(output, Node) else output[0]
+        waiting = free.get((_dtype(output), size))
+        if waiting and node.target is not aten.cat.default:
+            in_place[output] = waiting.pop()
+    return in_place
+
+
 def _reused_buffers(nodes: list[Node], allocations: list[dict[Storage, int]], freed: list[list[Storage]],
-                    held: list[int], estimate: list[int]) -> None:
+                    held: list[int], estimate: list[int], sizes: dict[Storage, int]) -> None:
     """Inductor's buffer reuse, added to ``held`` in place. Its wrapper keeps a freed buffer in a pool and hands
     it to the next allocation of its dtype and size (the last freed first) instead of freeing it: always when
     that allocation is the next kernel's, and otherwise when the bytes its own estimate holds in between, plus
@@ -215,7 +274,6 @@ def _reused_buffers(nodes: list[Node], allocations: list[dict[Storage, int]], fr
     of backward but the parameters and tangents, ``estimate`` the released ones only (not what forward also returns
     or AOTAutograd stashes), so the model keeps slightly fewer buffers than inductor may."""
     estimated_peak = max(estimate, default=0)
-    sizes = {storage: size for allocated in allocations for storage, size in allocated.items()}
     pool: dict[tuple[torch.dtype | None, int], list[int]] = {}  # (dtype, bytes) -> where each waiting one was freed
     kernels = [p for p, allocated in enumerate(allocations) if allocated]
     previous_kernel = {p: kernels[i - 1] if i else -1 for i, p in enumerate(kernels)}
@@ -239,11 +297,14 @@ def _reused_buffers(nodes: list[Node], allocations: list[dict[Storage, int]], fr
                 pool.setdefault((_dtype(storage), sizes[storage]), []).append(position)
 
 
-def _dtype(storage: Storage) -> torch.dtype | None:
+def _val(storage: Storage) -> object:
     node, item = (storage, None) if isinstance(storage, Node) else storage
     val = node.meta.get("val")
-    val = val[item] if item is not None else val
-    return getattr(val, "dtype", None)
+    return val[item] if item is not None else val
+
+
+def _dtype(storage: Storage) -> torch.dtype | None:
+    return getattr(_val(storage), "dtype", None)
 
 
 def _inductor_allocates(node: Node) -> bool:
@@ -256,8 +317,19 @@ def _inductor_allocates(node: Node) -> bool:
 def compiled_liveness(fw: Graph, bw: Graph, num_fwd_outputs: int,
                       workspace: Callable[[Node], int] = lambda node: 0) -> tuple[Liveness, Liveness]:
     """Forward's and backward's ``graph_liveness`` as inductor runs them: element-wise ops inside their readers'
-    kernels, backward freeing each saved activation after its last reader, and freed buffers kept for reuse. What
-    inductor fuses beyond that, and where it places each kernel, is not modelled."""
-    return (graph_liveness(fw, workspace, inlined=inlined_elementwise(fw), reuse_buffers=True),
+    kernels, backward freeing each saved activation after its last reader, freed buffers kept for reuse, and on a
+    CPU the kernels between two library calls run as one call (a GPU launches each Triton kernel apart). Where
+    inductor places each kernel is not modelled."""
+    group = _runs_on_cpu(fw)
+    return (graph_liveness(fw, workspace, inlined=inlined_elementwise(fw), reuse_buffers=True, group_kernels=group),
             graph_liveness(bw, workspace, released=released_activations(fw, bw, num_fwd_outputs),
-                           inlined=inlined_elementwise(bw), reuse_buffers=True))
+                           inlined=inlined_elementwise(bw), reuse_buffers=True, group_kernels=group))
+
+
+def _runs_on_cpu(graph: Graph) -> bool:
+    """Whether ``graph``'s first tensor is a CPU one."""
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device.type == "cpu"
+    return False

@@ -173,12 +173,13 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
               "tracing the model on fake tensors (fxmem.fitting). transients: beside the saved activations, the most "
               "the step's graphs hold at once, run in their own order with element-wise ops inside their readers' "
               "kernels, backward freeing each saved activation after its last reader and freed buffers kept for "
-              "reuse, as inductor runs them (analysis/liveness.py): backward's gradients and "
-              "intermediates at its peak, or forward's transients. Inductor fuses and places kernels otherwise: under "
-              "the compressing presets it holds more at once (llama-small's hyclora-4bit with mlp_chunk=512: the "
-              "measured step 1.04x the predicted at 2,048 tokens and 1.07x at 11,520, 1.29x at 2,048 without "
-              "mlp_chunk; exact within 0.1% with mlp_chunk and linear_chunk, 1.9% without; docs/long-context.md), "
-              "so a compiled step reaches a shorter length; `fxmem bench context` measures real steps.")
+              "reuse, and on a CPU the kernels between two library calls run as one call, as inductor runs them "
+              "(analysis/liveness.py): backward's gradients and intermediates at its peak, or forward's transients. "
+              "Inductor places kernels otherwise: under the compressing presets it holds more at once (llama-small's "
+              "hyclora-4bit with mlp_chunk=512: the measured step 1.03x the predicted at 2,048 tokens and 1.01x at "
+              "11,520, 1.29x at 2,048 without mlp_chunk; exact within 0.1% with mlp_chunk and linear_chunk, 1.9% "
+              "without; docs/long-context.md), so a compiled step reaches a shorter length; `fxmem bench context` "
+              "measures real steps.")
     if args.base == "nf4":
         legend += (" With an NF4 base, the transients include the float weights dequantized at once (one weight for "
                    "bitsandbytes' product; with mlp_chunk or linear_chunk, a module's projections together, "

@@ -141,6 +141,29 @@ def test_the_pool_hands_out_the_last_freed_buffer_first():
         == graph_liveness(graph, _opaque_workspace, released=released)
 
 
+def _grouped_kernels_graph(compare):
+    def f(x, w1, w2):
+        a1, a2 = torch.mm(x, w1), torch.mm(x, w2)  # library calls: 4 KiB each
+        return compare(a1), compare(a2)  # two generated kernels, one call between the matmul and the end
+
+    return make_fx(f)(torch.randn(32, 32), torch.randn(32, 32), torch.randn(32, 32)).graph
+
+
+def test_kernels_between_library_calls_run_as_one_call_holding_all_their_inputs():
+    # CPU inductor allocates a group's outputs before its one call and frees its inputs after it: a1 lives on
+    # beside both masks (op by op it is freed before a2's mask exists)
+    graph = _grouped_kernels_graph(lambda a: a > 0)
+    assert graph_liveness(graph).peak_bytes == 4096 + 4096 + 1024
+    assert graph_liveness(graph, group_kernels=True).peak_bytes == 4096 + 4096 + 1024 + 1024
+
+
+def test_a_grouped_kernel_writes_its_output_over_an_input_that_dies_with_the_group():
+    # sin(a) of the same dtype and size goes into a's buffer (in_out_ptr): the two matmuls' outputs are the peak
+    graph = _grouped_kernels_graph(torch.sin)
+    assert graph_liveness(graph).peak_bytes == 3 * 4096
+    assert graph_liveness(graph, group_kernels=True).peak_bytes == 2 * 4096
+
+
 def _region_and_measured_transients(preset, overrides, lowering):
     """A 256-token step of the tests' tiny Llama compiled with ``lowering``: its region, and the measured step peak
     beyond what forward saved."""
@@ -181,7 +204,7 @@ def test_transients_are_the_measured_step_peak_beyond_the_saved_bytes(preset, ov
 @pytest.mark.parametrize("preset, overrides, tolerance", [
     ("exact", {"mlp_chunk": 128}, 0.02),  # measured: 0.1%
     ("exact", {"mlp_chunk": 128, "linear_chunk": 64}, 0.02),
-    ("hyclora-4bit", {"mlp_chunk": 128}, 0.05),  # measured: 0.967x
+    ("hyclora-4bit", {"mlp_chunk": 128}, 0.05),  # measured: 1.034x the predicted
 ])
 def test_compiled_transients_are_the_measured_inductor_step_beyond_the_saved_bytes(preset, overrides, tolerance):
     region, measured = _region_and_measured_transients(preset, overrides, "inductor")
