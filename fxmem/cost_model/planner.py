@@ -497,13 +497,17 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
     target = budget_bytes(analysis, config)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
     free = [storage for storage, group in by_storage.items() if _held_as_is(group[0], group, analysis) is None]
-    floors: dict[str, int] = {}  # the fewest bits a storage may go to: an X W is replayed from it
+    # the fewest bits a storage may go to: backward rebuilds something from it (an X W this plan replays, or what
+    # the analysis names: the first partition's replays, a chunked op's or a checkpointed block's input)
+    floors = {storage: _source_bits(by_storage[storage][0], config) for storage in analysis.rebuild_sources
+              if storage in by_storage}
+    replayed_from: set[str] = set()  # x of the X W this plan replays: neither recomputed nor factored
     heap: list[tuple[tuple[int, float, int], int, Option]] = []
     counter = 0
 
     def push(storage: str) -> None:
         nonlocal counter
-        move = _next_move(storage, analysis, by_storage, owner_plans, config, tables_saved, floors)
+        move = _next_move(storage, analysis, by_storage, owner_plans, config, tables_saved, floors, replayed_from)
         if move is not None:
             heapq.heappush(heap, (move[0], counter, move[1]))
             counter += 1
@@ -512,7 +516,8 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
         push(storage)
     while total > target and heap:
         key, _, option = heapq.heappop(heap)
-        fresh = _next_move(option.storage, analysis, by_storage, owner_plans, config, tables_saved, floors)
+        fresh = _next_move(option.storage, analysis, by_storage, owner_plans, config, tables_saved, floors,
+                           replayed_from)
         if fresh is None:
             continue
         if fresh[0] != key or fresh[1].plan != option.plan:  # another move changed what this one reads: priced again
@@ -525,18 +530,20 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
         tables_saved.update(option.tables)
         if option.plan.action == "recompute" and option.plan.chain is owner.rebuild_product:
             source = _replay_source_storage(owner, by_storage)
-            floors[source] = REBUILD_SOURCE_BITS
+            floors[source] = max(floors.get(source, 0), REBUILD_SOURCE_BITS)
+            replayed_from.add(source)
         push(option.storage)
 
 
 def _next_move(storage: str, analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
-               owner_plans: dict[str, Plan], config: Config, tables_saved: set[str],
-               floors: dict[str, int]) -> tuple[tuple[int, float, int], Option] | None:
+               owner_plans: dict[str, Plan], config: Config, tables_saved: set[str], floors: dict[str, int],
+               replayed_from: set[str]) -> tuple[tuple[int, float, int], Option] | None:
     """The best option ``storage`` can move to now that saves device bytes, with its key, or None."""
     owner, plan = by_storage[storage][0], owner_plans[storage]
     before = planned_bytes(owner, plan)
     best = None
-    for option in budget_options(owner, by_storage, analysis, owner_plans, config, tables_saved, floors):
+    for option in budget_options(owner, by_storage, analysis, owner_plans, config, tables_saved, floors,
+                                 replayed_from):
         saved = before - planned_bytes(owner, option.plan)
         if saved <= 0:
             continue
@@ -547,20 +554,20 @@ def _next_move(storage: str, analysis: Analysis, by_storage: dict[str, list[Save
 
 
 def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], analysis: Analysis,
-                   owner_plans: dict[str, Plan], config: Config, tables_saved: set[str],
-                   floors: dict[str, int]) -> list[Option]:
+                   owner_plans: dict[str, Plan], config: Config, tables_saved: set[str], floors: dict[str, int],
+                   replayed_from: set[str]) -> list[Option]:
     """The options memory_budget weighs for ``owner``'s storage from its plan now: recomputed element-wise from what
-    stays saved; an X W replayed from its x (``rebuild_from_x``), x then held at REBUILD_SOURCE_BITS or more; a
-    checkpointed block's input in host memory (``block_offload``); quantized at each BUDGET_STAGES width below its
-    plan's; factored at ``lowrank``'s rank. Pre-norm sharing and the preset's sparsified probabilities are not
-    among them."""
+    stays saved; an X W replayed from its x (``rebuild_from_x``), x then held at REBUILD_SOURCE_BITS or more
+    (``replayed_from``); a checkpointed block's input in host memory (``block_offload``); quantized at each
+    BUDGET_STAGES width below its plan's and at or above its ``floors``; factored at ``lowrank``'s rank. Pre-norm
+    sharing and the preset's sparsified probabilities are not among them."""
     storage, group = owner.storage, by_storage[owner.storage]
     plan = owner_plans[storage]
     options = []
     if plan.action in ("keep", "quantize", "lowrank") and not plan.host:
         chosen = {s for s, p in owner_plans.items() if p.action == "recompute" and p.chain is by_storage[s][0].recompute}
         recompute = _recompute_plan(owner, by_storage, owner_plans, chosen)
-        if recompute is not None and storage not in floors:
+        if recompute is not None and storage not in replayed_from:
             options.append(Option(storage, recompute, EXACT_ERROR))
         replay = _replay_plan(owner, by_storage, owner_plans, config)
         if replay is not None:
@@ -584,13 +591,21 @@ def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
         if lowered.action == "quantize":
             options.append(Option(storage, dataclasses.replace(lowered, nbytes=lowered.nbytes + held_tables), error,
                                   frozenset(tables - tables_saved)))
-    if config.lowrank is not None and storage not in floors:
+    if config.lowrank is not None and storage not in replayed_from:
         tables = set(tables_saved)
         factored = propose_lowrank(owner, group, analysis, config, tables)
         if factored is not None and factored.action == "lowrank":
             options.append(Option(storage, dataclasses.replace(factored, nbytes=factored.nbytes + held_tables),
                                   LOWRANK_ERROR, frozenset(tables - tables_saved)))
     return options
+
+
+def _source_bits(owner: SavedTensor, config: Config) -> int:
+    """The fewest bits of a storage backward rebuilds something from: a checkpointed block's input at
+    Config.block_input_bits where set, else REBUILD_SOURCE_BITS (as _rebuild_source plans it)."""
+    if BLOCK_SOURCE in owner.base.meta and config.block_input_bits is not None:
+        return config.block_input_bits
+    return REBUILD_SOURCE_BITS
 
 
 def _error(owner: SavedTensor, plan: Plan) -> int:
@@ -741,10 +756,7 @@ def _rebuild_source(owner: SavedTensor, group: list[SavedTensor], analysis: Anal
                     tables: set[str], purpose: str) -> Plan:
     """The plan of an x that backward rebuilds another tensor from (``purpose`` names it): REBUILD_SOURCE_BITS, or
     a checkpointed block's input at Config.block_input_bits."""
-    bits = REBUILD_SOURCE_BITS
-    if BLOCK_SOURCE in owner.base.meta and config.block_input_bits is not None:
-        bits = config.block_input_bits
-    plan = _quantize(owner, group, analysis, config, tables, bits)
+    plan = _quantize(owner, group, analysis, config, tables, _source_bits(owner, config))
     if plan.action != "quantize":
         return plan
     return dataclasses.replace(plan, reason=f"{plan.reason}; {purpose} rebuilt from it in backward")

@@ -2,6 +2,8 @@
 rule for all (cost_model.planner.fit_budget): the least error class first (exact: recompute, replay, offload; then
 quantization, least sensitive tensors first; then low-rank factors), the fewest seconds per byte saved within it."""
 
+import re
+
 import pytest
 import torch
 
@@ -160,6 +162,19 @@ def test_exact_options_come_first_an_x_w_replayed_from_its_x_before_any_quantiza
     assert replayed and all(s.role is Role.LORA_BASE_OUTPUT and p.action == "recompute" and p.seconds > 0
                             for s, p in replayed)
     assert gradient_fidelity(_exact_grads(), grads).min_cosine > 0.9999
+
+
+def test_the_x_an_x_w_is_replayed_from_stays_at_8_bits_however_tight_the_budget():
+    # planned twice (the replayed X W are no longer saved the second time): the analysis' rebuild sources keep x's
+    # floor, else the second plan would round x to 2 bits under the replay's exact X W
+    with pytest.warns(UserWarning, match="memory_budget 0.15 not met"):
+        saved, _, region = _budget_run(fxmem.Config.from_preset("hyclora-4bit", memory_budget=0.15))
+    plans = {s.name: p for s, p in zip(region.saved, region.plans, strict=True)}
+    sources = {re.search(r"x W\^T from (\S+) and", p.reason).group(1) for p in region.plans
+               if p.reason.startswith("rebuilt in backward as x W^T")}
+    assert sources and all(plans[x].action == "keep" or plans[x].bits >= 8 for x in sources)
+    assert {p.bits for _, p in _quantized(region)} >= {2}  # the rest went to 2 bits
+    assert saved == _planned(region)
 
 
 def test_low_rank_factors_come_after_every_quantizable_tensor_reaches_2_bits():
