@@ -158,6 +158,8 @@ def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node:
         return reads_of_inlined.get(storage, {storage}) if isinstance(storage, Node) else {storage}
 
     last_read: dict[Storage, int] = {}  # the position of each storage's last reader (through views)
+    last_reader: dict[Storage, int] = {}  # the same, each op on its own (a group of kernels ends at its last)
+    reads_at: dict[int, set[Storage]] = {}  # what each grouped kernel reads
     outputs: set[Storage] = set()
     for position, node in enumerate(nodes):
         if node.target is operator.getitem or _base(node) is not node:
@@ -171,6 +173,9 @@ def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node:
                     outputs.add(storage)
                 else:  # a group of kernels reads its inputs until its last kernel
                     last_read[storage] = groups[position][-1] if position in groups else position
+                    last_reader[storage] = position
+                    if position in groups:
+                        reads_at.setdefault(position, set()).add(storage)
     frees_after: dict[int, list[Storage]] = {}
     for storage, position in last_read.items():
         if storage not in outputs:
@@ -189,18 +194,20 @@ def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node:
         group = groups.get(position, (position,))
         allocated = {} if node in inlined or position != group[0] else {
             s: size for p in group for s, size in _allocations(nodes[p]).items()}
-        if position in groups:  # a kernel writes an output over an input that dies with its group, where it can
-            dying = [s for s, last in last_read.items()
-                     if last == group[-1] and s in live and s not in outputs and s not in inputs and s in sizes]
-            for output, overwritten in _written_in_place(allocated, dying).items():
-                live[overwritten] = 0  # its buffer is the output's now
-                live[output] = sizes[output] = allocated.pop(output)
+        unread.setdefault(group[-1], []).extend(s for s in allocated if s not in last_read and s not in outputs)
+        if position in groups and allocated:  # a kernel writes its output over an input it is the last to read
+            for member in group:
+                dying = [s for s in reads_at.get(member, ()) if last_reader[s] == member and live.get(s)
+                         and s not in outputs and s not in inputs and s in sizes]
+                mine = {o: allocated[o] for o in _allocations(nodes[member]) if o in allocated}
+                for output, overwritten in _written_in_place(mine, dying).items():
+                    live[overwritten] = 0  # its buffer is the output's now
+                    live[output] = sizes[output] = allocated.pop(output)
         sizes.update(allocated)
         live.update(allocated)
         current += sum(allocated.values())
         held.append(current)
         inputs_held.append(inputs_current)
-        unread.setdefault(group[-1], []).extend(s for s in allocated if s not in last_read and s not in outputs)
         allocations.append(allocated)
         freed.append([])
         for storage in [*frees_after.get(position, ()), *unread.pop(position, ())]:
@@ -210,7 +217,7 @@ def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node:
             if size:
                 freed[-1].append(storage)
     if reuse_buffers:
-        _reused_buffers(nodes, allocations, freed, held, inputs_held, sizes)
+        _reused_buffers(nodes, allocations, freed, held, inputs_held, sizes, groups)
     peak = max([start, *(size + workspace(node) for size, node in zip(held, nodes))])
     released_bytes = sum(inputs.values())
     return Liveness(peak_bytes=peak - released_bytes, end_bytes=current - sum(
@@ -221,7 +228,8 @@ def _kernel_groups(nodes: list[Node], inlined: frozenset[Node]) -> dict[int, tup
     """The positions of the ops whose kernels inductor runs as one call, each mapped to its group's. On a CPU its
     C++ backend gathers every kernel it generates between two library calls (a matmul, an op it falls back to)
     into one function, allocating their outputs before the call and freeing their inputs after it (``flush``):
-    llama-small's attention so holds q's, k's and v's adapter products with both rotary outputs at once."""
+    llama-small's attention so holds q's, k's and v's adapter products with both rotary outputs at once. (It also
+    ends a group past 500 arguments, which is not modelled.)"""
     groups: dict[int, tuple[int, ...]] = {}
     run: list[int] = []
     for position, node in enumerate(list(nodes) + [None]):
@@ -243,9 +251,10 @@ _LIBRARY_CALLS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.defaul
 
 
 def _written_in_place(outputs: dict[Storage, int], dying: list[Storage]) -> dict[Storage, Storage]:
-    """Which of a group's ``outputs`` (not a cat's, whose inputs are written into its slices) a kernel writes over
-    one of the group's inputs that die with it, ``dying``: one of inductor's own buffers of the same dtype and
-    bytes (its wrapper's in-place reuse, ``in_out_ptr``)."""
+    """Which of a kernel's ``outputs`` (not a cat's, whose inputs are written into its slices) it writes over one of
+    its own inputs that it is the last to read, ``dying``: one of inductor's own buffers of the same dtype and bytes
+    (its wrapper's in-place reuse, ``in_out_ptr``; inductor also asks that the kernel read it where it writes, which
+    is not checked)."""
     free: dict[tuple[torch.dtype | None, int], list[Storage]] = {}
     for storage in dying:
         if _inductor_allocates(storage if isinstance(storage, Node) else storage[0]):
@@ -260,7 +269,8 @@ def _written_in_place(outputs: dict[Storage, int], dying: list[Storage]) -> dict
 
 
 def _reused_buffers(nodes: list[Node], allocations: list[dict[Storage, int]], freed: list[list[Storage]],
-                    held: list[int], estimate: list[int], sizes: dict[Storage, int]) -> None:
+                    held: list[int], estimate: list[int], sizes: dict[Storage, int],
+                    groups: dict[int, tuple[int, ...]]) -> None:
     """Inductor's buffer reuse, added to ``held`` in place. Its wrapper keeps a freed buffer in a pool and hands
     it to the next allocation of its dtype and size (the last freed first) instead of freeing it: always when
     that allocation is the next kernel's, and otherwise when the bytes its own estimate holds in between, plus
@@ -276,7 +286,8 @@ def _reused_buffers(nodes: list[Node], allocations: list[dict[Storage, int]], fr
     estimated_peak = max(estimate, default=0)
     pool: dict[tuple[torch.dtype | None, int], list[int]] = {}  # (dtype, bytes) -> where each waiting one was freed
     kernels = [p for p, allocated in enumerate(allocations) if allocated]
-    previous_kernel = {p: kernels[i - 1] if i else -1 for i, p in enumerate(kernels)}
+    # where the kernel (or group of kernels) before each one frees its inputs
+    previous_kernel = {p: groups.get(kernels[i - 1], (kernels[i - 1],))[-1] if i else -1 for i, p in enumerate(kernels)}
     for position, node in enumerate(nodes):
         own = _inductor_allocates(node)
         for storage, size in allocations[position].items() if own else ():

@@ -6,7 +6,7 @@ import dataclasses
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -243,7 +243,7 @@ def _recompute_plan(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]]
     leaves = [n.name for n in rebuild_inputs(owner.recompute) if n.name in by_storage]
     if any(leaf in chosen for leaf in leaves) or owner.storage in _leaves_of(chosen, by_storage):
         return None
-    read = sum(planned_bytes(by_storage[leaf][0], owner_plans[leaf]) for leaf in leaves)
+    read = sum(stored_bytes(by_storage[leaf][0], owner_plans[leaf]) for leaf in leaves)
     device = str(tensor_val(owner.base).device)
     return Plan("recompute", f"rebuilt element-wise in backward from {', '.join(leaves) or 'graph inputs'}",
                 nbytes=0, seconds=recompute_seconds(read, device), chain=owner.recompute)
@@ -472,15 +472,16 @@ def _share_norm_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTens
 
 # The error class of a memory_budget option: exact ones first (recompute, an X W replayed from its x, a block's input
 # waiting in host memory), then quantization down BUDGET_STAGES, then low-rank factors, whose error no bit width
-# bounds (a rank keeps a subspace, not a range): every quantizable storage reaches 2 bits before any is factored.
+# bounds (a rank keeps a subspace, not a range): a storage is factored only once its quantization reached its floor.
 EXACT_ERROR = 0
 LOWRANK_ERROR = len(BUDGET_STAGES) + 1
 
 
 @dataclass(frozen=True)
 class Option:
-    """One typed way to hold a saved storage between forward and backward (keep, recompute, replay, quantize b,
-    low-rank k, offload): its plan, which prices it in device bytes and seconds, and its error class."""
+    """One typed way to hold a saved storage between forward and backward (recompute, replay, quantize b, low-rank
+    k, offload; keep is where every storage starts): its plan, which prices it in device bytes and seconds, and its
+    error class."""
 
     storage: str
     plan: Plan
@@ -488,26 +489,40 @@ class Option:
     tables: frozenset[str] = frozenset()  # RoPE tables the plan pays for, added to the region's once it is chosen
 
 
+@dataclass
+class _Spending:
+    """What memory_budget's moves so far constrain."""
+
+    floors: dict[str, int]  # the fewest bits a storage may go to: backward rebuilds something from it
+    recomputed: set[str] = field(default_factory=set)  # storages recomputed in backward (element-wise or replayed)
+    read_by_recompute: set[str] = field(default_factory=set)  # storages those recomputations read: they stay saved
+
+
 def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
                config: Config, tables_saved: set[str]) -> None:
     """memory_budget: one rule over every typed option (``budget_options``). From the exact plan, each step moves
-    one storage to the option with the least error class, and within it the fewest seconds per byte it saves (the
-    largest storage on a tie), among the options of every storage that save bytes; until the region fits its
-    target or no option is left (budget_note then says the target is not met)."""
+    one storage to the option of the least error class, the fewest seconds per byte it saves within it (the most
+    bytes saved on a tie), among every storage's options that save device bytes; until the region fits its
+    target or no option is left (budget_note then says the target is not met). A move that changes another
+    storage's options (a RoPE table paid, a storage a recomputation reads moved) prices that storage again."""
     target = budget_bytes(analysis, config)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
     free = [storage for storage, group in by_storage.items() if _held_as_is(group[0], group, analysis) is None]
-    # the fewest bits a storage may go to: backward rebuilds something from it (an X W this plan replays, or what
-    # the analysis names: the first partition's replays, a chunked op's or a checkpointed block's input)
-    floors = {storage: _source_bits(by_storage[storage][0], config) for storage in analysis.rebuild_sources
-              if storage in by_storage}
-    replayed_from: set[str] = set()  # x of the X W this plan replays: neither recomputed nor factored
+    # the analysis' rebuild sources: the first partition's replayed X W's x, a chunked op's or a checkpointed
+    # block's input
+    spending = _Spending({storage: _source_bits(by_storage[storage][0], config)
+                          for storage in analysis.rebuild_sources if storage in by_storage})
+    readers: dict[str, set[str]] = {}  # the storages whose element-wise recomputation reads each storage
+    for storage in free:
+        chain = by_storage[storage][0].recompute
+        for node in rebuild_inputs(chain) if chain is not None else ():
+            readers.setdefault(node.name, set()).add(storage)
     heap: list[tuple[tuple[int, float, int], int, Option]] = []
     counter = 0
 
     def push(storage: str) -> None:
         nonlocal counter
-        move = _next_move(storage, analysis, by_storage, owner_plans, config, tables_saved, floors, replayed_from)
+        move = _next_move(storage, analysis, by_storage, owner_plans, config, tables_saved, spending)
         if move is not None:
             heapq.heappush(heap, (move[0], counter, move[1]))
             counter += 1
@@ -516,34 +531,39 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
         push(storage)
     while total > target and heap:
         key, _, option = heapq.heappop(heap)
-        fresh = _next_move(option.storage, analysis, by_storage, owner_plans, config, tables_saved, floors,
-                           replayed_from)
+        fresh = _next_move(option.storage, analysis, by_storage, owner_plans, config, tables_saved, spending)
         if fresh is None:
             continue
         if fresh[0] != key or fresh[1].plan != option.plan:  # another move changed what this one reads: priced again
             heapq.heappush(heap, (fresh[0], counter, fresh[1]))
             counter += 1
             continue
+        option = fresh[1]
         owner = by_storage[option.storage][0]
         total += planned_bytes(owner, option.plan) - planned_bytes(owner, owner_plans[option.storage])
         owner_plans[option.storage] = dataclasses.replace(option.plan, reason=f"{option.plan.reason} (memory_budget)")
         tables_saved.update(option.tables)
-        if option.plan.action == "recompute" and option.plan.chain is owner.rebuild_product:
-            source = _replay_source_storage(owner, by_storage)
-            floors[source] = max(floors.get(source, 0), REBUILD_SOURCE_BITS)
-            replayed_from.add(source)
-        push(option.storage)
+        repriced = {option.storage, *readers.get(option.storage, ())} | (set(free) if option.tables else set())
+        if option.plan.action == "recompute":
+            spending.recomputed.add(option.storage)
+            read = {n.name for n in rebuild_inputs(option.plan.chain)}
+            spending.read_by_recompute |= read
+            repriced |= read
+            if option.plan.chain is owner.rebuild_product:  # replayed: its x stays at REBUILD_SOURCE_BITS or more
+                source = _replay_source_storage(owner, by_storage)
+                spending.floors[source] = max(spending.floors.get(source, 0), REBUILD_SOURCE_BITS)
+        for storage in repriced & set(free):
+            push(storage)
 
 
 def _next_move(storage: str, analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
-               owner_plans: dict[str, Plan], config: Config, tables_saved: set[str], floors: dict[str, int],
-               replayed_from: set[str]) -> tuple[tuple[int, float, int], Option] | None:
+               owner_plans: dict[str, Plan], config: Config, tables_saved: set[str],
+               spending: _Spending) -> tuple[tuple[int, float, int], Option] | None:
     """The best option ``storage`` can move to now that saves device bytes, with its key, or None."""
     owner, plan = by_storage[storage][0], owner_plans[storage]
     before = planned_bytes(owner, plan)
     best = None
-    for option in budget_options(owner, by_storage, analysis, owner_plans, config, tables_saved, floors,
-                                 replayed_from):
+    for option in budget_options(owner, by_storage, analysis, owner_plans, config, tables_saved, spending):
         saved = before - planned_bytes(owner, option.plan)
         if saved <= 0:
             continue
@@ -554,34 +574,36 @@ def _next_move(storage: str, analysis: Analysis, by_storage: dict[str, list[Save
 
 
 def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], analysis: Analysis,
-                   owner_plans: dict[str, Plan], config: Config, tables_saved: set[str], floors: dict[str, int],
-                   replayed_from: set[str]) -> list[Option]:
+                   owner_plans: dict[str, Plan], config: Config, tables_saved: set[str],
+                   spending: _Spending) -> list[Option]:
     """The options memory_budget weighs for ``owner``'s storage from its plan now: recomputed element-wise from what
-    stays saved; an X W replayed from its x (``rebuild_from_x``), x then held at REBUILD_SOURCE_BITS or more
-    (``replayed_from``); a checkpointed block's input in host memory (``block_offload``); quantized at each
-    BUDGET_STAGES width below its plan's and at or above its ``floors``; factored at ``lowrank``'s rank. Pre-norm
-    sharing and the preset's sparsified probabilities are not among them."""
+    stays saved; an X W replayed from its x (``rebuild_from_x``), x then held at REBUILD_SOURCE_BITS or more; a
+    checkpointed block's input in host memory (``block_offload``, on a device whose host memory is apart from it);
+    quantized at each BUDGET_STAGES width below its plan's and at or above its floor; factored at ``lowrank``'s
+    rank. A storage a recomputation reads stays saved; one recomputed is not moved again. Pre-norm sharing and the
+    preset's sparsified probabilities are not among them."""
     storage, group = owner.storage, by_storage[owner.storage]
     plan = owner_plans[storage]
+    if plan.action not in ("keep", "quantize", "lowrank") or plan.host:
+        return []
     options = []
-    if plan.action in ("keep", "quantize", "lowrank") and not plan.host:
-        chosen = {s for s, p in owner_plans.items() if p.action == "recompute" and p.chain is by_storage[s][0].recompute}
-        recompute = _recompute_plan(owner, by_storage, owner_plans, chosen)
-        if recompute is not None and storage not in replayed_from:
+    if storage not in spending.read_by_recompute:
+        recompute = _recompute_plan(owner, by_storage, owner_plans, set())
+        if recompute is not None and not spending.recomputed & {n.name for n in rebuild_inputs(recompute.chain)}:
             options.append(Option(storage, recompute, EXACT_ERROR))
         replay = _replay_plan(owner, by_storage, owner_plans, config)
-        if replay is not None:
+        if replay is not None and _replay_source_storage(owner, by_storage) not in spending.recomputed:
             options.append(Option(storage, replay, EXACT_ERROR))
-    if config.block_offload and _offloadable(owner, group, plan, analysis):
+    if config.block_offload and _offloadable(owner, group, plan, analysis) and _host_apart(owner):
         options.append(Option(storage, _offloaded(owner, plan), _error(owner, plan)))
-    if plan.action not in ("keep", "quantize") or plan.host:
+    if plan.action == "lowrank":
         return options
     # the RoPE tables a quantized plan pays for stay saved with what replaces it: they stay in its bytes
     held_tables = 0 if plan.action == "keep" else plan.nbytes - _quantize(
         owner, group, analysis, config, set(tables_saved), plan.bits).nbytes
     lower = []
     if _quantizable(group, config):
-        floor = max(_lowest_bits(owner), floors.get(storage, 0))
+        floor = max(_lowest_bits(owner), spending.floors.get(storage, 0))
         lower = [(bits, 1 + BUDGET_STAGES.index((bits, sensitivity))) for bits, sensitivity in BUDGET_STAGES
                  if sensitivity == _sensitivity(owner) and bits >= floor
                  and (plan.action == "keep" or bits < plan.bits)]
@@ -591,13 +613,19 @@ def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
         if lowered.action == "quantize":
             options.append(Option(storage, dataclasses.replace(lowered, nbytes=lowered.nbytes + held_tables), error,
                                   frozenset(tables - tables_saved)))
-    if config.lowrank is not None and storage not in replayed_from:
+    if config.lowrank is not None and storage not in spending.floors:
         tables = set(tables_saved)
         factored = propose_lowrank(owner, group, analysis, config, tables)
         if factored is not None and factored.action == "lowrank":
             options.append(Option(storage, dataclasses.replace(factored, nbytes=factored.nbytes + held_tables),
                                   LOWRANK_ERROR, frozenset(tables - tables_saved)))
     return options
+
+
+def _host_apart(owner: SavedTensor) -> bool:
+    """Whether host memory is apart from the memory ``owner`` lives in: on a CPU it is the same, and offloading
+    saves nothing."""
+    return tensor_val(owner.base).device.type != "cpu"
 
 
 def _source_bits(owner: SavedTensor, config: Config) -> int:
@@ -634,6 +662,11 @@ def _replay_plan(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], o
     x = owner_plans[source]
     if not (x.action == "keep" or (x.action == "quantize" and x.bits >= REBUILD_SOURCE_BITS)):
         return None
+    return _replayed(owner, source)
+
+
+def _replayed(owner: SavedTensor, source: str) -> Plan:
+    """An X W rebuilt in backward by replaying its matmul from ``source`` (its x), priced by the matmul's flops."""
     product = owner.rebuild_product[-1]
     out = tensor_val(product)  # 2-d from mm, or (batch, tokens, out) from an NF4 gemm
     rows, cols = numel_hint(out) // hint(out.shape[-1]), hint(out.shape[-1])
@@ -682,12 +715,9 @@ def _replay_base_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTen
         owner, plan = group[0], owner_plans[storage]
         # below 8 bits, or at 8 only because it feeds GELU, tanh or ReLU (rebuild_refusal)
         coarse = plan.action == "quantize" and (plan.bits < REBUILD_SOURCE_BITS or _lowest_bits(owner) > config.bits)
-        if owner.rebuild_product is None or not coarse:
-            continue
-        leaves = [n.name for n in rebuild_inputs(owner.rebuild_product)  # x; the weight frees nothing
-                  if n.name in by_storage and by_storage[n.name][0].frees_memory]
-        if len(leaves) == 1 and owner_plans[leaves[0]].action in ("keep", "quantize"):
-            by_source.setdefault(leaves[0], []).append(storage)
+        source = _replay_source_storage(owner, by_storage) if coarse else None
+        if source is not None and owner_plans[source].action in ("keep", "quantize"):
+            by_source.setdefault(source, []).append(storage)
     for source, products in by_source.items():
         group, before = by_storage[source], owner_plans[source]
         after = before if before.action == "keep" else _rebuild_source(group[0], group, analysis, config,
@@ -697,16 +727,10 @@ def _replay_base_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTen
             continue
         owner_plans[source] = after
         for storage in products:
-            owner, quantized = by_storage[storage][0], owner_plans[storage]
-            product = owner.rebuild_product[-1]
-            out = tensor_val(product)  # 2-d from mm, or (batch, tokens, out) from an NF4 gemm
-            rows, cols = numel_hint(out) // hint(out.shape[-1]), hint(out.shape[-1])
-            inner = hint(tensor_val(matmul_operands(product)[0]).shape[-1])
-            seconds = product_seconds(rows, inner, cols, str(out.device))
-            owner_plans[storage] = Plan(
-                "recompute", f"rebuilt in backward as x W^T from {source} and the frozen weight: a matmul, "
-                f"{seconds * 1e3:.3g} ms against {quantized.seconds * 1e3:.3g} ms for its {quantized.bits}-bit codes",
-                nbytes=0, seconds=seconds, chain=owner.rebuild_product)
+            quantized = owner_plans[storage]
+            replayed = _replayed(by_storage[storage][0], source)
+            owner_plans[storage] = dataclasses.replace(replayed, reason=f"{replayed.reason} against "
+                                                       f"{quantized.seconds * 1e3:.3g} ms for its {quantized.bits}-bit codes")
 
 
 # What passes/offload_blocks.py moves: the tensor itself, or the tensors compress_storage saved in its place.

@@ -157,11 +157,29 @@ def test_kernels_between_library_calls_run_as_one_call_holding_all_their_inputs(
     assert graph_liveness(graph, group_kernels=True).peak_bytes == 4096 + 4096 + 1024 + 1024
 
 
-def test_a_grouped_kernel_writes_its_output_over_an_input_that_dies_with_the_group():
+def test_a_grouped_kernel_writes_its_output_over_an_input_it_is_the_last_to_read():
     # sin(a) of the same dtype and size goes into a's buffer (in_out_ptr): the two matmuls' outputs are the peak
     graph = _grouped_kernels_graph(torch.sin)
     assert graph_liveness(graph).peak_bytes == 3 * 4096
     assert graph_liveness(graph, group_kernels=True).peak_bytes == 2 * 4096
+
+
+def test_a_grouped_kernel_does_not_write_over_another_kernels_input():
+    def f(x, w, y):
+        a = torch.mm(x, w)
+        return a > 0, torch.sin(y)  # sin(y) reads y, a graph input, not a: its output takes a buffer of its own
+
+    graph = make_fx(f)(torch.randn(32, 32), torch.randn(32, 32), torch.randn(32, 32)).graph
+    assert graph_liveness(graph, group_kernels=True).peak_bytes == 4096 + 1024 + 4096
+
+
+def test_an_output_written_in_place_that_nothing_reads_is_freed_with_its_group():
+    def f(x, w, y):
+        torch.sin(torch.mm(x, w))  # written over the matmul's output, read by nothing
+        return torch.cos(y)
+
+    graph = make_fx(f)(torch.randn(32, 32), torch.randn(32, 32), torch.randn(32, 32)).graph
+    assert graph_liveness(graph, group_kernels=True).end_bytes == graph_liveness(graph).end_bytes == 4096
 
 
 def _region_and_measured_transients(preset, overrides, lowering):
