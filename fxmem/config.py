@@ -111,8 +111,9 @@ class Config:
         copied to host memory after its last forward read and back before backward's first
         (passes/offload_blocks.py): the residual stream between blocks leaves the device, for two copies over the
         host link per block a step (on the compute stream, not overlapped). For a GPU; on a CPU the host is the
-        device, and it saves nothing. The same bytes come back: the gradients do not change. False (every preset)
-        is off.
+        device, and it saves nothing. The same bytes come back: the gradients do not change. Under ``memory_budget``
+        it is one of the budget's exact options, taken block input by block input where it is the cheapest move,
+        and only where host memory is apart from the device. False (every preset) is off.
     lora_half_products: the products of PEFT's fp32 adapters on a bf16 model (x A^T, its product with B,
         and their backward products) run with inputs in the model's dtype and float32 accumulation, as a GPU's tensor
         cores run them, each result rounded to the model's dtype (passes/lora_half_products.py): "auto" for each
