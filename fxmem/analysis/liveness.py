@@ -157,8 +157,7 @@ def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node:
             return {released[storage][0]}
         return reads_of_inlined.get(storage, {storage}) if isinstance(storage, Node) else {storage}
 
-    last_read: dict[Storage, int] = {}  # the position of each storage's last reader (through views)
-    last_reader: dict[Storage, int] = {}  # the same, each op on its own (a group of kernels ends at its last)
+    last_reader: dict[Storage, int] = {}  # the position of each storage's last reader (through views)
     reads_at: dict[int, set[Storage]] = {}  # what each grouped kernel reads
     outputs: set[Storage] = set()
     for position, node in enumerate(nodes):
@@ -171,11 +170,12 @@ def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node:
             for storage in reads(arg):
                 if node.op == "output":
                     outputs.add(storage)
-                else:  # a group of kernels reads its inputs until its last kernel
-                    last_read[storage] = groups[position][-1] if position in groups else position
+                else:
                     last_reader[storage] = position
                     if position in groups:
                         reads_at.setdefault(position, set()).add(storage)
+    # where each storage is freed: after its last reader, or after the last kernel of that reader's group
+    last_read = {storage: groups.get(position, (position,))[-1] for storage, position in last_reader.items()}
     frees_after: dict[int, list[Storage]] = {}
     for storage, position in last_read.items():
         if storage not in outputs:
@@ -192,15 +192,14 @@ def graph_liveness(graph: Graph, workspace: Callable[[Node], int] = lambda node:
     unread: dict[int, list[Storage]] = {}  # outputs no op reads, freed where their group of kernels ends
     for position, node in enumerate(nodes):
         group = groups.get(position, (position,))
-        allocated = {} if node in inlined or position != group[0] else {
-            s: size for p in group for s, size in _allocations(nodes[p]).items()}
+        kernels = {} if node in inlined or position != group[0] else {p: _allocations(nodes[p]) for p in group}
+        allocated = {s: size for made in kernels.values() for s, size in made.items()}
         unread.setdefault(group[-1], []).extend(s for s in allocated if s not in last_read and s not in outputs)
-        if position in groups and allocated:  # a kernel writes its output over an input it is the last to read
-            for member in group:
+        if position in groups:  # a kernel writes its output over an input it is the last to read
+            for member, made in kernels.items():
                 dying = [s for s in reads_at.get(member, ()) if last_reader[s] == member and live.get(s)
                          and s not in outputs and s not in inputs and s in sizes]
-                mine = {o: allocated[o] for o in _allocations(nodes[member]) if o in allocated}
-                for output, overwritten in _written_in_place(mine, dying).items():
+                for output, overwritten in _written_in_place(made, dying).items():
                     live[overwritten] = 0  # its buffer is the output's now
                     live[output] = sizes[output] = allocated.pop(output)
         sizes.update(allocated)

@@ -508,6 +508,7 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
     target = budget_bytes(analysis, config)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
     free = [storage for storage, group in by_storage.items() if _held_as_is(group[0], group, analysis) is None]
+    free_set = set(free)
     # the analysis' rebuild sources: the first partition's replayed X W's x, a chunked op's or a checkpointed
     # block's input
     spending = _Spending({storage: _source_bits(by_storage[storage][0], config)
@@ -543,7 +544,7 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
         total += planned_bytes(owner, option.plan) - planned_bytes(owner, owner_plans[option.storage])
         owner_plans[option.storage] = dataclasses.replace(option.plan, reason=f"{option.plan.reason} (memory_budget)")
         tables_saved.update(option.tables)
-        repriced = {option.storage, *readers.get(option.storage, ())} | (set(free) if option.tables else set())
+        repriced = {option.storage, *readers.get(option.storage, ())} | (free_set if option.tables else set())
         if option.plan.action == "recompute":
             spending.recomputed.add(option.storage)
             read = {n.name for n in rebuild_inputs(option.plan.chain)}
@@ -552,7 +553,7 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
             if option.plan.chain is owner.rebuild_product:  # replayed: its x stays at REBUILD_SOURCE_BITS or more
                 source = _replay_source_storage(owner, by_storage)
                 spending.floors[source] = max(spending.floors.get(source, 0), REBUILD_SOURCE_BITS)
-        for storage in repriced & set(free):
+        for storage in repriced & free_set:
             push(storage)
 
 
@@ -604,15 +605,14 @@ def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
     lower = []
     if _quantizable(group, config):
         floor = max(_lowest_bits(owner), spending.floors.get(storage, 0))
-        lower = [(bits, 1 + BUDGET_STAGES.index((bits, sensitivity))) for bits, sensitivity in BUDGET_STAGES
-                 if sensitivity == _sensitivity(owner) and bits >= floor
-                 and (plan.action == "keep" or bits < plan.bits)]
-    for bits, error in lower:
+        lower = [bits for bits, sensitivity in BUDGET_STAGES if sensitivity == _sensitivity(owner)
+                 and bits >= floor and (plan.action == "keep" or bits < plan.bits)]
+    for bits in lower:
         tables = set(tables_saved)
         lowered = _quantize(owner, group, analysis, config, tables, bits)
         if lowered.action == "quantize":
-            options.append(Option(storage, dataclasses.replace(lowered, nbytes=lowered.nbytes + held_tables), error,
-                                  frozenset(tables - tables_saved)))
+            options.append(Option(storage, dataclasses.replace(lowered, nbytes=lowered.nbytes + held_tables),
+                                  _error(owner, lowered), frozenset(tables - tables_saved)))
     if config.lowrank is not None and storage not in spending.floors:
         tables = set(tables_saved)
         factored = propose_lowrank(owner, group, analysis, config, tables)
@@ -729,8 +729,8 @@ def _replay_base_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTen
         for storage in products:
             quantized = owner_plans[storage]
             replayed = _replayed(by_storage[storage][0], source)
-            owner_plans[storage] = dataclasses.replace(replayed, reason=f"{replayed.reason} against "
-                                                       f"{quantized.seconds * 1e3:.3g} ms for its {quantized.bits}-bit codes")
+            against = f"{quantized.seconds * 1e3:.3g} ms for its {quantized.bits}-bit codes"
+            owner_plans[storage] = dataclasses.replace(replayed, reason=f"{replayed.reason} against {against}")
 
 
 # What passes/offload_blocks.py moves: the tensor itself, or the tensors compress_storage saved in its place.
