@@ -30,6 +30,7 @@ from torch.fx import GraphModule
 from torch.fx.graph_module import _loader as fx_source_loader
 
 from fxmem.analysis import Analysis, SavedTensor, analyze
+from fxmem.analysis.blocks import find_blocks
 from fxmem.analysis.liveness import compiled_liveness, graph_liveness
 from fxmem.analysis.pinned import Pinned, pinned
 from fxmem.analysis.recompute import rebuild_inputs
@@ -55,8 +56,11 @@ LOWERINGS = ("inductor", "eager")
 # Attention is recomputed in backward only so that its saved output agrees with compressed q, k and v
 # (passes/recompute_attention.py). A memory_budget plan is made first without it, and kept when q, k and v stay
 # exact; else it runs in the layers whose q, k or v that plan compressed, and the others keep theirs exact: an
-# attention forward per layer in backward is spent only where the budget needs those bytes.
-_DEFERRED_UNDER_BUDGET = {"recompute_attention": "not run: q, k and v stay exact under memory_budget"}
+# attention forward per layer in backward is spent only where the budget needs those bytes. Block checkpoints
+# likewise: that first plan weighs each block's checkpoint among its options, and the region is partitioned again
+# with the blocks it chose checkpointed.
+_DEFERRED_UNDER_BUDGET = {"recompute_attention": "not run: q, k and v stay exact under memory_budget",
+                          "checkpoint_blocks": "not run: memory_budget met its target without a block checkpoint"}
 
 
 @dataclasses.dataclass
@@ -67,6 +71,11 @@ class _Partition:
     records: list[PassRecord]
     recomputed: list[tuple[SavedTensor, Plan]] = dataclasses.field(default_factory=list)
     failure: str | None = None  # the analysis or planning failed: the graphs are min-cut's, unplanned
+
+    def checkpointed_blocks(self) -> frozenset[str]:
+        """The blocks the plan checkpoints (memory_budget's first plan)."""
+        return frozenset(saved.layer for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True)
+                         if plan.action == "checkpoint")
 
     def compressed_attention_layers(self) -> frozenset[str]:
         """The layers (analysis.graph.layer_of) whose attention q, k or v the plan stores lossily."""
@@ -120,11 +129,23 @@ class _Partitioner(CustomPartitionerFn):
             chosen = self._partition(copy_graph_module(joint), joint_inputs, kwargs, exact_bytes,
                                      deferred=_DEFERRED_UNDER_BUDGET)
             if chosen.failure is not None:
+                note = (f"memory_budget's first plan failed ({chosen.failure}); planned again with every technique "
+                        "run and no block checkpoint chosen")
+                fall_back(f"fxmem region {region.index}: {note}", config)
+                region.notes.append(note)
                 chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes)
-            elif layers := chosen.compressed_attention_layers():  # attention recomputed in those layers alone
-                chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes, attention_layers=layers)
-                if chosen.failure is None:
-                    chosen.keep_attention_inputs_outside(layers)
+            else:  # attention recomputed only in the layers whose q, k, v were compressed, blocks only where chosen
+                blocks = chosen.checkpointed_blocks()
+                layers = chosen.compressed_attention_layers() - blocks
+                if blocks:
+                    region.notes.append("memory_budget checkpoints " + "; ".join(sorted(
+                        {p.reason.removeprefix("recomputed in backward with its block, ").removesuffix(
+                            " (memory_budget)") for p in chosen.state.plans if p.action == "checkpoint"})))
+                if blocks or layers:
+                    chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes, attention_layers=layers,
+                                             blocks=blocks)
+                    if chosen.failure is None:
+                        chosen.keep_attention_inputs_outside(layers)
         region.add_passes(chosen.records)
         state = chosen.state
         if chosen.failure is not None:
@@ -165,23 +186,28 @@ class _Partitioner(CustomPartitionerFn):
 
     def _partition(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
                    exact_bytes: int | None, deferred: Mapping[str, str] | None = None,
-                   attention_layers: frozenset[str] | None = None) -> _Partition:
-        """The joint passes but ``deferred`` (recompute_attention in ``attention_layers`` only, where given),
-        torch's min-cut, the analysis and the plan (with a second min-cut for the planner's recomputations)."""
+                   attention_layers: frozenset[str] | None = None, blocks: frozenset[str] | None = None
+                   ) -> _Partition:
+        """The joint passes but ``deferred`` (recompute_attention in ``attention_layers`` only, checkpoint_blocks in
+        ``blocks`` only, where given), torch's min-cut, the analysis and the plan (with a second min-cut for the
+        planner's recomputations). Where checkpoint_blocks is deferred, the plan may checkpoint blocks: it is then
+        returned as it is, to be partitioned again with them."""
         config = self.region.config
         state = PipelineState(config=config, joint=joint, joint_inputs=joint_inputs,
                               num_fwd_outputs=kwargs["num_fwd_outputs"], probes=[] if self.fidelity_probes else None,
-                              attention_layers=attention_layers)
+                              attention_layers=attention_layers, blocks=blocks)
         records = self.passes.run("joint", state, skip=deferred)
+        offered = tuple(find_blocks(state.joint.graph)) if config.block_checkpoint and deferred else ()
         # min-cut marks the graph it partitions: a copy to partition again with the planner's recomputations
         joint_for_recompute = copy_graph_module(state.joint) if config.compresses else None
         state.fw, state.bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
         try:
-            state.analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes)
+            state.analysis = dataclasses.replace(self._analyze(state.fw, state.bw, kwargs, exact_bytes),
+                                                 blocks=offered)
             state.plans = plan_region(state.analysis, config, enabled_techniques(config))
             recomputed = [(s, p) for s, p in zip(state.analysis.saved, state.plans, strict=True)
                           if p.action == "recompute"]
-            if recomputed:  # partition again, those tensors' chains tagged, and plan what is saved then
+            if recomputed and not any(p.action == "checkpoint" for p in state.plans):  # partition again, those tensors' chains tagged, and plan what is saved then
                 names = {node.name for _, plan in recomputed for node in plan.chain}
                 tag_must_recompute(n for n in joint_for_recompute.graph.nodes if n.name in names)
                 state.fw, state.bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)

@@ -20,6 +20,15 @@ class Block:
     inputs: tuple[Node, ...]  # the forward activations from outside any block that it reads (the embedding)
     random: str | None  # an op in it that draws random numbers, if any
 
+    @property
+    def sources(self) -> tuple[Node, ...]:
+        """What a checkpoint of the block saves: the forward activations it reads from outside it (the embedding, an
+        earlier block's outputs), which backward recomputes it from, and its outputs."""
+        inside = set(self.nodes)
+        read = (a for n in self.nodes for a in n.all_input_nodes
+                if a not in inside and a.op == "call_function" and is_forward(a))
+        return tuple(dict.fromkeys((*read, *self.outputs)))
+
 
 def is_forward(node: Node) -> bool:
     return node.meta.get("partitioner_tag") == "is_forward"

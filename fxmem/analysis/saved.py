@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from fxmem.analysis.blocks import Block
 from fxmem.analysis.graph import (
     layer_of,
     module_path,
@@ -99,6 +100,9 @@ class Analysis:
     # storages backward rebuilds a recomputed X W from (the planner's first partition chose it, or the chunked
     # MLP's input): quantized at no fewer than cost_model.planner.REBUILD_SOURCE_BITS
     rebuild_sources: frozenset[str] = frozenset()
+    # the repeated blocks memory_budget may checkpoint (block_checkpoint), found in the joint graph this partition
+    # came from; empty where they are checkpointed already or not on offer
+    blocks: tuple[Block, ...] = ()
 
     @property
     def saved_storages(self) -> frozenset[str]:

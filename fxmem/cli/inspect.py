@@ -10,7 +10,7 @@ import pathlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fxmem.cli.common import add_preset, console, get_workload, int_at_least, workload_names
+from fxmem.cli.common import add_preset, config_override, console, get_workload, int_at_least, workload_names
 from fxmem.config import PRESETS, Config
 
 if TYPE_CHECKING:
@@ -28,6 +28,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--memory-budget", type=_budget, metavar="TARGET",
                         help="the planner's target for each region's saved activations: a fraction of what "
                              "torch.compile saves, or a number of bytes (see README)")
+    parser.add_argument("--set", action="append", type=config_override, default=[], metavar="NAME=VALUE",
+                        help="override a Config field of the preset (a Python literal: --set block_checkpoint=True); "
+                             "repeatable")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--all", action="store_true", help="also list parameters and inputs (they free nothing)")
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from fxmem.models import build_lora_model, example_batch, hf_config
 
     try:
-        config = Config.from_preset(args.preset, memory_budget=args.memory_budget)
+        overrides = {"memory_budget": args.memory_budget, **dict(args.set)}
+        config = Config.from_preset(args.preset, **overrides)
     except ValueError as error:
         console.print(f"[red]{error}[/red]")
         return 2
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[yellow]--fidelity: preset {args.preset} compresses nothing; name a lossy one "
                           f"({', '.join(lossy)})[/yellow]")
         try:
-            fidelity = check_fidelity(model, batch, args.preset, loss=loss, memory_budget=args.memory_budget)
+            fidelity = check_fidelity(model, batch, args.preset, loss=loss, **overrides)
         except TypeError as error:  # the model's output has no loss
             console.print(f"[red]--fidelity: {error}[/red]")
             return 2

@@ -10,7 +10,8 @@ from torch.fx import Node
 from fxmem.analysis.norm import NormUnit
 from fxmem.analysis.rope import Replay
 
-Action = Literal["keep", "recompute", "quantize", "sparsify", "lowrank", "prenorm"]
+# checkpoint: made by a block memory_budget checkpoints, recomputed with it (a first plan's, backend.py)
+Action = Literal["keep", "recompute", "quantize", "sparsify", "lowrank", "prenorm", "checkpoint"]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxmem.analysis import Analysis, Role, SavedTensor
+from fxmem.analysis.blocks import Block
 from fxmem.analysis.graph import (
     hint,
     memory_order,
@@ -38,6 +39,7 @@ from fxmem.cost_model.memory import (
 )
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.prices import (
+    forward_seconds,
     lowrank_seconds,
     offload_seconds,
     product_seconds,
@@ -494,17 +496,33 @@ class _Spending:
     """What memory_budget's moves so far constrain."""
 
     floors: dict[str, int]  # the fewest bits a storage may go to: backward rebuilds something from it
-    recomputed: set[str] = field(default_factory=set)  # storages recomputed in backward (element-wise or replayed)
+    # storages recomputed in backward (element-wise, replayed, or with their checkpointed block)
+    recomputed: set[str] = field(default_factory=set)
     read_by_recompute: set[str] = field(default_factory=set)  # storages those recomputations read: they stay saved
+    checkpointed: set[str] = field(default_factory=set)  # blocks checkpointed
+    added: set[str] = field(default_factory=set)  # storages a checkpointed block saves that nothing saved before
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    """memory_budget's block checkpoint (``block_checkpoint``): every storage the block's forward makes but its
+    outputs is recomputed with the block in backward, from its sources (analysis.blocks.Block.sources), which stay
+    saved at their floor or finer; those nothing saved before are ``added``."""
+
+    block: str
+    plans: dict[str, Plan]  # the new plan of each storage the move changes
+    added: dict[str, int]  # storage -> bytes
+    error: int
 
 
 def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
                config: Config, tables_saved: set[str]) -> None:
-    """memory_budget: one rule over every typed option (``budget_options``). From the exact plan, each step moves
-    one storage to the option of the least error class, the fewest seconds per byte it saves within it (the most
-    bytes saved on a tie), among every storage's options that save device bytes; until the region fits its
-    target or no option is left (budget_note then says the target is not met). A move that changes another
-    storage's options (a RoPE table paid, a storage a recomputation reads moved) prices that storage again."""
+    """memory_budget: one rule over every typed option (``budget_options``, and a block checkpoint per block the
+    analysis offers, ``_block_move``). From the exact plan, each step takes the option of the least error class, the
+    fewest seconds per byte it saves within it (the most bytes saved on a tie), among every option that saves
+    device bytes; until the region fits its target or no option is left (budget_note then says the target is not
+    met). A move that changes another storage's options (a RoPE table paid, a storage a recomputation reads moved)
+    prices that storage again."""
     target = budget_bytes(analysis, config)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
     free = [storage for storage, group in by_storage.items() if _held_as_is(group[0], group, analysis) is None]
@@ -518,28 +536,44 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
         chain = by_storage[storage][0].recompute
         for node in rebuild_inputs(chain) if chain is not None else ():
             readers.setdefault(node.name, set()).add(storage)
-    heap: list[tuple[tuple[int, float, int], int, Option]] = []
+    blocks = {block.name: block for block in analysis.blocks if block.random is None}
+    sharing: dict[str, set[str]] = {}  # the blocks whose checkpoint saves each storage
+    for block in blocks.values():
+        for node in block.sources:
+            sharing.setdefault(storage_base(node).name, set()).add(block.name)
+    heap: list[tuple[tuple[int, float, int], int, Option | BlockOption]] = []
     counter = 0
 
-    def push(storage: str) -> None:
+    def move(unit: str) -> tuple[tuple[int, float, int], Option | BlockOption] | None:
+        if unit in blocks:
+            return _block_move(blocks[unit], analysis, by_storage, owner_plans, config, spending)
+        return _next_move(unit, analysis, by_storage, owner_plans, config, tables_saved, spending)
+
+    def push(unit: str) -> None:
         nonlocal counter
-        move = _next_move(storage, analysis, by_storage, owner_plans, config, tables_saved, spending)
-        if move is not None:
-            heapq.heappush(heap, (move[0], counter, move[1]))
+        found = move(unit)
+        if found is not None:
+            heapq.heappush(heap, (found[0], counter, found[1]))
             counter += 1
 
-    for storage in free:
-        push(storage)
+    for unit in (*free, *blocks):
+        push(unit)
     while total > target and heap:
         key, _, option = heapq.heappop(heap)
-        fresh = _next_move(option.storage, analysis, by_storage, owner_plans, config, tables_saved, spending)
+        fresh = move(option.block if isinstance(option, BlockOption) else option.storage)
         if fresh is None:
             continue
-        if fresh[0] != key or fresh[1].plan != option.plan:  # another move changed what this one reads: priced again
+        if fresh[0] != key or fresh[1] != option:  # another move changed what this one reads: priced again
             heapq.heappush(heap, (fresh[0], counter, fresh[1]))
             counter += 1
             continue
-        option = fresh[1]
+        if isinstance(option, BlockOption):
+            total += _checkpoint(option, blocks[option.block], by_storage, owner_plans, config, spending)
+            for storage in option.plans.keys() & free_set:
+                push(storage)
+            for block in set().union(*(sharing.get(storage, ()) for storage in option.plans)) - spending.checkpointed:
+                push(block)
+            continue
         owner = by_storage[option.storage][0]
         total += planned_bytes(owner, option.plan) - planned_bytes(owner, owner_plans[option.storage])
         owner_plans[option.storage] = dataclasses.replace(option.plan, reason=f"{option.plan.reason} (memory_budget)")
@@ -555,6 +589,67 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
                 spending.floors[source] = max(spending.floors.get(source, 0), REBUILD_SOURCE_BITS)
         for storage in repriced & free_set:
             push(storage)
+        for block in set().union(*(sharing.get(storage, ()) for storage in repriced)) - spending.checkpointed:
+            push(block)
+
+
+def _block_move(block: Block, analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
+                owner_plans: dict[str, Plan], config: Config,
+                spending: _Spending) -> tuple[tuple[int, float, int], BlockOption] | None:
+    """Checkpointing ``block`` from the plans now, with its key, or None where it saves no device bytes or cannot be
+    taken: a storage it would free is read by a recomputation outside it."""
+    if block.name in spending.checkpointed:
+        return None
+    sources = {storage_base(node).name: storage_base(node) for node in block.sources}
+    inside = [storage for storage, group in by_storage.items()
+              if group[0].layer == block.name and group[0].frees_memory and storage not in sources
+              and storage not in analysis.output_storages]
+    outside = spending.recomputed.difference(inside)
+    if {n.name for storage in outside for n in rebuild_inputs(owner_plans[storage].chain)} & set(inside):
+        return None
+    floor = _block_source_bits(config)
+    plans = {storage: Plan("checkpoint", "", nbytes=0) for storage in inside}
+    added = {}
+    for storage, node in sources.items():
+        if storage not in by_storage:
+            if storage not in spending.added:
+                added[storage] = storage_bytes(tensor_val(node))
+            continue
+        plan = owner_plans[storage]
+        if not (plan.action == "keep" or (plan.action == "quantize" and plan.bits >= floor)):
+            plans[storage] = Plan("keep", f"what {block.name} is recomputed from in backward: kept exact")
+    saved = sum(planned_bytes(by_storage[s][0], owner_plans[s]) - planned_bytes(by_storage[s][0], p)
+                for s, p in plans.items()) - sum(added.values())
+    if saved <= 0:
+        return None
+    seconds = forward_seconds(block.nodes, str(tensor_val(block.outputs[0]).device)) + sum(
+        p.seconds - owner_plans[s].seconds for s, p in plans.items())
+    error = max((_error(by_storage[s][0], plans.get(s, owner_plans[s])) for s in sources if s in by_storage),
+                default=EXACT_ERROR)
+    checkpointed = Plan("checkpoint", f"recomputed in backward with its block, {block.name}: a {seconds * 1e3:.3g} "
+                                      f"ms forward for {saved / 2**20:.2f} MiB", nbytes=0)
+    plans |= {storage: checkpointed for storage in inside}
+    return (error, seconds / saved, -saved), BlockOption(block.name, plans, added, error)
+
+
+def _checkpoint(option: BlockOption, block: Block, by_storage: dict[str, list[SavedTensor]],
+                owner_plans: dict[str, Plan], config: Config, spending: _Spending) -> int:
+    """Applies a block checkpoint; returns the device bytes it adds (negative: saves)."""
+    change = sum(option.added.values())
+    for storage, plan in option.plans.items():
+        owner = by_storage[storage][0]
+        change += planned_bytes(owner, plan) - planned_bytes(owner, owner_plans[storage])
+        owner_plans[storage] = dataclasses.replace(plan, reason=f"{plan.reason} (memory_budget)")
+        if plan.action == "checkpoint":
+            spending.recomputed.add(storage)
+    sources = {storage_base(node).name for node in block.sources}
+    spending.read_by_recompute |= sources
+    floor = _block_source_bits(config)
+    for storage in sources & by_storage.keys():
+        spending.floors[storage] = max(spending.floors.get(storage, 0), floor)
+    spending.added |= option.added.keys()
+    spending.checkpointed.add(option.block)
+    return change
 
 
 def _next_move(storage: str, analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
@@ -631,9 +726,11 @@ def _host_apart(owner: SavedTensor) -> bool:
 def _source_bits(owner: SavedTensor, config: Config) -> int:
     """The fewest bits of a storage backward rebuilds something from: a checkpointed block's input at
     Config.block_input_bits where set, else REBUILD_SOURCE_BITS (as _rebuild_source plans it)."""
-    if BLOCK_SOURCE in owner.base.meta and config.block_input_bits is not None:
-        return config.block_input_bits
-    return REBUILD_SOURCE_BITS
+    return _block_source_bits(config) if BLOCK_SOURCE in owner.base.meta else REBUILD_SOURCE_BITS
+
+
+def _block_source_bits(config: Config) -> int:
+    return config.block_input_bits if config.block_input_bits is not None else REBUILD_SOURCE_BITS
 
 
 def _error(owner: SavedTensor, plan: Plan) -> int:

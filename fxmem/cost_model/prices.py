@@ -10,10 +10,17 @@ frozen product replayed in backward, are priced by their flops at the device's m
 from __future__ import annotations
 
 import functools
+import operator
+
+from collections.abc import Sequence
 
 import torch
+from torch.fx import Node
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fxmem.analysis.graph import hint, numel_hint, tensor_val
+from fxmem.analysis.lora import matmul_operands
+from fxmem.analysis.roles import is_fused_attention, op_argument
 from fxmem.kernels.quantize import fit_reads
 from fxmem.timing import median, step_times
 
@@ -79,6 +86,52 @@ def attention_seconds(batch: int, heads: int, queries: int, keys: int, head_dim:
     causal mask) at the device's measured fp32 matmul rate: an upper bound where fused attention runs in bf16."""
     flops = 4 * batch * heads * queries * keys * head_dim / (2 if causal else 1)
     return flops / matmul_rate(device)
+
+
+def attention_op_seconds(node: Node) -> float:
+    """One forward of a fused attention op, from its query's and key's (batch, heads, length, head_dim) shapes."""
+    query, key = (tensor_val(n) for n in node.args[:2])
+    if query is None or key is None or query.dim() != 4 or key.dim() != 4:
+        return 0.0
+    batch, heads, queries, head_dim = (hint(size) for size in query.shape)
+    return attention_seconds(batch, heads, queries, hint(key.shape[2]), head_dim,
+                             causal=op_argument(node, "is_causal", False) is True, device=query.device.type)
+
+
+_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                      torch.ops.aten.baddbmm.default})
+
+
+def forward_seconds(nodes: Sequence[Node], device: str = "cpu") -> float:
+    """``nodes`` (a forward) run again in backward: matmuls and fused attention by their flops at the measured
+    matmul rate; a custom op that reads parameter matrices (fxmem's chunked MLP and linears) as those matrices
+    applied to each row of its first input; every other op by its output written and read once at the memory
+    bandwidth."""
+    flops = traffic = 0
+    for node in nodes:
+        val = tensor_val(node)
+        if node.target is operator.getitem:  # a multi-output op's part: priced with the op
+            continue
+        if node.target in _MATMULS:
+            a, b = (tensor_val(n) for n in matmul_operands(node))
+            flops += 2 * numel_hint(a) * hint(b.shape[-1])
+        elif is_fused_attention(node):
+            flops += attention_op_seconds(node) * matmul_rate(device)
+        elif matrices := _parameter_matrices(node):
+            x = tensor_val(node.all_input_nodes[0])
+            rows = numel_hint(x) // max(hint(x.shape[-1]), 1) if x is not None and x.dim() else 1
+            flops += 2 * rows * sum(map(numel_hint, matrices))
+        elif isinstance(val, torch.Tensor):
+            traffic += 2 * numel_hint(val) * val.element_size()
+    return flops / matmul_rate(device) + traffic / memory_bandwidth(device)
+
+
+def _parameter_matrices(node: Node) -> list[torch.Tensor]:
+    """The floating 2-d graph inputs a custom (not aten) op reads."""
+    if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace in ("aten", "prims"):
+        return []
+    vals = (tensor_val(a) for a in node.all_input_nodes if a.op == "placeholder")
+    return [v for v in vals if v is not None and v.dim() == 2 and v.is_floating_point()]
 
 
 def product_seconds(rows: int, inner: int, cols: int, device: str = "cpu") -> float:

@@ -8,6 +8,9 @@ instead of every block's. The recomputed forward runs on the very values saved, 
 are torch's. A quantizing preset stores each block's output at no fewer than REBUILD_SOURCE_BITS (a block is
 rebuilt from it, as an X W is from its x: analysis/saved.py). A block that draws random numbers (dropout) is left
 as it is: the recomputation would draw others.
+
+Under ``memory_budget`` a block's checkpoint is one of the budget's options: the region is planned first without
+this pass, and it then runs on the blocks that plan chose (``PipelineState.blocks``; backend.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ class CheckpointBlocks(GraphPass):
 
     def run(self, state: PipelineState) -> str:
         blocks = find_blocks(state.joint.graph)
-        checkpointed = [b for b in blocks if b.random is None]
+        chosen = [b for b in blocks if state.blocks is None or b.name in state.blocks]
+        checkpointed = [b for b in chosen if b.random is None]
         for block in checkpointed:
             tag_must_recompute(n for n in block.nodes if n not in block.outputs)
             for output in block.outputs:
@@ -37,7 +41,10 @@ class CheckpointBlocks(GraphPass):
         saved = sum(len(b.outputs) for b in checkpointed)
         parts = [f"{len(checkpointed)} block(s) checkpointed from their outputs, {saved} tensor(s) saved between blocks"
                  ] if checkpointed else []
-        left = [b for b in blocks if b.random is not None]
+        if len(chosen) < len(blocks):
+            parts.append(f"{len(blocks) - len(chosen)} left to their saved tensors' plans: memory_budget chose "
+                         f"{', '.join(b.name for b in chosen)}")
+        left = [b for b in chosen if b.random is not None]
         if left:
             parts.append(f"{len(left)} block(s) left as they are: they draw random numbers ({left[0].random})")
             unsupported(f"checkpoint_blocks: {parts[-1]}", state.config)

@@ -56,6 +56,8 @@ class PipelineState:
     probes: list[tuple[int, str]] | None = None
     # recompute_attention: the layers (analysis.graph.layer_of) whose attention it recomputes; None: every layer
     attention_layers: frozenset[str] | None = None
+    # checkpoint_blocks: the blocks (analysis.blocks.Block.name) it checkpoints; None: every block
+    blocks: frozenset[str] | None = None
 
     def graphs(self, stage: Stage) -> dict[str, GraphModule]:
         if stage == "dynamo":

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import operator
 
-from torch.fx import Node
-
-from fxmem.analysis.graph import hint, layer_of, module_path, tensor_val
-from fxmem.analysis.roles import dropout_probability, is_fused_attention, op_argument
-from fxmem.cost_model.prices import attention_seconds
+from fxmem.analysis.graph import layer_of, module_path
+from fxmem.analysis.roles import dropout_probability, is_fused_attention
+from fxmem.cost_model.prices import attention_op_seconds
 from fxmem.fallback import unsupported
 from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
 
@@ -35,12 +33,16 @@ class RecomputeAttention(GraphPass):
     stage = "joint"
 
     def run(self, state: PipelineState) -> str:
-        tagged = skipped = exact = 0
+        tagged = skipped = exact = whole = 0
         seconds = 0.0
         for node in state.joint.graph.nodes:
             if node.target is operator.getitem or not is_fused_attention(node):
                 continue  # a getitem carries its op's original_aten: count the op once
-            if state.attention_layers is not None and layer_of(module_path(node)) not in state.attention_layers:
+            layer = layer_of(module_path(node))
+            if state.blocks is not None and layer in state.blocks:
+                whole += 1  # checkpoint_blocks recomputes the whole block
+                continue
+            if state.attention_layers is not None and layer not in state.attention_layers:
                 exact += 1
                 continue
             if dropout_probability(node):
@@ -48,7 +50,7 @@ class RecomputeAttention(GraphPass):
                 continue
             tag_must_recompute([node, *(u for u in node.users if u.target is operator.getitem)])
             tagged += 1
-            seconds += forward_seconds(node)
+            seconds += attention_op_seconds(node)
         parts = []
         if tagged:
             parts.append(f"{tagged} attention op(s) recomputed in backward (about {seconds * 1000:.2f} ms of "
@@ -56,17 +58,10 @@ class RecomputeAttention(GraphPass):
         if exact:
             parts.append(f"{exact} left saving q, k, v and the output exact (memory_budget: their q, k and v stay "
                          f"exact)")
+        if whole:
+            parts.append(f"{whole} in blocks memory_budget checkpoints whole")
         if skipped:
             parts.append(f"{skipped} with dropout left as is")
             unsupported(f"recompute_attention: {parts[-1]}", state.config)
         return "; ".join(parts)
 
-
-def forward_seconds(node: Node) -> float:
-    """One forward of a fused attention op, from its query's and key's (batch, heads, length, head_dim) shapes."""
-    query, key = (tensor_val(n) for n in node.args[:2])
-    if query is None or key is None or query.dim() != 4 or key.dim() != 4:
-        return 0.0
-    batch, heads, queries, head_dim = (hint(size) for size in query.shape)
-    return attention_seconds(batch, heads, queries, hint(key.shape[2]), head_dim,
-                             causal=op_argument(node, "is_causal", False) is True, device=query.device.type)

@@ -202,3 +202,51 @@ def test_a_checkpointed_blocks_input_waits_in_host_memory_before_anything_is_rou
                                            for s, p in zip(region.saved, region.plans, strict=True))
     assert _planned(region) <= region.budget_bytes
     assert gradient_fidelity(_exact_grads(), grads).min_cosine > 0.9999
+
+
+def _block_summaries(region):
+    return {p.name: p.summary for p in region.passes if p.name in ("checkpoint_blocks", "recompute_attention")}
+
+
+def test_a_block_checkpoint_is_one_of_the_budgets_exact_options_taken_block_by_block():
+    # the tiny Llama's two blocks: at 0.5 one checkpoint (with the element-wise recomputations) meets the target
+    saved, grads, region = _budget_run(fxmem.Config(block_checkpoint=True, memory_budget=0.5))
+    assert saved == _planned(region) <= region.budget_bytes
+    [note] = [n for n in region.notes if n.startswith("memory_budget checkpoints ")]
+    assert re.fullmatch(r"memory_budget checkpoints base_model\.model\.model\.layers\.1: a [\d.]+ ms forward for "
+                        r"[\d.]+ MiB", note), note
+    summaries = _block_summaries(region)
+    assert summaries["checkpoint_blocks"] == (
+        "1 block(s) checkpointed from their outputs, 1 tensor(s) saved between blocks; 1 left to their saved "
+        "tensors' plans: memory_budget chose base_model.model.model.layers.1")
+    assert summaries["recompute_attention"].endswith("1 in blocks memory_budget checkpoints whole")
+    # the checkpointed block saves its output alone; the other its tensors, exact
+    layers = {}
+    for s in region.saved:
+        if s.frees_memory:
+            layers.setdefault(s.layer, []).append(s)
+    assert len(layers["base_model.model.model.layers.1"]) == 1
+    assert len(layers["base_model.model.model.layers.0"]) > 10
+    assert not _quantized(region)
+    assert gradient_fidelity(_exact_grads(), grads).min_cosine > 0.99999
+
+
+def test_a_budget_met_by_cheaper_exact_options_checkpoints_no_block():
+    preset = fxmem.Config.from_preset("hyclora-4bit", memory_budget=0.6)
+    _, _, without = _budget_run(preset)
+    _, _, region = _budget_run(preset.replace(block_checkpoint=True))
+    assert _block_summaries(region)["checkpoint_blocks"] == (
+        "not run: memory_budget met its target without a block checkpoint")
+    assert region.plans == without.plans
+
+
+def test_block_checkpoints_meet_a_budget_that_rounding_alone_misses():
+    preset = fxmem.Config.from_preset("hyclora-4bit", memory_budget=0.08)
+    with pytest.warns(UserWarning, match="memory_budget 0.08 not met"):
+        _budget_run(preset)
+    saved, grads, region = _budget_run(preset.replace(block_checkpoint=True))
+    assert saved == _planned(region) <= region.budget_bytes
+    assert _block_summaries(region)["checkpoint_blocks"].startswith("2 block(s) checkpointed from their outputs")
+    # what is left to round is the residual stream between blocks, at 8 bits (the blocks rebuild from it)
+    assert {p.bits for _, p in _quantized(region)} == {8}
+    assert gradient_fidelity(_exact_grads(), grads).min_cosine > 0.999

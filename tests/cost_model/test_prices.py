@@ -1,4 +1,6 @@
 import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxmem.cost_model import prices
 
@@ -8,3 +10,28 @@ def test_an_attention_forward_is_priced_by_its_two_products_at_the_matmul_rate(m
     monkeypatch.setattr(prices, "matmul_rate", lambda device: 1e9)
     seconds = prices.attention_seconds(2, 8, 128, 256, 64, causal=causal, device="cpu")
     assert seconds == pytest.approx(flops / 1e9)
+
+
+@torch.library.custom_op("fxmem_test::apply_matrices", mutates_args=())
+def _apply_matrices(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    return x @ first.T @ second.T
+
+
+@_apply_matrices.register_fake
+def _(x, first, second):
+    return x.new_empty(x.shape[0], second.shape[0])
+
+
+def test_a_replayed_forward_is_priced_by_its_matmuls_flops_and_every_other_ops_bytes(monkeypatch):
+    monkeypatch.setattr(prices, "matmul_rate", lambda device: 1e9)
+    monkeypatch.setattr(prices, "memory_bandwidth", lambda device: 1e6)
+
+    def forward(x, w, first, second):
+        y = torch.relu(x @ w)  # a (64 x 32) by (32 x 16) product, a 64 x 16 output written and read
+        return torch.ops.fxmem_test.apply_matrices(y, first, second)  # y's 64 rows through 8 x 16 and 4 x 8
+
+    gm = make_fx(forward, tracing_mode="fake")(torch.randn(64, 32), torch.randn(32, 16), torch.randn(8, 16),
+                                              torch.randn(4, 8))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    flops = 2 * 64 * 32 * 16 + 2 * 64 * (8 * 16 + 4 * 8)
+    assert prices.forward_seconds(nodes) == pytest.approx(flops / 1e9 + 2 * 64 * 16 * 4 / 1e6)
