@@ -37,8 +37,8 @@ from fxmem.analysis.recompute import rebuild_inputs
 from fxmem.config import Config
 from fxmem.cost_model.memory import op_workspace_bytes
 from fxmem.cost_model.plan import Plan
-from fxmem.cost_model.planner import budget_bytes, budget_note, plan_region
-from fxmem.fallback import fall_back, strict
+from fxmem.cost_model.planner import BLOCK_CHECKPOINT_REASON, budget_bytes, budget_note, plan_region
+from fxmem.fallback import fall_back, strict, unsupported
 from fxmem.kernels import calibration
 from fxmem.kernels import probe as probe_kernel
 from fxmem.measure import format_bytes
@@ -59,8 +59,9 @@ LOWERINGS = ("inductor", "eager")
 # attention forward per layer in backward is spent only where the budget needs those bytes. Block checkpoints
 # likewise: that first plan weighs each block's checkpoint among its options, and the region is partitioned again
 # with the blocks it chose checkpointed.
+_NO_BLOCK_CHECKPOINT = {"checkpoint_blocks": "not run: memory_budget's plan checkpoints no block"}
 _DEFERRED_UNDER_BUDGET = {"recompute_attention": "not run: q, k and v stay exact under memory_budget",
-                          "checkpoint_blocks": "not run: memory_budget met its target without a block checkpoint"}
+                          **_NO_BLOCK_CHECKPOINT}
 
 
 @dataclasses.dataclass
@@ -72,15 +73,17 @@ class _Partition:
     recomputed: list[tuple[SavedTensor, Plan]] = dataclasses.field(default_factory=list)
     failure: str | None = None  # the analysis or planning failed: the graphs are min-cut's, unplanned
 
-    def checkpointed_blocks(self) -> frozenset[str]:
-        """The blocks the plan checkpoints (memory_budget's first plan)."""
-        return frozenset(saved.layer for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True)
-                         if plan.action == "checkpoint")
+    def checkpointed_blocks(self) -> dict[str, str]:
+        """The blocks the plan checkpoints (memory_budget's first plan), each with its name and price."""
+        return {saved.layer: plan.reason.removeprefix(BLOCK_CHECKPOINT_REASON).removesuffix(" (memory_budget)")
+                for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True)
+                if plan.reason.startswith(BLOCK_CHECKPOINT_REASON)}
 
     def compressed_attention_layers(self) -> frozenset[str]:
         """The layers (analysis.graph.layer_of) whose attention q, k or v the plan stores lossily."""
         return frozenset(saved.layer for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True)
-                         if saved.feeds_attention is not None and plan.action not in ("keep", "recompute"))
+                         if saved.feeds_attention is not None
+                         and plan.action not in ("keep", "recompute", "checkpoint"))
 
     def keep_attention_inputs_outside(self, layers: frozenset[str]) -> None:
         """Attention's q, k and v kept exact in the layers whose attention is not recomputed: backward reads them
@@ -126,26 +129,7 @@ class _Partitioner(CustomPartitionerFn):
         if config.memory_budget is None:
             chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes)
         else:
-            chosen = self._partition(copy_graph_module(joint), joint_inputs, kwargs, exact_bytes,
-                                     deferred=_DEFERRED_UNDER_BUDGET)
-            if chosen.failure is not None:
-                note = (f"memory_budget's first plan failed ({chosen.failure}); planned again with every technique "
-                        "run and no block checkpoint chosen")
-                fall_back(f"fxmem region {region.index}: {note}", config)
-                region.notes.append(note)
-                chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes)
-            else:  # attention recomputed only in the layers whose q, k, v were compressed, blocks only where chosen
-                blocks = chosen.checkpointed_blocks()
-                layers = chosen.compressed_attention_layers() - blocks
-                if blocks:
-                    region.notes.append("memory_budget checkpoints " + "; ".join(sorted(
-                        {p.reason.removeprefix("recomputed in backward with its block, ").removesuffix(
-                            " (memory_budget)") for p in chosen.state.plans if p.action == "checkpoint"})))
-                if blocks or layers:
-                    chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes, attention_layers=layers,
-                                             blocks=blocks)
-                    if chosen.failure is None:
-                        chosen.keep_attention_inputs_outside(layers)
+            chosen = self._budgeted(joint, joint_inputs, kwargs, exact_bytes)
         region.add_passes(chosen.records)
         state = chosen.state
         if chosen.failure is not None:
@@ -176,6 +160,39 @@ class _Partitioner(CustomPartitionerFn):
         region.probes += state.probes or []
         return state.fw, state.bw
 
+    def _budgeted(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
+                  exact_bytes: int | None) -> _Partition:
+        """memory_budget's partition: planned first without recompute_attention and checkpoint_blocks (each block's
+        checkpoint then one of the plan's options), then, where that plan compressed a layer's q, k or v or
+        checkpointed blocks, partitioned and planned again with attention recomputed in those layers alone (outside
+        the blocks) and those blocks checkpointed."""
+        region, config = self.region, self.region.config
+        first = self._partition(copy_graph_module(joint), joint_inputs, kwargs, exact_bytes,
+                                deferred=_DEFERRED_UNDER_BUDGET, offer_blocks=config.block_checkpoint)
+        if first.failure is not None:
+            note = (f"memory_budget's first plan failed ({first.failure}); the region is planned again with every "
+                    "enabled pass run")
+            fall_back(f"fxmem region {region.index}: {note}", config)
+            region.notes.append(note)
+            return self._partition(joint, joint_inputs, kwargs, exact_bytes)
+        left = [b.name for b in first.state.analysis.blocks if b.random is not None]
+        if left:
+            note = (f"block_checkpoint: {len(left)} block(s) not among memory_budget's options: they draw random "
+                    f"numbers ({', '.join(left)})")
+            unsupported(f"fxmem region {region.index}: {note}", config)
+            region.notes.append(note)
+        blocks = first.checkpointed_blocks()
+        layers = first.compressed_attention_layers()
+        if not blocks and not layers:
+            return first
+        if blocks:
+            region.notes.append("memory_budget checkpoints " + "; ".join(sorted(blocks.values())))
+        chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes, attention_layers=layers,
+                                 deferred=None if blocks else _NO_BLOCK_CHECKPOINT, blocks=frozenset(blocks) or None)
+        if chosen.failure is None:
+            chosen.keep_attention_inputs_outside(layers)
+        return chosen
+
     def _unplanned(self, failure: str, fw: GraphModule, bw: GraphModule) -> tuple[GraphModule, GraphModule]:
         """An unforeseen graph in the analysis or the plan: the region compiles min-cut's partition as inductor
         would, and the report and a warning say why."""
@@ -186,18 +203,18 @@ class _Partitioner(CustomPartitionerFn):
 
     def _partition(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
                    exact_bytes: int | None, deferred: Mapping[str, str] | None = None,
-                   attention_layers: frozenset[str] | None = None, blocks: frozenset[str] | None = None
-                   ) -> _Partition:
+                   attention_layers: frozenset[str] | None = None, blocks: frozenset[str] | None = None,
+                   offer_blocks: bool = False) -> _Partition:
         """The joint passes but ``deferred`` (recompute_attention in ``attention_layers`` only, checkpoint_blocks in
         ``blocks`` only, where given), torch's min-cut, the analysis and the plan (with a second min-cut for the
-        planner's recomputations). Where checkpoint_blocks is deferred, the plan may checkpoint blocks: it is then
-        returned as it is, to be partitioned again with them."""
+        planner's recomputations). With ``offer_blocks`` the plan may checkpoint blocks: it is then returned as it
+        is, to be partitioned again with them."""
         config = self.region.config
         state = PipelineState(config=config, joint=joint, joint_inputs=joint_inputs,
                               num_fwd_outputs=kwargs["num_fwd_outputs"], probes=[] if self.fidelity_probes else None,
                               attention_layers=attention_layers, blocks=blocks)
         records = self.passes.run("joint", state, skip=deferred)
-        offered = tuple(find_blocks(state.joint.graph)) if config.block_checkpoint and deferred else ()
+        offered = tuple(find_blocks(state.joint.graph)) if offer_blocks else ()
         # min-cut marks the graph it partitions: a copy to partition again with the planner's recomputations
         joint_for_recompute = copy_graph_module(state.joint) if config.compresses else None
         state.fw, state.bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
@@ -207,7 +224,9 @@ class _Partitioner(CustomPartitionerFn):
             state.plans = plan_region(state.analysis, config, enabled_techniques(config))
             recomputed = [(s, p) for s, p in zip(state.analysis.saved, state.plans, strict=True)
                           if p.action == "recompute"]
-            if recomputed and not any(p.action == "checkpoint" for p in state.plans):  # partition again, those tensors' chains tagged, and plan what is saved then
+            # partition again, those tensors' chains tagged, and plan what is saved then (not where blocks are
+            # checkpointed: the backend partitions again with them)
+            if recomputed and not any(p.action == "checkpoint" for p in state.plans):
                 names = {node.name for _, plan in recomputed for node in plan.chain}
                 tag_must_recompute(n for n in joint_for_recompute.graph.nodes if n.name in names)
                 state.fw, state.bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)

@@ -18,15 +18,15 @@ class Block:
     nodes: tuple[Node, ...]  # its forward nodes, in graph order
     outputs: tuple[Node, ...]  # its nodes that a forward node outside it reads
     inputs: tuple[Node, ...]  # the forward activations from outside any block that it reads (the embedding)
-    random: str | None  # an op in it that draws random numbers, if any
+    random: str | None  # an op in it that draws random numbers other than from the step's seeds, if any
 
     @property
     def sources(self) -> tuple[Node, ...]:
         """What a checkpoint of the block saves: the forward activations it reads from outside it (the embedding, an
         earlier block's outputs), which backward recomputes it from, and its outputs."""
         inside = set(self.nodes)
-        read = (a for n in self.nodes for a in n.all_input_nodes
-                if a not in inside and a.op == "call_function" and is_forward(a))
+        read = (a for n in self.nodes for a in n.all_input_nodes if a not in inside and a.op == "call_function"
+                and is_forward(a) and isinstance(a.meta.get("val"), torch.Tensor))
         return tuple(dict.fromkeys((*read, *self.outputs)))
 
 
@@ -46,7 +46,7 @@ def find_blocks(graph: Graph) -> list[Block]:
     for name, nodes in members.items():
         inside = set(nodes)
         outputs = tuple(n for n in nodes if any(is_forward(u) and u not in inside for u in n.users))
-        random = next((str(n.target) for n in nodes if draws_random_numbers(n)), None)
+        random = next((str(n.target) for n in nodes if draws_random_numbers(n) and not draws_from_step_seed(n)), None)
         inputs = tuple(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a.op == "call_function"
                                      and is_forward(a) and not layer_of(module_path(a))))
         blocks.append(Block(name, tuple(nodes), outputs, inputs, random))
@@ -56,6 +56,13 @@ def find_blocks(graph: Graph) -> list[Block]:
 # inductor's joint-graph pass turns aten's random ops into these before fxmem's passes run (importing
 # inductor_prims defines them)
 _INDUCTOR_RANDOM = frozenset({inductor_prims.random, inductor_prims.randint})
+
+
+def draws_from_step_seed(node: Node) -> bool:
+    """Inductor's draw from the step's seeds (``inductor_random`` of ``inductor_lookup_seed(seeds, i)``): run again
+    in backward, it draws the same numbers from the same seed."""
+    seed = node.args[1] if node.target is inductor_prims.random and len(node.args) > 1 else None
+    return isinstance(seed, Node) and seed.target is inductor_prims.lookup_seed
 
 
 def draws_random_numbers(node: Node) -> bool:

@@ -504,15 +504,31 @@ class _Spending:
 
 
 @dataclass(frozen=True)
+class _BlockParts:
+    """A block as memory_budget's checkpoint of it moves storages: those its forward makes but its outputs (freed,
+    recomputed with it) and its sources (analysis.blocks.Block.sources: saved, at their floor or finer)."""
+
+    block: Block
+    inside: tuple[str, ...]
+    sources: dict[str, Node]  # storage -> its base node
+
+    @staticmethod
+    def of(block: Block, analysis: Analysis, by_storage: dict[str, list[SavedTensor]]) -> _BlockParts:
+        sources = {storage_base(node).name: storage_base(node) for node in block.sources}
+        inside = tuple(storage for storage, group in by_storage.items()
+                       if group[0].layer == block.name and group[0].frees_memory and storage not in sources
+                       and storage not in analysis.output_storages)
+        return _BlockParts(block, inside, sources)
+
+
+@dataclass(frozen=True)
 class BlockOption:
-    """memory_budget's block checkpoint (``block_checkpoint``): every storage the block's forward makes but its
-    outputs is recomputed with the block in backward, from its sources (analysis.blocks.Block.sources), which stay
-    saved at their floor or finer; those nothing saved before are ``added``."""
+    """memory_budget's block checkpoint (``block_checkpoint``): the new plans of the storages it moves, and the
+    sources it saves that nothing saved before (``added``, storage -> bytes)."""
 
     block: str
-    plans: dict[str, Plan]  # the new plan of each storage the move changes
-    added: dict[str, int]  # storage -> bytes
-    error: int
+    plans: dict[str, Plan]
+    added: dict[str, int]
 
 
 def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
@@ -522,7 +538,7 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
     fewest seconds per byte it saves within it (the most bytes saved on a tie), among every option that saves
     device bytes; until the region fits its target or no option is left (budget_note then says the target is not
     met). A move that changes another storage's options (a RoPE table paid, a storage a recomputation reads moved)
-    prices that storage again."""
+    prices that storage, and the blocks holding it, again."""
     target = budget_bytes(analysis, config)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
     free = [storage for storage, group in by_storage.items() if _held_as_is(group[0], group, analysis) is None]
@@ -536,103 +552,103 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
         chain = by_storage[storage][0].recompute
         for node in rebuild_inputs(chain) if chain is not None else ():
             readers.setdefault(node.name, set()).add(storage)
-    blocks = {block.name: block for block in analysis.blocks if block.random is None}
-    sharing: dict[str, set[str]] = {}  # the blocks whose checkpoint saves each storage
-    for block in blocks.values():
-        for node in block.sources:
-            sharing.setdefault(storage_base(node).name, set()).add(block.name)
+    # blocks drawing random numbers are not offered (backend.py reports them)
+    blocks = {b.name: _BlockParts.of(b, analysis, by_storage) for b in analysis.blocks if b.random is None}
+    holding: dict[str, set[str]] = {}  # the blocks whose checkpoint moves or saves each storage
+    for parts in blocks.values():
+        for storage in (*parts.inside, *parts.sources):
+            holding.setdefault(storage, set()).add(parts.block.name)
     heap: list[tuple[tuple[int, float, int], int, Option | BlockOption]] = []
     counter = 0
 
     def move(unit: str) -> tuple[tuple[int, float, int], Option | BlockOption] | None:
         if unit in blocks:
-            return _block_move(blocks[unit], analysis, by_storage, owner_plans, config, spending)
+            return _block_move(blocks[unit], by_storage, owner_plans, config, spending)
         return _next_move(unit, analysis, by_storage, owner_plans, config, tables_saved, spending)
 
-    def push(unit: str) -> None:
+    def push(units: set[str] | list[str]) -> None:
         nonlocal counter
-        found = move(unit)
-        if found is not None:
-            heapq.heappush(heap, (found[0], counter, found[1]))
-            counter += 1
+        for unit in units:
+            found = move(unit)
+            if found is not None:
+                heapq.heappush(heap, (found[0], counter, found[1]))
+                counter += 1
 
-    for unit in (*free, *blocks):
-        push(unit)
+    push([*free, *blocks])
     while total > target and heap:
         key, _, option = heapq.heappop(heap)
         fresh = move(option.block if isinstance(option, BlockOption) else option.storage)
         if fresh is None:
             continue
         if fresh[0] != key or fresh[1] != option:  # another move changed what this one reads: priced again
-            heapq.heappush(heap, (fresh[0], counter, fresh[1]))
-            counter += 1
+            push([option.block if isinstance(option, BlockOption) else option.storage])
             continue
         if isinstance(option, BlockOption):
             total += _checkpoint(option, blocks[option.block], by_storage, owner_plans, config, spending)
-            for storage in option.plans.keys() & free_set:
-                push(storage)
-            for block in set().union(*(sharing.get(storage, ()) for storage in option.plans)) - spending.checkpointed:
-                push(block)
-            continue
-        owner = by_storage[option.storage][0]
-        total += planned_bytes(owner, option.plan) - planned_bytes(owner, owner_plans[option.storage])
-        owner_plans[option.storage] = dataclasses.replace(option.plan, reason=f"{option.plan.reason} (memory_budget)")
-        tables_saved.update(option.tables)
-        repriced = {option.storage, *readers.get(option.storage, ())} | (free_set if option.tables else set())
-        if option.plan.action == "recompute":
-            spending.recomputed.add(option.storage)
-            read = {n.name for n in rebuild_inputs(option.plan.chain)}
-            spending.read_by_recompute |= read
-            repriced |= read
-            if option.plan.chain is owner.rebuild_product:  # replayed: its x stays at REBUILD_SOURCE_BITS or more
-                source = _replay_source_storage(owner, by_storage)
-                spending.floors[source] = max(spending.floors.get(source, 0), REBUILD_SOURCE_BITS)
-        for storage in repriced & free_set:
-            push(storage)
-        for block in set().union(*(sharing.get(storage, ()) for storage in repriced)) - spending.checkpointed:
-            push(block)
+            repriced = option.plans.keys() | option.added.keys()
+        else:
+            owner = by_storage[option.storage][0]
+            total += planned_bytes(owner, option.plan) - planned_bytes(owner, owner_plans[option.storage])
+            owner_plans[option.storage] = dataclasses.replace(option.plan,
+                                                              reason=f"{option.plan.reason} (memory_budget)")
+            tables_saved.update(option.tables)
+            repriced = {option.storage, *readers.get(option.storage, ())} | (free_set if option.tables else set())
+            if option.plan.action == "recompute":
+                spending.recomputed.add(option.storage)
+                read = {n.name for n in rebuild_inputs(option.plan.chain)}
+                spending.read_by_recompute |= read
+                repriced |= read
+                if option.plan.chain is owner.rebuild_product:  # replayed: x stays at REBUILD_SOURCE_BITS or more
+                    source = _replay_source_storage(owner, by_storage)
+                    spending.floors[source] = max(spending.floors.get(source, 0), REBUILD_SOURCE_BITS)
+        push(repriced & free_set)
+        push(set().union(*(holding.get(storage, ()) for storage in repriced)) - spending.checkpointed)
 
 
-def _block_move(block: Block, analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
-                owner_plans: dict[str, Plan], config: Config,
-                spending: _Spending) -> tuple[tuple[int, float, int], BlockOption] | None:
-    """Checkpointing ``block`` from the plans now, with its key, or None where it saves no device bytes or cannot be
-    taken: a storage it would free is read by a recomputation outside it."""
-    if block.name in spending.checkpointed:
+def _block_move(parts: _BlockParts, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
+                config: Config, spending: _Spending) -> tuple[tuple[int, float, int], BlockOption] | None:
+    """Checkpointing a block from the plans now, with its key, or None where it saves no device bytes or cannot be
+    taken: a storage it would free is read by a recomputation outside it. Its error class is its sources' (exact
+    where they are kept exact); its seconds are the block's forward run again less the seconds of the plans it
+    replaces."""
+    name = parts.block.name
+    if name in spending.checkpointed:
         return None
-    sources = {storage_base(node).name: storage_base(node) for node in block.sources}
-    inside = [storage for storage, group in by_storage.items()
-              if group[0].layer == block.name and group[0].frees_memory and storage not in sources
-              and storage not in analysis.output_storages]
-    outside = spending.recomputed.difference(inside)
-    if {n.name for storage in outside for n in rebuild_inputs(owner_plans[storage].chain)} & set(inside):
+    outside = spending.recomputed.difference(parts.inside, parts.sources)
+    if {n.name for storage in outside for n in rebuild_inputs(owner_plans[storage].chain)} & set(parts.inside):
         return None
     floor = _block_source_bits(config)
-    plans = {storage: Plan("checkpoint", "", nbytes=0) for storage in inside}
+    plans: dict[str, Plan] = {}
     added = {}
-    for storage, node in sources.items():
+    for storage, node in parts.sources.items():
         if storage not in by_storage:
             if storage not in spending.added:
                 added[storage] = storage_bytes(tensor_val(node))
             continue
         plan = owner_plans[storage]
         if not (plan.action == "keep" or (plan.action == "quantize" and plan.bits >= floor)):
-            plans[storage] = Plan("keep", f"what {block.name} is recomputed from in backward: kept exact")
+            plans[storage] = Plan("keep", f"what {name} is recomputed from in backward: kept exact")
+    freed = {storage: Plan("checkpoint", "", nbytes=0) for storage in parts.inside}
+    changed = plans | freed
     saved = sum(planned_bytes(by_storage[s][0], owner_plans[s]) - planned_bytes(by_storage[s][0], p)
-                for s, p in plans.items()) - sum(added.values())
+                for s, p in changed.items()) - sum(added.values())
     if saved <= 0:
         return None
-    seconds = forward_seconds(block.nodes, str(tensor_val(block.outputs[0]).device)) + sum(
-        p.seconds - owner_plans[s].seconds for s, p in plans.items())
-    error = max((_error(by_storage[s][0], plans.get(s, owner_plans[s])) for s in sources if s in by_storage),
+    forward = forward_seconds(parts.block.nodes, str(tensor_val(parts.block.outputs[0]).device))
+    seconds = forward + sum(p.seconds - owner_plans[s].seconds for s, p in changed.items())
+    error = max((_error(by_storage[s][0], changed.get(s, owner_plans[s])) for s in parts.sources if s in by_storage),
                 default=EXACT_ERROR)
-    checkpointed = Plan("checkpoint", f"recomputed in backward with its block, {block.name}: a {seconds * 1e3:.3g} "
-                                      f"ms forward for {saved / 2**20:.2f} MiB", nbytes=0)
-    plans |= {storage: checkpointed for storage in inside}
-    return (error, seconds / saved, -saved), BlockOption(block.name, plans, added, error)
+    checkpointed = Plan("checkpoint", f"{BLOCK_CHECKPOINT_REASON}{name}: a {forward * 1e3:.3g} ms forward for "
+                                      f"{saved / 2**20:.2f} MiB", nbytes=0)
+    plans |= dict.fromkeys(parts.inside, checkpointed)
+    return (error, seconds / saved, -saved), BlockOption(name, plans, added)
 
 
-def _checkpoint(option: BlockOption, block: Block, by_storage: dict[str, list[SavedTensor]],
+# The reason of a storage memory_budget recomputes with its checkpointed block: the block's name and price follow.
+BLOCK_CHECKPOINT_REASON = "recomputed in backward with its block, "
+
+
+def _checkpoint(option: BlockOption, parts: _BlockParts, by_storage: dict[str, list[SavedTensor]],
                 owner_plans: dict[str, Plan], config: Config, spending: _Spending) -> int:
     """Applies a block checkpoint; returns the device bytes it adds (negative: saves)."""
     change = sum(option.added.values())
@@ -642,10 +658,11 @@ def _checkpoint(option: BlockOption, block: Block, by_storage: dict[str, list[Sa
         owner_plans[storage] = dataclasses.replace(plan, reason=f"{plan.reason} (memory_budget)")
         if plan.action == "checkpoint":
             spending.recomputed.add(storage)
-    sources = {storage_base(node).name for node in block.sources}
-    spending.read_by_recompute |= sources
+        else:  # a source saved again
+            spending.recomputed.discard(storage)
+    spending.read_by_recompute |= parts.sources.keys()
     floor = _block_source_bits(config)
-    for storage in sources & by_storage.keys():
+    for storage in parts.sources.keys() & by_storage.keys():
         spending.floors[storage] = max(spending.floors.get(storage, 0), floor)
     spending.added |= option.added.keys()
     spending.checkpointed.add(option.block)

@@ -18,9 +18,9 @@ import torch
 from torch.fx import Node
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fxmem.analysis.graph import hint, numel_hint, tensor_val
-from fxmem.analysis.lora import matmul_operands
-from fxmem.analysis.roles import is_fused_attention, op_argument
+from fxmem.analysis.graph import hint, is_view, numel_hint, tensor_val
+from fxmem.analysis.lora import MATMULS, is_linear_product, matmul_operands
+from fxmem.analysis.roles import BATCHED_MATMULS, is_fused_attention, op_argument
 from fxmem.kernels.quantize import fit_reads
 from fxmem.timing import median, step_times
 
@@ -84,45 +84,55 @@ def attention_seconds(batch: int, heads: int, queries: int, keys: int, head_dim:
                       device: str = "cpu") -> float:
     """One attention forward (QK^T and PV: 4 x batch x heads x queries x keys x head_dim flops, half of them under a
     causal mask) at the device's measured fp32 matmul rate: an upper bound where fused attention runs in bf16."""
-    flops = 4 * batch * heads * queries * keys * head_dim / (2 if causal else 1)
-    return flops / matmul_rate(device)
+    return _attention_flops(batch, heads, queries, keys, head_dim, causal) / matmul_rate(device)
+
+
+def _attention_flops(batch: int, heads: int, queries: int, keys: int, head_dim: int, causal: bool) -> int:
+    return 4 * batch * heads * queries * keys * head_dim // (2 if causal else 1)
 
 
 def attention_op_seconds(node: Node) -> float:
-    """One forward of a fused attention op, from its query's and key's (batch, heads, length, head_dim) shapes."""
+    """One forward of a fused attention op at the measured matmul rate."""
+    query = tensor_val(node.args[0])
+    return attention_flops(node) / matmul_rate(query.device.type) if query is not None else 0.0
+
+
+def attention_flops(node: Node) -> int:
+    """A fused attention op's flops (attention_seconds), from its query's and key's (batch, heads, length,
+    head_dim) shapes."""
     query, key = (tensor_val(n) for n in node.args[:2])
     if query is None or key is None or query.dim() != 4 or key.dim() != 4:
-        return 0.0
+        return 0
     batch, heads, queries, head_dim = (hint(size) for size in query.shape)
-    return attention_seconds(batch, heads, queries, hint(key.shape[2]), head_dim,
-                             causal=op_argument(node, "is_causal", False) is True, device=query.device.type)
-
-
-_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-                      torch.ops.aten.baddbmm.default})
+    return _attention_flops(batch, heads, queries, hint(key.shape[2]), head_dim,
+                            op_argument(node, "is_causal", False) is True)
 
 
 def forward_seconds(nodes: Sequence[Node], device: str = "cpu") -> float:
-    """``nodes`` (a forward) run again in backward: matmuls and fused attention by their flops at the measured
-    matmul rate; a custom op that reads parameter matrices (fxmem's chunked MLP and linears) as those matrices
-    applied to each row of its first input; every other op by its output written and read once at the memory
-    bandwidth."""
+    """``nodes`` (a forward) run again in backward: matmuls (a 4-bit base's products too) and fused attention by
+    their flops at the measured matmul rate; a custom op that reads parameter matrices (fxmem's chunked MLP and
+    linears) as those matrices applied to each row of its first input; views and a multi-output op's parts free;
+    every other op by its outputs written and read once at the memory bandwidth."""
     flops = traffic = 0
     for node in nodes:
-        val = tensor_val(node)
-        if node.target is operator.getitem:  # a multi-output op's part: priced with the op
+        if node.target is operator.getitem or is_view(node):
             continue
-        if node.target in _MATMULS:
+        if node.target in BATCHED_MATMULS or node.target in MATMULS:
             a, b = (tensor_val(n) for n in matmul_operands(node))
             flops += 2 * numel_hint(a) * hint(b.shape[-1])
+        elif is_linear_product(node):  # x @ deq(W)^T: (rows x in) by (in x out)
+            x, out = tensor_val(node.args[0]), tensor_val(node)
+            flops += 2 * numel_hint(out) * hint(x.shape[-1])
         elif is_fused_attention(node):
-            flops += attention_op_seconds(node) * matmul_rate(device)
+            flops += attention_flops(node)
         elif matrices := _parameter_matrices(node):
             x = tensor_val(node.all_input_nodes[0])
             rows = numel_hint(x) // max(hint(x.shape[-1]), 1) if x is not None and x.dim() else 1
             flops += 2 * rows * sum(map(numel_hint, matrices))
-        elif isinstance(val, torch.Tensor):
-            traffic += 2 * numel_hint(val) * val.element_size()
+        else:
+            val = node.meta.get("val")
+            outputs = val if isinstance(val, (tuple, list)) else (val,)
+            traffic += sum(2 * numel_hint(t) * t.element_size() for t in outputs if isinstance(t, torch.Tensor))
     return flops / matmul_rate(device) + traffic / memory_bandwidth(device)
 
 

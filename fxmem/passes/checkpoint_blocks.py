@@ -6,8 +6,10 @@ outputs, the nodes a later block or the head reads, must-save. torch's min-cut t
 between blocks and nothing inside them: at long context one block's activations live at a time, in backward,
 instead of every block's. The recomputed forward runs on the very values saved, so under ``exact`` the gradients
 are torch's. A quantizing preset stores each block's output at no fewer than REBUILD_SOURCE_BITS (a block is
-rebuilt from it, as an X W is from its x: analysis/saved.py). A block that draws random numbers (dropout) is left
-as it is: the recomputation would draw others.
+rebuilt from it, as an X W is from its x: analysis/saved.py). A block's dropout that inductor draws from the step's
+seeds (every dropout it compiles, unless ``torch._inductor.config.fallback_random``) is drawn again from the same
+seed in backward: the same masks, as passes/replay_dropout.py replays them. A block that draws random numbers
+otherwise is left as it is: the recomputation would draw others.
 
 Under ``memory_budget`` a block's checkpoint is one of the budget's options: the region is planned first without
 this pass, and it then runs on the blocks that plan chose (``PipelineState.blocks``; backend.py).
@@ -36,8 +38,8 @@ class CheckpointBlocks(GraphPass):
             tag_must_recompute(n for n in block.nodes if n not in block.outputs)
             for output in block.outputs:
                 _must_save(output, block.name)
-            for source in block.inputs:
-                source.meta[BLOCK_SOURCE] = block.name
+            for source in block.sources:  # an unchosen block's output too, where only some blocks are checkpointed
+                source.meta.setdefault(BLOCK_SOURCE, block.name)
         saved = sum(len(b.outputs) for b in checkpointed)
         parts = [f"{len(checkpointed)} block(s) checkpointed from their outputs, {saved} tensor(s) saved between blocks"
                  ] if checkpointed else []

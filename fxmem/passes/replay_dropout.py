@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from fxmem.analysis.blocks import draws_random_numbers
+from fxmem.analysis.blocks import draws_from_step_seed, draws_random_numbers
 from fxmem.analysis.graph import original_op, storage_base, tensor_val
 from fxmem.analysis.lora import find_lora_linears, matmul_operands
 from fxmem.fallback import unsupported
@@ -46,7 +46,7 @@ class ReplayDropout(GraphPass):
             x_lora = matmul_operands(lora.xa)[0]
             chain = dropout_nodes(x_lora, storage_base(lora.x))
             draws = [n for n in chain if draws_random_numbers(n)]
-            if draws and all(n.target is SEEDED_DRAW and _seeded(n) for n in draws):
+            if draws and all(map(draws_from_step_seed, draws)):
                 replayed.setdefault(x_lora, (chain, lora.x))
             else:
                 stateful.append(lora.module)
@@ -82,7 +82,3 @@ def dropout_nodes(x_lora: Node, x: Node) -> list[Node]:
             frontier.extend(a for a in node.args if isinstance(a, Node))
     return found
 
-
-def _seeded(draw: Node) -> bool:
-    seed = draw.args[1] if len(draw.args) > 1 else None
-    return isinstance(seed, Node) and seed.target is _SEED_LOOKUP

@@ -62,6 +62,19 @@ def test_inspect_with_a_memory_budget_plans_within_it_and_says_so(tmp_path, caps
     assert "memory_budget must be a number in (0, 1.0], an integer number of bytes > 1" in capsys.readouterr().out
 
 
+def test_inspect_sets_config_fields_and_shows_the_blocks_a_budget_checkpoints(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert cli.main(["inspect", "llama-tiny", "--batch", "1", "--seq", "32", "--memory-budget", "0.3",
+                     "--set", "block_checkpoint=True", "--json", str(out)]) == 0
+    [region] = json.loads(out.read_text())["regions"]
+    [note] = [n for n in region["notes"] if n.startswith("memory_budget checkpoints ")]
+    assert re.fullmatch(r"memory_budget checkpoints (base_model\.model\.model\.layers\.\d: a [\d.]+ ms forward for "
+                        r"[\d.]+ MiB(; )?)+", note), note
+    assert " ".join(note.split()) in " ".join(capsys.readouterr().out.split())  # the console wraps it
+    assert cli.main(["inspect", "llama-tiny", "--set", "block_checkpoint=maybe"]) == 2
+    assert "block_checkpoint" in capsys.readouterr().out
+
+
 def test_bad_counts_are_usage_errors(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "finetune", "--steps", "2"])

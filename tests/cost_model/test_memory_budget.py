@@ -236,7 +236,7 @@ def test_a_budget_met_by_cheaper_exact_options_checkpoints_no_block():
     _, _, without = _budget_run(preset)
     _, _, region = _budget_run(preset.replace(block_checkpoint=True))
     assert _block_summaries(region)["checkpoint_blocks"] == (
-        "not run: memory_budget met its target without a block checkpoint")
+        "not run: memory_budget's plan checkpoints no block")
     assert region.plans == without.plans
 
 
@@ -250,3 +250,42 @@ def test_block_checkpoints_meet_a_budget_that_rounding_alone_misses():
     # what is left to round is the residual stream between blocks, at 8 bits (the blocks rebuild from it)
     assert {p.bits for _, p in _quantized(region)} == {8}
     assert gradient_fidelity(_exact_grads(), grads).min_cosine > 0.999
+
+
+def test_what_a_checkpointed_block_is_recomputed_from_keeps_its_floor_when_the_block_before_is_not(monkeypatch):
+    # the first plan is read as if it had checkpointed layer 1 alone: layer 0's output, which layer 1 is recomputed
+    # from, stays at 8 bits while the rest of layer 0 goes to 2
+    import importlib
+    backend_module = importlib.import_module("fxmem.backend")
+    second = "base_model.model.model.layers.1"
+    monkeypatch.setattr(backend_module._Partition, "checkpointed_blocks", lambda self: {second: f"{second}: priced"})
+    with pytest.warns(UserWarning, match="memory_budget 0.01 not met"):
+        _, _, region = _budget_run(fxmem.Config(block_checkpoint=True, memory_budget=0.01))
+    assert f"memory_budget checkpoints {second}: priced" in region.notes
+    residual = sorted(p.bits for s, p in zip(region.saved, region.plans, strict=True)
+                      if s.nbytes and s.module == "base_model.model.model.layers.0" and s.role is Role.NORM_INPUT)
+    assert residual == [2, 8]  # the residual stream inside layer 0, and layer 0's output
+
+
+def test_a_first_plan_that_fails_is_reported_and_the_region_planned_with_every_pass(lenient, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("a planner bug")
+
+    monkeypatch.setattr(fxmem.cost_model.planner, "_block_move", fail)
+    with pytest.warns(fxmem.FallbackWarning, match=r"memory_budget's first plan failed \(RuntimeError: a planner bug"):
+        saved, grads, region = _budget_run(fxmem.Config(block_checkpoint=True, memory_budget=0.5))
+    assert any(n.startswith("memory_budget's first plan failed") for n in region.notes)
+    assert _block_summaries(region)["checkpoint_blocks"].startswith("2 block(s) checkpointed")  # every block
+    assert gradient_fidelity(_exact_grads(), grads).min_cosine > 0.99999
+
+
+def test_blocks_that_draw_from_a_stateful_generator_are_not_among_the_options_and_the_report_says_so(lenient):
+    # fallback_random: dropout stays aten's native_dropout, whose generator a recomputation would advance
+    model, batch = tiny_model("llama", lora=True, lora_dropout=0.1)
+    backend = fxmem.Backend(fxmem.Config(block_checkpoint=True, memory_budget=0.3), lowering="eager")
+    with torch._inductor.config.patch(fallback_random=True):
+        compiled_step(model, batch, backend)
+    [region] = backend.report().regions
+    assert ("block_checkpoint: 2 block(s) not among memory_budget's options: they draw random numbers "
+            "(base_model.model.model.layers.0, base_model.model.model.layers.1)") in region.notes
+    assert _block_summaries(region)["checkpoint_blocks"] == "not run: memory_budget's plan checkpoints no block"
