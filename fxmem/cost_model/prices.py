@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import operator
-
 from collections.abc import Sequence
 
 import torch

@@ -273,7 +273,7 @@ def test_a_first_plan_that_fails_is_reported_and_the_region_planned_with_every_p
 
     monkeypatch.setattr(fxmem.cost_model.planner, "_block_move", fail)
     with pytest.warns(fxmem.FallbackWarning, match=r"memory_budget's first plan failed \(RuntimeError: a planner bug"):
-        saved, grads, region = _budget_run(fxmem.Config(block_checkpoint=True, memory_budget=0.5))
+        _, grads, region = _budget_run(fxmem.Config(block_checkpoint=True, memory_budget=0.5))
     assert any(n.startswith("memory_budget's first plan failed") for n in region.notes)
     assert _block_summaries(region)["checkpoint_blocks"].startswith("2 block(s) checkpointed")  # every block
     assert gradient_fidelity(_exact_grads(), grads).min_cosine > 0.99999
