@@ -13,8 +13,9 @@ published figure (config.PUBLISHED_MIN_COSINE) or above.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,26 +37,32 @@ class Point:
     preset: str | None = None  # fxmem's: whose published fidelity the point must meet
 
 
-def frontier_points(targets: Sequence[float], preset: str, lowest: str) -> list[Point]:
+def frontier_points(targets: Sequence[float], preset: str, lowest: str,
+                    overrides: Mapping[str, Any] | None = None) -> list[Point]:
+    """The frontier's points; ``overrides`` (Config fields) apply to fxmem's memory_budget series and name it."""
+    overrides = dict(overrides or {})
+    series = " ".join([preset, *(f"{name}={value}" for name, value in overrides.items())])
     points = [Point("eager", label="eager"), Point("compile", label="compile"),
               Point("hf-checkpointing", label="hf-checkpointing")]
     for target in targets:
         points.append(Point("compile-budget", budget=target, label=f"compile-budget {target:g}"))
-        points.append(Point("fxmem", Config.from_preset(preset, memory_budget=target),
-                            label=f"fxmem {preset} {target:g}", preset=preset))
+        points.append(Point("fxmem", Config.from_preset(preset, memory_budget=target, **overrides),
+                            label=f"fxmem {series} {target:g}", preset=preset))
     points.append(Point("fxmem", Config.from_preset(lowest), label=f"fxmem {lowest}", preset=lowest))
     return points
 
 
 def run_frontier(workload: Workload, *, targets: Sequence[float] = DEFAULT_TARGETS, preset: str = "hyclora-4bit",
-                 lowest: str = "hyclora-2bit", device: torch.device | str = "cpu", steps: int = 5,
-                 lora_rank: int = 16, progress: Callable[[str], None] = lambda message: None) -> list[MethodResult]:
-    """Every point on one workload, gradients against eager's, steps timed interleaved."""
+                 overrides: Mapping[str, Any] | None = None, lowest: str = "hyclora-2bit",
+                 device: torch.device | str = "cpu", steps: int = 5, lora_rank: int = 16,
+                 progress: Callable[[str], None] = lambda message: None) -> list[MethodResult]:
+    """Every point on one workload, gradients against eager's, steps timed interleaved; ``overrides`` as
+    frontier_points takes them."""
     device = torch.device(device)
     torch._dynamo.reset()
     warm_up_compiler()
     prepared, reference = {}, None
-    points = frontier_points(targets, preset, lowest)
+    points = frontier_points(targets, preset, lowest, overrides)
     # every compiled point is another compile of the same model class: past dynamo's limit it would run eager
     limit = max(torch._dynamo.config.recompile_limit, len(points))
     with torch.compiler.config.patch(force_disable_caches=True), torch._dynamo.config.patch(recompile_limit=limit):

@@ -42,3 +42,15 @@ def test_a_point_below_its_published_fidelity_wins_nothing():
     assert not bent.meets_fidelity_bound and close.meets_fidelity_bound and budget.meets_fidelity_bound
     assert wins([compiled, budget, close, bent]) == [(budget, close)]  # bent is lower and faster, but misses 0.995
     assert wins([compiled, budget, bent, overlapping]) == [(budget, None)]
+
+
+def test_overrides_apply_to_the_budget_series_and_name_it():
+    from fxmem.bench.frontier import frontier_points
+    from fxmem.config import Config
+
+    points = frontier_points([0.3], "hyclora-4bit", "hyclora-2bit", {"block_checkpoint": True})
+    fxmem_points = {p.label: p.config for p in points if p.method == "fxmem"}
+    assert fxmem_points == {
+        "fxmem hyclora-4bit block_checkpoint=True 0.3": Config.from_preset("hyclora-4bit", memory_budget=0.3,
+                                                                           block_checkpoint=True),
+        "fxmem hyclora-2bit": Config.from_preset("hyclora-2bit")}

@@ -144,7 +144,8 @@ def test_bench_compare_refuses_overrides_that_have_their_own_option(tiny_workloa
     for argv, message in [(["--set", "preset=exact"], "--set preset=...: use --preset"),
                           (["--set", "return_logits=False"], "--set return_logits=...: use --drop-logits"),
                           (["--set", "bits=3"], "bits must be one of 1, 2, 4, 8, None; got 3"),
-                          (["--frontier", "--set", "bits=8"], "--frontier runs the presets as they are"),
-                          (["--frontier", "--dtype", "bf16"], "--frontier runs the presets as they are")]:
+                          (["--frontier", "--set", "memory_budget=0.5"],
+                           "--frontier sets memory_budget to each of --targets: drop --set memory_budget"),
+                          (["--frontier", "--dtype", "bf16"], "--frontier runs in the workload's dtype: drop --dtype")]:
         assert cli.main(["bench", "--workloads", "llama-tiny", *argv]) == 2
         assert message in capsys.readouterr().out

@@ -68,8 +68,8 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
                              "so that it chunks the loss; the step reads only the loss")
     parser.add_argument("--frontier", action="store_true",
                         help="step peak against step time: fxmem (--preset, default hyclora-4bit, with memory_budget "
-                             "at each target, and hyclora-2bit) and compile-budget at the same --targets, beside "
-                             "eager, torch.compile and HF checkpointing")
+                             "at each target and any --set, and hyclora-2bit) and compile-budget at the same "
+                             "--targets, beside eager, torch.compile and HF checkpointing")
     parser.add_argument("--targets", nargs="+", type=float, default=list(FRONTIER_TARGETS), metavar="FRACTION",
                         help="--frontier's targets, fractions of what torch.compile saves (default 0.5 0.3 0.15 0.08)")
     parser.add_argument("--plot", type=pathlib.Path, metavar="PNG",
@@ -158,8 +158,10 @@ def _check_options(args: argparse.Namespace) -> None:
     for name, _ in args.set:
         if name in OWN_OPTIONS:
             raise ValueError(f"--set {name}=...: use {OWN_OPTIONS[name]}")
-    if args.frontier and (args.set or args.dtype):
-        raise ValueError("--frontier runs the presets as they are, in the workload's dtype: drop --set and --dtype")
+    if args.frontier and args.dtype:
+        raise ValueError("--frontier runs in the workload's dtype: drop --dtype")
+    if args.frontier and "memory_budget" in dict(args.set):
+        raise ValueError("--frontier sets memory_budget to each of --targets: drop --set memory_budget")
 
 
 def _frontier(args: argparse.Namespace, names: list[str], device: torch.device) -> int:
@@ -175,7 +177,8 @@ def _frontier(args: argparse.Namespace, names: list[str], device: torch.device) 
     by_workload = {}
     with console.status("frontier") as status:
         for name in names:
-            by_workload[name] = run_frontier(get_workload(name), targets=args.targets, preset=preset, device=device,
+            by_workload[name] = run_frontier(get_workload(name), targets=args.targets, preset=preset,
+                                             overrides=dict(args.set), device=device,
                                              steps=args.steps, progress=lambda message: status.update(message))
     rows, verdicts = [], []
     for name, ours in by_workload.items():
@@ -196,8 +199,10 @@ def _frontier(args: argparse.Namespace, names: list[str], device: torch.device) 
             path = args.plot.with_name(f"{args.plot.stem}-{name}{args.plot.suffix or '.png'}")
             plot(ours, path)
             console.print(f"wrote {path}")
-    legend = (f"targets {', '.join(f'{t:g}' for t in args.targets)} of what torch.compile saves; fxmem: {preset} "
-              f"with memory_budget at each, then hyclora-2bit; compile-budget: activation_memory_budget at each. "
+    settings = "".join(f", {name}={value}" for name, value in args.set)
+    legend = (f"targets {', '.join(f'{t:g}' for t in args.targets)} of what torch.compile saves; fxmem: {preset}"
+              f"{settings} with memory_budget at each, then hyclora-2bit; compile-budget: activation_memory_budget "
+              "at each. "
               f"{args.steps} timed steps, every method interleaved in one process. An fxmem point wins a "
               f"compile-budget point only at its preset's published worst gradient cosine or above (published "
               f"bound; —: an exact method, held to none).\n- step peak: {LEGEND['step peak']}"
