@@ -316,6 +316,12 @@ def _lower_random_ops(gm: GraphModule) -> None:
         gm.recompile()
 
 
+def _draws_again(record: PassRecord) -> bool:
+    """A pass that has backward draw again dropout masks forward drew: replayed, or in a checkpointed block."""
+    return bool(record.summary) and (record.name == "replay_dropout" or (
+        record.name == "checkpoint_blocks" and "checkpointed from their outputs" in record.summary))
+
+
 def _lower_or_run_as_is(region: Region) -> Callable:
     """Inductor's lowering; a graph fxmem rewrote that inductor cannot lower runs as aten ops, with a note.
 
@@ -329,12 +335,12 @@ def _lower_or_run_as_is(region: Region) -> Callable:
         except Exception as error:
             if not any(p.summary for p in region.passes):
                 raise  # fxmem changed nothing: torch's own error, as it would be without fxmem
-            if any(n.target is SEEDED_DRAW for n in gm.graph.nodes) and any(
-                    p.name == "replay_dropout" and p.summary for p in region.passes):
+            if any(n.target is SEEDED_DRAW for n in gm.graph.nodes) and any(map(_draws_again, region.passes)):
                 # its other graph draws the same masks in inductor's code: eagerly they would differ
                 raise RuntimeError(f"fxmem region {region.index}: inductor could not lower a graph that draws the "
-                                   "dropout masks replay_dropout replays, and run eagerly it would draw other masks "
-                                   f"than its compiled counterpart ({type(error).__name__})") from error
+                                   "dropout masks backward draws again (replay_dropout, checkpoint_blocks), and run "
+                                   "eagerly it would draw other masks than its compiled counterpart "
+                                   f"({type(error).__name__})") from error
             message = str(error).splitlines()[0] if str(error) else ""
             note = (f"inductor could not lower a rewritten graph ({type(error).__name__}: {message}); "
                     "it runs as aten ops, unfused")

@@ -104,7 +104,8 @@ class Config:
         stream between blocks is saved (at no fewer than 8 bits under a quantizing preset), and backward recomputes
         each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
         with ``mlp_chunk`` the recomputed block holds one chunk of its MLP at a time. A block's dropout drawn from
-        inductor's per-step seeds is drawn again with the same masks. Under ``memory_budget`` a block's checkpoint
+        inductor's per-step seeds (LoRA's, hidden states', an eager attention's) is drawn again with the same
+        masks. Under ``memory_budget`` a block's checkpoint
         is one of the budget's options instead, block by block (exact where what the block is recomputed from is
         kept exact): priced at its forward's seconds against the bytes of the block's plan then, and taken only
         where the rule picks it (the report's notes name each block chosen). False (every preset) is off.

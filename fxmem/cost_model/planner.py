@@ -634,7 +634,8 @@ def _block_move(parts: _BlockParts, by_storage: dict[str, list[SavedTensor]], ow
                 for s, p in changed.items()) - sum(added.values())
     if saved <= 0:
         return None
-    forward = forward_seconds(parts.block.nodes, str(tensor_val(parts.block.outputs[0]).device))
+    device = next(str(v.device) for v in map(tensor_val, parts.block.nodes) if v is not None)
+    forward = forward_seconds(parts.block.nodes, device)
     seconds = forward + sum(p.seconds - owner_plans[s].seconds for s, p in changed.items())
     error = max((_error(by_storage[s][0], changed.get(s, owner_plans[s])) for s in parts.sources if s in by_storage),
                 default=EXACT_ERROR)
