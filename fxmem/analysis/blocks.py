@@ -17,7 +17,6 @@ class Block:
     name: str  # the block's module path, e.g. model.layers.3
     nodes: tuple[Node, ...]  # its forward nodes, in graph order
     outputs: tuple[Node, ...]  # its nodes that a forward node outside it reads
-    inputs: tuple[Node, ...]  # the forward activations from outside any block that it reads (the embedding)
     random: str | None  # an op in it that draws random numbers other than from the step's seeds, if any
 
     @property
@@ -47,9 +46,7 @@ def find_blocks(graph: Graph) -> list[Block]:
         inside = set(nodes)
         outputs = tuple(n for n in nodes if any(is_forward(u) and u not in inside for u in n.users))
         random = next((str(n.target) for n in nodes if draws_random_numbers(n) and not draws_from_step_seed(n)), None)
-        inputs = tuple(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a.op == "call_function"
-                                     and is_forward(a) and not layer_of(module_path(a))))
-        blocks.append(Block(name, tuple(nodes), outputs, inputs, random))
+        blocks.append(Block(name, tuple(nodes), outputs, random))
     return blocks
 
 

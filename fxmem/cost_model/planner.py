@@ -577,11 +577,12 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
     push([*free, *blocks])
     while total > target and heap:
         key, _, option = heapq.heappop(heap)
-        fresh = move(option.block if isinstance(option, BlockOption) else option.storage)
+        unit = option.block if isinstance(option, BlockOption) else option.storage
+        fresh = move(unit)
         if fresh is None:
             continue
         if fresh[0] != key or fresh[1] != option:  # another move changed what this one reads: priced again
-            push([option.block if isinstance(option, BlockOption) else option.storage])
+            push([unit])
             continue
         if isinstance(option, BlockOption):
             total += _checkpoint(option, blocks[option.block], by_storage, owner_plans, config, spending)
