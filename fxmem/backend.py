@@ -34,7 +34,9 @@ from fxmem.analysis.blocks import find_blocks
 from fxmem.analysis.liveness import compiled_liveness, graph_liveness
 from fxmem.analysis.pinned import Pinned, pinned
 from fxmem.analysis.recompute import rebuild_inputs
+from fxmem.choices import CHUNK_AUTO
 from fxmem.config import Config
+from fxmem.cost_model.chunking import MIN_PEAK_CUT, chunking_pays, predicted_peak_bytes
 from fxmem.cost_model.memory import op_workspace_bytes
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.planner import BLOCK_CHECKPOINT_REASON, budget_bytes, budget_note, plan_region
@@ -395,6 +397,10 @@ class _CompiledGraphs:
             self._release(self.fx_sources)
 
 
+class _Predicted(Exception):
+    """Stops a compile once its region is partitioned and planned, before inductor lowers it."""
+
+
 class Backend:
     """A torch.compile backend with its own configuration; ``regions`` holds one record per compiled graph, names
     and figures without the graphs.
@@ -425,20 +431,25 @@ class Backend:
                  options: dict[str, Any] | None = None, mode: str | None = None) -> Callable:
         fxmem_options, inductor_options = _split_options(options)
         config = _config_with_options(self.config, fxmem_options)
+        start = time.perf_counter()
+        sources = _fx_sources()
+        patches: dict[str, Any] = dict(LOWERING_PATCHES)
+        if mode is not None:
+            patches.update(torch._inductor.list_mode_options(mode))
+        patches.update(inductor_options)
+        chunking_note = None
+        if config.auto_chunks():
+            config, chunking_note = self._choose_chunking(gm, example_inputs, config, patches)
         region = Region(index=next(self._indices), config=config)
+        if chunking_note is not None:
+            region.notes.append(chunking_note)
         self.regions.append(region)
         state = PipelineState(config=config, dynamo=gm)
         region.add_passes(self.passes.run("dynamo", state))
         gm = state.dynamo
-        patches: dict[str, Any] = {"custom_partitioner_fn": _Partitioner(region, self.passes, self.fidelity_probes),
-                                   **LOWERING_PATCHES}
-        if mode is not None:
-            patches.update(torch._inductor.list_mode_options(mode))
-        patches.update(inductor_options)
-        sources = _fx_sources()
+        patches["custom_partitioner_fn"] = _Partitioner(region, self.passes, self.fidelity_probes)
         graphs = _CompiledGraphs(functools.partial(self._release, region))
         inner = graphs.compiling(_lower_or_run_as_is(region) if self.lowering == "inductor" else run_eagerly)
-        start = time.perf_counter()
         try:
             # AOTAutograd's cache would skip the partitioner on a hit, and with it fxmem's analysis and rewrites.
             with torch._functorch.config.patch(enable_autograd_cache=False):
@@ -451,6 +462,55 @@ class Backend:
         if region.kind == "compiling":
             region.kind = "inference"
         return compiled
+
+    def _choose_chunking(self, gm: GraphModule, example_inputs: Sequence[Any], config: Config,
+                         patches: dict[str, Any]) -> tuple[Config, str]:
+        """``config`` with its "auto" chunk options kept (chunked, cost_model.chunking.chunk_rows) or off, whichever
+        the region's predicted peak of activations chooses (cost_model.chunking.chunking_pays): the region is
+        traced, partitioned and planned both ways, and neither is lowered. And the report's note on the choice."""
+        names = ", ".join(f"{name}={CHUNK_AUTO}" for name in config.auto_chunks())
+        whole = config.replace(**dict.fromkeys(config.auto_chunks()))
+        peaks = []
+        for candidate in (whole, config):
+            peak = self._predicted_peak(gm, example_inputs, candidate, patches)
+            if isinstance(peak, str):
+                note = f"{names}: left whole, the region's step could not be predicted ({peak})"
+                fall_back(f"fxmem: {note}", config)
+                return whole, note
+            peaks.append(peak)
+        if peaks[0] is None:
+            return whole, f"{names}: left whole, the region does not train (no backward to chunk for)"
+        verdict = "chunked" if chunking_pays(*peaks) else "left whole"
+        note = (f"{names}: {verdict}, the step's activations predicted to peak at {format_bytes(peaks[1])} chunked "
+                f"and {format_bytes(peaks[0])} whole (chunked where {MIN_PEAK_CUT:.0%} lower)")
+        return (config if verdict == "chunked" else whole), note
+
+    def _predicted_peak(self, gm: GraphModule, example_inputs: Sequence[Any], config: Config,
+                        patches: dict[str, Any]) -> int | str | None:
+        """The predicted peak of activations (cost_model.chunking.predicted_peak_bytes) of the region traced,
+        partitioned and planned under ``config``, stopped before inductor lowers it; None where it does not train
+        (no partition), the error's text where it fails."""
+        region = Region(index=-1, config=config)
+
+        def stop(*args: Any, **kwargs: Any) -> Callable:
+            raise _Predicted
+
+        sources = _fx_sources()
+        try:
+            with warnings.catch_warnings():  # the chosen compile warns for itself
+                warnings.simplefilter("ignore")
+                state = PipelineState(config=config, dynamo=copy_graph_module(gm))
+                region.add_passes(self.passes.run("dynamo", state))
+                with torch._functorch.config.patch(enable_autograd_cache=False):
+                    compile_fx(state.dynamo, example_inputs, inner_compile=stop, config_patches={
+                        **patches, "custom_partitioner_fn": _Partitioner(region, self.passes)})
+        except _Predicted:
+            pass
+        except Exception as error:  # noqa: BLE001 - the chosen compile leaves the ops whole, and says why
+            return f"{type(error).__name__}: {error}"
+        finally:
+            _forget_fx_sources(_fx_sources() - sources)
+        return predicted_peak_bytes(region) if region.kind == "training" else None
 
     def _release(self, region: Region, fx_sources: set[str]) -> None:
         """The region's code is gone: free the runtime state it read, and the sources of its graphs."""

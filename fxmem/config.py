@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from fxmem.choices import BITS_CHOICES, BLOCK_INPUT_BITS_CHOICES, check_lowrank
+from fxmem.choices import BITS_CHOICES, BLOCK_INPUT_BITS_CHOICES, CHUNK_AUTO, CHUNK_OPTIONS, check_lowrank
 
 RUNLORA_CHOICES = ("off", "flops", "time")
 LORA_HALF_PRODUCTS_CHOICES = ("off", "auto", "on")
@@ -83,7 +83,9 @@ class Config:
         that the MLP-wide tensors, the step's largest transients at long context, are never whole. Exact up to
         rounding, for two more products per MLP; it replaces what the other techniques do inside the MLP. A
         bitsandbytes 4-bit base (QLoRA) is dequantized for the op, and again in backward
-        (passes/dequantize_bases.py). None (every preset) is off.
+        (passes/dequantize_bases.py). "auto": chunked where that lowers the region's predicted peak of activations
+        by a tenth, at as many tokens as hold no more than the MLP's input (cost_model/chunking.py); the report's
+        notes say which and why. None (every preset) is off.
     linear_chunk: run the PEFT LoRA linears outside a chunked MLP (an attention's projections: q, k and v, which
         read one input, as one op) this many tokens at a time in forward and backward, their input the only tensor
         they save (passes/chunk_linears.py): in backward each holds its output gradient again in float32 for a
@@ -92,14 +94,16 @@ class Config:
         it replaces what the other techniques do to those linears. On a frozen weight, as ``mlp_chunk``: a
         bitsandbytes 4-bit base (QLoRA) is dequantized for the op, and again in backward
         (passes/dequantize_bases.py); a linear whose output or base weight has another dtype than its input (as
-        under autocast) is left as torch runs it. None (every preset) is off.
+        under autocast) is left as torch runs it. "auto": as ``mlp_chunk``'s, with the other "auto" options of the
+        region (one choice for them all), each op's chunk holding no more than its input. None (every preset) is
+        off.
     norm_chunk: run each RMSNorm (Llama's form) this many tokens at a time, recomputed in backward from its input,
         the only tensor it saves (passes/chunk_norm.py): a half-precision model's norm upcasts to float32, and its
         backward holds five float32 tensors of the hidden width at once, the largest transients of a recomputed
         block at long context. The gradients are torch's sums in another order. Under a quantizing preset the input
         is then stored at no fewer than 8 bits (the norm is rebuilt from it), where a norm's input is otherwise
         rebuilt from its output's codes: more saved bytes unless blocks are checkpointed (block_checkpoint), where
-        nothing inside a block is saved. None (every preset) is off.
+        nothing inside a block is saved. "auto": as ``linear_chunk``'s. None (every preset) is off.
     block_checkpoint: checkpoint every repeated block (``model.layers.N``) from its output: only the residual
         stream between blocks is saved (at no fewer than 8 bits under a quantizing preset), and backward recomputes
         each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
@@ -155,9 +159,9 @@ class Config:
     runlora: str = "off"
     memory_budget: float | int | None = None
     chunk_loss: bool = True
-    mlp_chunk: int | None = None
-    norm_chunk: int | None = None
-    linear_chunk: int | None = None
+    mlp_chunk: int | Literal["auto"] | None = None
+    norm_chunk: int | Literal["auto"] | None = None
+    linear_chunk: int | Literal["auto"] | None = None
     block_checkpoint: bool = False
     block_input_bits: int | None = None
     block_offload: bool = False
@@ -208,10 +212,11 @@ class Config:
             raise ValueError("prenorm_sharing=False turns off a part of lowrank: set lowrank too")
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)
         _check_choice("lora_half_products", self.lora_half_products, LORA_HALF_PRODUCTS_CHOICES)
-        for name in ("mlp_chunk", "norm_chunk", "linear_chunk"):
+        for name in CHUNK_OPTIONS:
             rows = getattr(self, name)
-            if rows is not None and (_is_bool(rows) or not isinstance(rows, int) or rows < 1):
-                raise ValueError(f"{name} must be an integer number of tokens >= 1 or None (off); got {rows!r}")
+            if rows not in (None, CHUNK_AUTO) and (_is_bool(rows) or not isinstance(rows, int) or rows < 1):
+                raise ValueError(f"{name} must be an integer number of tokens >= 1, {CHUNK_AUTO!r} (chunked where the "
+                                 f"step's predicted peak drops) or None (off); got {rows!r}")
         if not _budget_in_bytes(self.memory_budget):
             _check_fraction("memory_budget", self.memory_budget, low_open=True, high=1.0, high_open=False,
                             allow_none=True, bytes_too=True)
@@ -236,6 +241,10 @@ class Config:
     def compresses(self) -> bool:
         """Some saved tensor may be stored lossily: quantized, factored, or under a memory budget."""
         return self.bits is not None or self.lowrank is not None or self.memory_budget is not None
+
+    def auto_chunks(self) -> tuple[str, ...]:
+        """The chunk options set to "auto" (cost_model/chunking.py chooses them region by region)."""
+        return tuple(name for name in CHUNK_OPTIONS if getattr(self, name) == CHUNK_AUTO)
 
     def budget_in_bytes(self) -> bool:
         """memory_budget is a number of bytes rather than a fraction."""

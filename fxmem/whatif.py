@@ -268,7 +268,8 @@ def dequantized_base_bytes(lora_model: torch.nn.Module, options: Mapping[str, An
     """With an NF4 base, the float weights dequantized at once, which the traced float base holds as parameters
     instead: bitsandbytes dequantizes one weight for its product; a chunked MLP (``mlp_chunk``) reads its three, and
     chunked linears (``linear_chunk``) those that read one input, counted here as all of a module's LoRA-targeted
-    projections (for an attention, its o projection too, which is an op of its own: an upper bound)."""
+    projections (for an attention, its o projection too, which is an op of its own: an upper bound; so too under
+    "auto", which may leave them whole)."""
     siblings: dict[str, list[int]] = {}
     for name, module in _lora_targeted(lora_model):
         weight = module.base_layer.weight

@@ -14,6 +14,9 @@ def test_defaults_are_the_exact_preset():
                        "gqa_attention", "chunk_loss"]
 
 
+CHUNK_RANGE = "must be an integer number of tokens >= 1, 'auto' (chunked where the step's predicted peak drops) or None (off)"
+
+
 @pytest.mark.parametrize("field, value, expected", [
     ("bits", 3, "bits must be one of 1, 2, 4, 8, None"),
     ("bits", True, "bits must be one of 1, 2, 4, 8, None"),
@@ -46,12 +49,13 @@ def test_defaults_are_the_exact_preset():
     ("rotation", 64, "rotation applies to quantized tensors: set bits (one of 1, 2, 4, 8) or memory_budget too"),
     ("stochastic_rounding", 1, "stochastic_rounding must be True or False"),
     ("stochastic_rounding", True, "stochastic_rounding applies to quantized tensors: set bits"),
-    ("mlp_chunk", 0, "mlp_chunk must be an integer number of tokens >= 1 or None (off); got 0"),
-    ("mlp_chunk", 64.0, "mlp_chunk must be an integer number of tokens >= 1 or None (off); got 64.0"),
+    ("mlp_chunk", 0, f"mlp_chunk {CHUNK_RANGE}; got 0"),
+    ("mlp_chunk", 64.0, f"mlp_chunk {CHUNK_RANGE}; got 64.0"),
+    ("mlp_chunk", "Auto", f"mlp_chunk {CHUNK_RANGE}; got 'Auto'"),
     ("mlp_chunk", True, "mlp_chunk must be an integer number of tokens >= 1"),
-    ("linear_chunk", -8, "linear_chunk must be an integer number of tokens >= 1 or None (off); got -8"),
-    ("norm_chunk", -8, "norm_chunk must be an integer number of tokens >= 1 or None (off); got -8"),
-    ("norm_chunk", "512", "norm_chunk must be an integer number of tokens >= 1 or None (off); got '512'"),
+    ("linear_chunk", -8, f"linear_chunk {CHUNK_RANGE}; got -8"),
+    ("norm_chunk", -8, f"norm_chunk {CHUNK_RANGE}; got -8"),
+    ("norm_chunk", "512", f"norm_chunk {CHUNK_RANGE}; got '512'"),
     ("block_checkpoint", 1, "block_checkpoint must be True or False; got 1"),
     ("block_input_bits", 2, "block_input_bits must be one of 4, 8, None; got 2"),
     ("block_input_bits", 4, "block_input_bits sets the bits of a checkpointed block's stored input: set "
@@ -68,7 +72,7 @@ def test_bad_values_name_the_valid_range(field, value, expected):
     ("bits", 1), ("bits", 8), ("outlier_ratio", 0.0), ("attn_sparsity", 1.0), ("calibration_steps", 100),
     ("lowrank", 0.125), ("lowrank", 32), ("runlora", "time"), ("memory_budget", 0.5),
     ("memory_budget", 1), ("memory_budget", 2**20), ("mlp_chunk", 1), ("mlp_chunk", 4096), ("norm_chunk", 2048),
-    ("linear_chunk", 2048),
+    ("linear_chunk", 2048), ("mlp_chunk", "auto"), ("norm_chunk", "auto"), ("linear_chunk", "auto"),
 ])
 def test_good_values_are_accepted(field, value):
     assert getattr(Config(**{field: value}), field) == value

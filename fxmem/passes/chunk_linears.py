@@ -14,9 +14,11 @@ import operator
 
 from torch.fx import Node
 
-from fxmem.analysis.linear_groups import find_lora_linear_groups
+from fxmem.analysis.linear_groups import LoraLinearGroup, find_lora_linear_groups
+from fxmem.analysis.loss import example_tensor
 from fxmem.analysis.meta import EXAMPLE_VALUE, MODULE_STACK
-from fxmem.kernels.chunked_lora_linear import LoraLinear, chunked_lora_linears
+from fxmem.cost_model.chunking import chunk_rows
+from fxmem.kernels.chunked_lora_linear import LoraLinear, chunked_lora_linears, workspace_bytes
 from fxmem.passes.manager import GraphPass, PipelineState
 
 
@@ -25,12 +27,14 @@ class ChunkLinears(GraphPass):
     stage = "dynamo"
 
     def run(self, state: PipelineState) -> str:
-        rows = state.config.linear_chunk
         graph = state.dynamo.graph
         groups, other_dtype = find_lora_linear_groups(graph)
         replaced: dict[Node, Node] = {}  # an output already rewritten, and the item that now stands for it
+        sizes = []
         for group in groups:
             linears = [LoraLinear(n.weight, n.a, n.b, n.scale) for n in group.linears]
+            rows = _rows(state.config.linear_chunk, group)
+            sizes.append(rows)
             with graph.inserting_after(group.after):
                 call = graph.call_function(chunked_lora_linears, (replaced.get(group.x, group.x), linears, rows))
             # what dynamo traced each value with and its module, as every node of its graph carries: the dynamo
@@ -51,8 +55,18 @@ class ChunkLinears(GraphPass):
             return ("no PEFT LoRA linear (no dropout) on a frozen weight (float, or bitsandbytes 4-bit: "
                     f"dequantize_bases), outside a chunked MLP{left}")
         graph.eliminate_dead_code()
-        sizes = ", ".join(str(len(group.linears)) for group in groups)
-        group = groups[0]
+        counts = ", ".join(str(len(group.linears)) for group in groups)
+        chunks = "/".join(map(str, sorted(set(sizes))))
         return (f"{sum(len(g.linears) for g in groups)} LoRA linear(s) in {len(groups)} op(s) of one input each "
-                f"({sizes} linears), {group.tokens} tokens in chunks of {rows}: each group's input the only tensor "
-                f"it saves, its d x one buffer{left}")
+                f"({counts} linears), {groups[0].tokens} tokens in chunks of {chunks}: each group's input the only "
+                f"tensor it saves, its d x one buffer{left}")
+
+
+def _rows(setting: int | str, group: LoraLinearGroup) -> int:
+    """The group's tokens per chunk (cost_model.chunking.chunk_rows), its workspace from the kernel's model."""
+    x = example_tensor(group.x)
+    widths = [example_tensor(output).shape[-1] for output in group.outputs]
+    rank = max(example_tensor(linear.a).shape[0] for linear in group.linears)
+    workspace = max(workspace_bytes(1, 1, x.shape[-1], widths, rank, x.element_size(), backward=b)
+                    for b in (False, True))
+    return chunk_rows(setting, group.tokens, x.shape[-1] * x.element_size(), workspace)

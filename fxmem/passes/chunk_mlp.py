@@ -8,9 +8,11 @@ chunked products. An MLP of another form is left as torch runs it.
 
 from __future__ import annotations
 
+from fxmem.analysis.loss import example_tensor
 from fxmem.analysis.mlp import LoraLinearNodes, find_swiglu_mlps
+from fxmem.cost_model.chunking import chunk_rows
 from fxmem.kernels.chunked_lora_linear import LoraLinear
-from fxmem.kernels.chunked_mlp import chunked_swiglu_mlp
+from fxmem.kernels.chunked_mlp import chunked_swiglu_mlp, workspace_bytes
 from fxmem.passes.manager import GraphPass, PipelineState, replace_with_call
 
 
@@ -19,17 +21,19 @@ class ChunkMlp(GraphPass):
     stage = "dynamo"
 
     def run(self, state: PipelineState) -> str:
-        rows = state.config.mlp_chunk
         graph = state.dynamo.graph
         found = find_swiglu_mlps(graph)
-        for mlp in found:
-            replace_with_call(graph, mlp.output, chunked_swiglu_mlp,
-                              (mlp.x, _linear(mlp.gate), _linear(mlp.up), _linear(mlp.down), rows))
         if not found:
             return ("no SwiGLU MLP with a PEFT LoRA (no dropout) on its gate, up and down projections, each on a "
                     "frozen weight (float, or bitsandbytes 4-bit: dequantize_bases)")
-        graph.eliminate_dead_code()
         mlp = found[0]
+        hidden = example_tensor(mlp.x).shape[-1]
+        workspace = max(workspace_bytes(1, 1, mlp.width, mlp.element_size, backward=b) for b in (False, True))
+        rows = chunk_rows(state.config.mlp_chunk, mlp.tokens, hidden * mlp.element_size, workspace)
+        for each in found:
+            replace_with_call(graph, each.output, chunked_swiglu_mlp,
+                              (each.x, _linear(each.gate), _linear(each.up), _linear(each.down), rows))
+        graph.eliminate_dead_code()
         wide = mlp.tokens * mlp.width * mlp.element_size
         return (f"{len(found)} SwiGLU MLP(s) of {mlp.tokens} tokens x {mlp.width} in chunks of {rows} tokens: "
                 f"{wide / 2**20:.1f} MiB per MLP-wide tensor never whole, its input the only tensor saved")

@@ -11,7 +11,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis.meta import EXAMPLE_VALUE, RECOMPUTE
 from fxmem.analysis.rms_norm import find_rms_norms
-from fxmem.kernels.chunked_rms_norm import chunked_rms_norm
+from fxmem.cost_model.chunking import chunk_rows
+from fxmem.kernels.chunked_rms_norm import chunked_rms_norm, workspace_bytes
 from fxmem.passes.manager import GraphPass, PipelineState, replace_with_call
 
 
@@ -20,22 +21,23 @@ class ChunkNorm(GraphPass):
     stage = "dynamo"
 
     def run(self, state: PipelineState) -> str:
-        rows = state.config.norm_chunk
         graph = state.dynamo.graph
         found = find_rms_norms(graph)
-        for norm in found:
-            chunked = replace_with_call(graph, norm.output, chunked_rms_norm, (norm.x, norm.weight, norm.eps, rows))
+        if not found:
+            return ("no RMSNorm of Llama's form (weight * (u * rsqrt(mean(u**2) + eps)).to(x.dtype), "
+                    "u = x.to(torch.float32), over (batch, tokens, hidden))")
+        norm = found[0]
+        workspace = max(workspace_bytes(1, 1, norm.hidden, norm.element_size, backward=b) for b in (False, True))
+        rows = chunk_rows(state.config.norm_chunk, norm.tokens, norm.hidden * norm.element_size, workspace)
+        for each in found:
+            chunked = replace_with_call(graph, each.output, chunked_rms_norm, (each.x, each.weight, each.eps, rows))
             # what dynamo traced it with, as every node of its graph carries: the dynamo passes' matchers read it
-            chunked.meta[EXAMPLE_VALUE] = norm.output.meta[EXAMPLE_VALUE]
+            chunked.meta[EXAMPLE_VALUE] = each.output.meta[EXAMPLE_VALUE]
             # recomputed in backward from its input, as torch's min-cut recomputes a norm of aten ops: saving the
             # output would add a tensor of the hidden width where torch's norm saves one value per row (AOTAutograd
             # copies the tag onto the op's joint node)
             chunked.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
-        if not found:
-            return ("no RMSNorm of Llama's form (weight * (u * rsqrt(mean(u**2) + eps)).to(x.dtype), "
-                    "u = x.to(torch.float32), over (batch, tokens, hidden))")
         graph.eliminate_dead_code()
-        norm = found[0]
         wide = norm.tokens * norm.hidden * 4
         return (f"{len(found)} RMSNorm(s) of {norm.tokens} tokens x {norm.hidden} in chunks of {rows} tokens: "
                 f"{wide / 2**20:.1f} MiB per float32 tensor never whole, its input the only tensor saved")
