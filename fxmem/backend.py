@@ -34,9 +34,8 @@ from fxmem.analysis.blocks import find_blocks
 from fxmem.analysis.liveness import compiled_liveness, graph_liveness
 from fxmem.analysis.pinned import Pinned, pinned
 from fxmem.analysis.recompute import rebuild_inputs
-from fxmem.choices import CHUNK_AUTO
 from fxmem.config import Config
-from fxmem.cost_model.chunking import MIN_PEAK_CUT, chunking_pays, predicted_peak_bytes
+from fxmem.cost_model.auto import choose_auto, predicted_peak_bytes
 from fxmem.cost_model.memory import op_workspace_bytes
 from fxmem.cost_model.plan import Plan
 from fxmem.cost_model.planner import BLOCK_CHECKPOINT_REASON, budget_bytes, budget_note, plan_region
@@ -437,12 +436,13 @@ class Backend:
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
         patches.update(inductor_options)
-        chunking_note = None
-        if config.auto_chunks():
-            config, chunking_note = self._choose_chunking(gm, example_inputs, config, patches)
-        region = Region(index=next(self._indices), config=config)
-        if chunking_note is not None:
-            region.notes.append(chunking_note)
+        auto_notes = []
+        if config.auto_options():  # each group of them on or off, by the region's predicted peak
+            choice = choose_auto(config, functools.partial(self._predicted_peak, gm, example_inputs, patches=patches))
+            if choice.failure is not None:
+                fall_back(f"fxmem: {choice.failure}", config)
+            config, auto_notes = choice.config, choice.notes
+        region = Region(index=next(self._indices), config=config, notes=auto_notes)
         self.regions.append(region)
         state = PipelineState(config=config, dynamo=gm)
         region.add_passes(self.passes.run("dynamo", state))
@@ -463,33 +463,11 @@ class Backend:
             region.kind = "inference"
         return compiled
 
-    def _choose_chunking(self, gm: GraphModule, example_inputs: Sequence[Any], config: Config,
-                         patches: dict[str, Any]) -> tuple[Config, str]:
-        """``config`` with its "auto" chunk options kept (chunked, cost_model.chunking.chunk_rows) or off, whichever
-        the region's predicted peak of activations chooses (cost_model.chunking.chunking_pays): the region is
-        traced, partitioned and planned both ways, and neither is lowered. And the report's note on the choice."""
-        names = ", ".join(f"{name}={CHUNK_AUTO}" for name in config.auto_chunks())
-        whole = config.replace(**dict.fromkeys(config.auto_chunks()))
-        peaks = []
-        for candidate in (whole, config):
-            peak = self._predicted_peak(gm, example_inputs, candidate, patches)
-            if isinstance(peak, str):
-                note = f"{names}: left whole, the region's step could not be predicted ({peak})"
-                fall_back(f"fxmem: {note}", config)
-                return whole, note
-            peaks.append(peak)
-        if peaks[0] is None:
-            return whole, f"{names}: left whole, the region does not train (no backward to chunk for)"
-        verdict = "chunked" if chunking_pays(*peaks) else "left whole"
-        note = (f"{names}: {verdict}, the step's activations predicted to peak at {format_bytes(peaks[1])} chunked "
-                f"and {format_bytes(peaks[0])} whole (chunked where {MIN_PEAK_CUT:.0%} lower)")
-        return (config if verdict == "chunked" else whole), note
-
-    def _predicted_peak(self, gm: GraphModule, example_inputs: Sequence[Any], config: Config,
+    def _predicted_peak(self, gm: GraphModule, example_inputs: Sequence[Any], config: Config, *,
                         patches: dict[str, Any]) -> int | str | None:
-        """The predicted peak of activations (cost_model.chunking.predicted_peak_bytes) of the region traced,
-        partitioned and planned under ``config``, stopped before inductor lowers it; None where it does not train
-        (no partition), the error's text where it fails."""
+        """The predicted peak of activations (cost_model.auto.predicted_peak_bytes) of the region traced,
+        partitioned and planned under ``config`` (and its dynamo passes), stopped before inductor lowers it; None
+        where it does not train (no partition), the error's text where it fails."""
         region = Region(index=-1, config=config)
 
         def stop(*args: Any, **kwargs: Any) -> Callable:
@@ -506,11 +484,13 @@ class Backend:
                         **patches, "custom_partitioner_fn": _Partitioner(region, self.passes)})
         except _Predicted:
             pass
-        except Exception as error:  # noqa: BLE001 - the chosen compile leaves the ops whole, and says why
+        except Exception as error:  # noqa: BLE001 - the options stay off, and the report says why
             return f"{type(error).__name__}: {error}"
-        finally:
-            _forget_fx_sources(_fx_sources() - sources)
-        return predicted_peak_bytes(region) if region.kind == "training" else None
+        finally:  # its graphs, and the calibration slots its quantize pass made, are never run
+            self._release(region, _fx_sources() - sources)
+        if region.kind != "training":
+            return None
+        return predicted_peak_bytes(region.saved, region.plans, region.compiled_transient_bytes)
 
     def _release(self, region: Region, fx_sources: set[str]) -> None:
         """The region's code is gone: free the runtime state it read, and the sources of its graphs."""

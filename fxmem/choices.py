@@ -8,10 +8,11 @@ from typing import Any
 
 BITS_CHOICES = (1, 2, 4, 8)  # the widths the packing supports (kernels/quantize.py): 8 // bits codes to a byte
 BLOCK_INPUT_BITS_CHOICES = (4, 8)  # a checkpointed block's stored input, which the whole block is rebuilt from
-# The options that run ops over chunks of tokens; each takes a number of tokens, or CHUNK_AUTO: chunked where the
-# step's predicted peak drops (cost_model/chunking.py).
+# The options that run ops over chunks of tokens; each takes a number of tokens, or AUTO.
 CHUNK_OPTIONS = ("mlp_chunk", "norm_chunk", "linear_chunk")
-CHUNK_AUTO = "auto"
+# What the chunk options and block_checkpoint take to be turned on where the step's predicted peak drops
+# (cost_model/auto.py).
+AUTO = "auto"
 
 
 def check_lowrank(value: Any, *, allow_none: bool = True) -> None:

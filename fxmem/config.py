@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fxmem.choices import BITS_CHOICES, BLOCK_INPUT_BITS_CHOICES, CHUNK_AUTO, CHUNK_OPTIONS, check_lowrank
+from fxmem.choices import AUTO, BITS_CHOICES, BLOCK_INPUT_BITS_CHOICES, CHUNK_OPTIONS, check_lowrank
 
 RUNLORA_CHOICES = ("off", "flops", "time")
 LORA_HALF_PRODUCTS_CHOICES = ("off", "auto", "on")
@@ -84,8 +84,8 @@ class Config:
         rounding, for two more products per MLP; it replaces what the other techniques do inside the MLP. A
         bitsandbytes 4-bit base (QLoRA) is dequantized for the op, and again in backward
         (passes/dequantize_bases.py). "auto": chunked where that lowers the region's predicted peak of activations
-        by a tenth, at as many tokens as hold no more than the MLP's input (cost_model/chunking.py); the report's
-        notes say which and why. None (every preset) is off.
+        by a tenth, at as many tokens as hold no more than the MLP's input, one choice for every "auto" chunk option
+        of the region (cost_model/auto.py); the report's notes say which and why. None (every preset) is off.
     linear_chunk: run the PEFT LoRA linears outside a chunked MLP (an attention's projections: q, k and v, which
         read one input, as one op) this many tokens at a time in forward and backward, their input the only tensor
         they save (passes/chunk_linears.py): in backward each holds its output gradient again in float32 for a
@@ -94,9 +94,8 @@ class Config:
         it replaces what the other techniques do to those linears. On a frozen weight, as ``mlp_chunk``: a
         bitsandbytes 4-bit base (QLoRA) is dequantized for the op, and again in backward
         (passes/dequantize_bases.py); a linear whose output or base weight has another dtype than its input (as
-        under autocast) is left as torch runs it. "auto": as ``mlp_chunk``'s, with the other "auto" options of the
-        region (one choice for them all), each op's chunk holding no more than its input. None (every preset) is
-        off.
+        under autocast) is left as torch runs it. "auto": as ``mlp_chunk``'s, each op's chunk holding no more than
+        its input. None (every preset) is off.
     norm_chunk: run each RMSNorm (Llama's form) this many tokens at a time, recomputed in backward from its input,
         the only tensor it saves (passes/chunk_norm.py): a half-precision model's norm upcasts to float32, and its
         backward holds five float32 tensors of the hidden width at once, the largest transients of a recomputed
@@ -112,7 +111,10 @@ class Config:
         masks. Under ``memory_budget`` a block's checkpoint
         is one of the budget's options instead, block by block (exact where what the block is recomputed from is
         kept exact): priced at its forward's seconds against the bytes of the block's plan then, and taken only
-        where the rule picks it (the report's notes name each block chosen). False (every preset) is off.
+        where the rule picks it (the report's notes name each block chosen). "auto" (not with a budget): every block
+        checkpointed where that lowers the region's predicted peak of activations by a tenth, its saved bytes and
+        the transients of a recomputed block both counted (cost_model/auto.py), tried before the "auto" chunk
+        options; the report's notes say which and why. False (every preset) is off.
     block_input_bits: with ``block_checkpoint`` under a quantizing preset, the bits each block's stored input is
         kept at: 4 halves the bytes of the residual stream between blocks, the blocks then recomputed from a coarser
         input (docs/long-context.md measures the fidelity); None (every preset) is 8.
@@ -162,7 +164,7 @@ class Config:
     mlp_chunk: int | Literal["auto"] | None = None
     norm_chunk: int | Literal["auto"] | None = None
     linear_chunk: int | Literal["auto"] | None = None
-    block_checkpoint: bool = False
+    block_checkpoint: bool | Literal["auto"] = False
     block_input_bits: int | None = None
     block_offload: bool = False
     lora_half_products: str = "off"
@@ -187,9 +189,15 @@ class Config:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
         for name in ("lora_reorder", "rebuild_from_x", "fused_epilogue", "intra", "prenorm_sharing", "chunk_loss",
-                     "return_logits", "stochastic_rounding", "block_checkpoint", "block_offload", "strict"):
+                     "return_logits", "stochastic_rounding", "block_offload", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if not isinstance(self.block_checkpoint, bool) and self.block_checkpoint != AUTO:
+            raise ValueError(f"block_checkpoint must be True, False or {AUTO!r} (checkpointed where the step's "
+                             f"predicted peak drops); got {self.block_checkpoint!r}")
+        if self.block_checkpoint == AUTO and self.memory_budget is not None:
+            raise ValueError("memory_budget weighs each block's checkpoint among its options already: set "
+                             "block_checkpoint=True with it, not 'auto'")
         for name in ("rotation", "stochastic_rounding"):
             if getattr(self, name) not in (None, False) and self.bits is None and self.memory_budget is None:
                 raise ValueError(f"{name} applies to quantized tensors: set bits (one of 1, 2, 4, 8) or "
@@ -214,8 +222,8 @@ class Config:
         _check_choice("lora_half_products", self.lora_half_products, LORA_HALF_PRODUCTS_CHOICES)
         for name in CHUNK_OPTIONS:
             rows = getattr(self, name)
-            if rows not in (None, CHUNK_AUTO) and (_is_bool(rows) or not isinstance(rows, int) or rows < 1):
-                raise ValueError(f"{name} must be an integer number of tokens >= 1, {CHUNK_AUTO!r} (chunked where the "
+            if rows not in (None, AUTO) and (_is_bool(rows) or not isinstance(rows, int) or rows < 1):
+                raise ValueError(f"{name} must be an integer number of tokens >= 1, {AUTO!r} (chunked where the "
                                  f"step's predicted peak drops) or None (off); got {rows!r}")
         if not _budget_in_bytes(self.memory_budget):
             _check_fraction("memory_budget", self.memory_budget, low_open=True, high=1.0, high_open=False,
@@ -242,9 +250,9 @@ class Config:
         """Some saved tensor may be stored lossily: quantized, factored, or under a memory budget."""
         return self.bits is not None or self.lowrank is not None or self.memory_budget is not None
 
-    def auto_chunks(self) -> tuple[str, ...]:
-        """The chunk options set to "auto" (cost_model/chunking.py chooses them region by region)."""
-        return tuple(name for name in CHUNK_OPTIONS if getattr(self, name) == CHUNK_AUTO)
+    def auto_options(self) -> tuple[str, ...]:
+        """The options set to "auto" (cost_model/auto.py turns them on or off region by region)."""
+        return tuple(name for name in ("block_checkpoint", *CHUNK_OPTIONS) if getattr(self, name) == AUTO)
 
     def budget_in_bytes(self) -> bool:
         """memory_budget is a number of bytes rather than a fraction."""

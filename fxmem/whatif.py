@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.choices import BASES, CONTEXT_GRANULARITY, DTYPE_NAMES, MAX_CONTEXT_PRESETS, OPTIMIZER_STATES
 from fxmem.config import Config, overrides_text
+from fxmem.cost_model.auto import choose_auto
 from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes, loss_chunks, unfused_loss_bytes
 from fxmem.fitting import Probe, longest_fitting
@@ -314,7 +315,22 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
     trace plus that step per further block (whatever a block adds to backward's peak: the LoRA gradients of every
     block where the peak holds them). Past ``MAX_SCALING_DEPTH``, blocks that save alike but add unlike steps to
     the peak add the larger of the last two each (an assumed bound); otherwise the whole model is traced.
+
+    Options set to "auto" are chosen for the whole model as the backend chooses them for a region
+    (cost_model.auto.choose_auto), each candidate scaled so: at the traced depths alone the choice could differ.
     """
+    if preset.auto_options():
+        scaled: dict[Config, tuple[ActivationBytes, str]] = {}
+
+        def predict(candidate: Config) -> int:
+            scaled[candidate] = layer_scaled_activation_bytes(config, rank=rank, dtype=dtype, batch=batch, seq=seq,
+                                                              preset=candidate)
+            return scaled[candidate][0].saved + scaled[candidate][0].transient
+
+        choice = choose_auto(preset, predict)
+        activations, how = scaled[choice.config]
+        return activations, "; ".join([how, *choice.notes])
+
     def traced(layers: int) -> ActivationBytes:
         return traced_activation_bytes(config, layers=layers, rank=rank, dtype=dtype, batch=batch, seq=seq,
                                        preset=preset)

@@ -20,7 +20,7 @@ ALLOWED = {
     "fxmem.analysis": set(),
     "fxmem.config": {"fxmem.choices"},
     "fxmem.measure": {"fxmem.timing"},
-    "fxmem.cost_model": {"fxmem.analysis", "fxmem.config", "fxmem.kernels", "fxmem.timing"},
+    "fxmem.cost_model": {"fxmem.analysis", "fxmem.choices", "fxmem.config", "fxmem.kernels", "fxmem.timing"},
     "fxmem.passes": {"fxmem.analysis", "fxmem.config", "fxmem.cost_model", "fxmem.fallback", "fxmem.kernels"},
     "fxmem.techniques": {"fxmem.config", "fxmem.cost_model", "fxmem.passes"},
     "fxmem.train": {"fxmem.choices", "fxmem.kernels", "fxmem.measure", "fxmem.timing"},

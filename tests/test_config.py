@@ -56,7 +56,9 @@ CHUNK_RANGE = "must be an integer number of tokens >= 1, 'auto' (chunked where t
     ("linear_chunk", -8, f"linear_chunk {CHUNK_RANGE}; got -8"),
     ("norm_chunk", -8, f"norm_chunk {CHUNK_RANGE}; got -8"),
     ("norm_chunk", "512", f"norm_chunk {CHUNK_RANGE}; got '512'"),
-    ("block_checkpoint", 1, "block_checkpoint must be True or False; got 1"),
+    ("block_checkpoint", 1, ("block_checkpoint must be True, False or 'auto' (checkpointed where the step's "
+                             "predicted peak drops); got 1")),
+    ("block_checkpoint", "Auto", "block_checkpoint must be True, False or 'auto'"),
     ("block_input_bits", 2, "block_input_bits must be one of 4, 8, None; got 2"),
     ("block_input_bits", 4, "block_input_bits sets the bits of a checkpointed block's stored input: set "
                             "block_checkpoint=True and bits"),
@@ -73,9 +75,17 @@ def test_bad_values_name_the_valid_range(field, value, expected):
     ("lowrank", 0.125), ("lowrank", 32), ("runlora", "time"), ("memory_budget", 0.5),
     ("memory_budget", 1), ("memory_budget", 2**20), ("mlp_chunk", 1), ("mlp_chunk", 4096), ("norm_chunk", 2048),
     ("linear_chunk", 2048), ("mlp_chunk", "auto"), ("norm_chunk", "auto"), ("linear_chunk", "auto"),
+    ("block_checkpoint", "auto"),
 ])
 def test_good_values_are_accepted(field, value):
     assert getattr(Config(**{field: value}), field) == value
+
+
+def test_a_budget_takes_block_checkpoint_true_not_auto():
+    with pytest.raises(ValueError, match="memory_budget weighs each block's checkpoint among its options already: "
+                                         "set block_checkpoint=True with it, not 'auto'"):
+        Config(memory_budget=0.5, block_checkpoint="auto")
+    assert Config(memory_budget=0.5, block_checkpoint=True).block_checkpoint
 
 
 def test_rotation_and_stochastic_rounding_go_with_bits_or_a_budget():

@@ -17,7 +17,7 @@ from torch.fx import Node
 from fxmem.analysis.linear_groups import LoraLinearGroup, find_lora_linear_groups
 from fxmem.analysis.loss import example_tensor
 from fxmem.analysis.meta import EXAMPLE_VALUE, MODULE_STACK
-from fxmem.cost_model.chunking import chunk_rows
+from fxmem.cost_model.auto import chunk_rows
 from fxmem.kernels.chunked_lora_linear import LoraLinear, chunked_lora_linears, workspace_bytes
 from fxmem.passes.manager import GraphPass, PipelineState
 
@@ -63,7 +63,7 @@ class ChunkLinears(GraphPass):
 
 
 def _rows(setting: int | str, group: LoraLinearGroup) -> int:
-    """The group's tokens per chunk (cost_model.chunking.chunk_rows), its workspace from the kernel's model."""
+    """The group's tokens per chunk (cost_model.auto.chunk_rows), its workspace from the kernel's model."""
     x = example_tensor(group.x)
     widths = [example_tensor(output).shape[-1] for output in group.outputs]
     rank = max(example_tensor(linear.a).shape[0] for linear in group.linears)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fxmem.analysis.loss import example_tensor
 from fxmem.analysis.mlp import LoraLinearNodes, find_swiglu_mlps
-from fxmem.cost_model.chunking import chunk_rows
+from fxmem.cost_model.auto import chunk_rows
 from fxmem.kernels.chunked_lora_linear import LoraLinear
 from fxmem.kernels.chunked_mlp import chunked_swiglu_mlp, workspace_bytes
 from fxmem.passes.manager import GraphPass, PipelineState, replace_with_call

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis.meta import EXAMPLE_VALUE, RECOMPUTE
 from fxmem.analysis.rms_norm import find_rms_norms
-from fxmem.cost_model.chunking import chunk_rows
+from fxmem.cost_model.auto import chunk_rows
 from fxmem.kernels.chunked_rms_norm import chunked_rms_norm, workspace_bytes
 from fxmem.passes.manager import GraphPass, PipelineState, replace_with_call
 

@@ -81,7 +81,7 @@ def test_inspect_says_what_auto_chunking_chose(tmp_path, capsys):
                      "--json", str(out)]) == 0
     [region] = json.loads(out.read_text())["regions"]
     assert re.fullmatch(r"mlp_chunk=auto: chunked, the step's activations predicted to peak at [\d.]+ MiB chunked "
-                        r"and [\d.]+ MiB whole \(chunked where 10% lower\)", region["notes"][0])
+                        r"and [\d.]+ MiB not \(chunked where 10% lower\)", region["notes"][0])
     assert region["config"]["mlp_chunk"] == "auto"
     assert "SwiGLU MLP(s) of 1024 tokens" in capsys.readouterr().out
 

@@ -1,0 +1,128 @@
+"""The options set to "auto", turned on where the step's predicted peak drops: ``mlp_chunk``, ``norm_chunk``,
+``linear_chunk`` (chunked transients) and ``block_checkpoint``.
+
+A chunked op (passes/chunk_mlp.py, chunk_norm.py, chunk_linears.py) holds one chunk of its wide tensors at a time
+and saves only its input, for its products run again in backward; a checkpointed block (passes/checkpoint_blocks.py)
+saves only its input, for its forward run again in backward, where backward then holds its activations whole. Each
+pays where what it cuts sets the step's peak, which depends on everything else the step holds: at long context the
+transients dominate, at short context and under an exact plan the saved tensors may. So the choice is the region's,
+priced by the liveness model whatif uses (analysis/liveness.py, as inductor runs the graphs): the region is planned
+with the "auto" options off, then with each group of them on in turn (blocks, then chunks), and a group is kept on
+where it lowers the predicted peak of activations (saved plus transients) by at least ``MIN_PEAK_CUT``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fxmem.choices import AUTO, CHUNK_OPTIONS
+from fxmem.cost_model.memory import planned_bytes
+
+if TYPE_CHECKING:
+    from fxmem.analysis import SavedRecord
+    from fxmem.config import Config
+    from fxmem.cost_model.plan import Plan
+
+# Under "auto" one chunk holds no more bytes than the op's input (the kernels' workspace_bytes, per row): the step
+# holds that input anyway, and mini-sequence training's split of an MLP into its width over the hidden size rests on
+# the same measure. Within these rows: fewer leave a product below its rate (a GPU's matmul tiles are 128 rows), and
+# more hold more bytes for no faster product (2048: whatif's Llama-3-8B figures; not measured against other sizes
+# on a GPU).
+MIN_AUTO_ROWS = 128
+MAX_AUTO_ROWS = 2048
+# The least cut of the predicted peak worth the chunked ops' products again: the liveness model was within a few
+# percent of measured steps with chunks, and 1.29x below one without (docs/long-context.md), so a smaller predicted
+# cut is within its error.
+MIN_PEAK_CUT = 0.10
+
+
+def chunk_rows(setting: int | str, rows: int, input_row_bytes: int, workspace_row_bytes: int) -> int:
+    """The tokens per chunk of an op over ``rows`` tokens: ``setting`` itself, or under "auto" as many as hold no
+    more workspace (``workspace_row_bytes`` a token) than its input (``input_row_bytes`` a token), within
+    ``MIN_AUTO_ROWS`` and ``MAX_AUTO_ROWS`` and no more than ``rows``."""
+    if setting != AUTO:
+        return int(setting)
+    fits = rows * input_row_bytes // max(1, workspace_row_bytes)
+    return max(1, min(rows, MAX_AUTO_ROWS, max(MIN_AUTO_ROWS, fits)))
+
+
+def predicted_peak_bytes(saved: Iterable[SavedRecord], plans: Iterable[Plan], transient: int) -> int:
+    """What a planned region's step holds at its peak beside its weights and inputs: the bytes its plans save for its
+    saved tensors, and ``transient``, its graphs' transients as inductor runs them (Region.compiled_transient_bytes).
+    """
+    return transient + sum(planned_bytes(s, p) for s, p in zip(saved, plans, strict=True) if s.frees_memory)
+
+
+def lowers_peak(off: int, on: int) -> bool:
+    """Whether a region with an "auto" group on, predicted to peak at ``on`` bytes, is worth its time over the region
+    with it off, predicted to peak at ``off``."""
+    return 0 < off and on <= off * (1 - MIN_PEAK_CUT)
+
+
+@dataclass(frozen=True)
+class AutoGroup:
+    """Options set to "auto" that are turned on or off together, and the word the report uses for "on"."""
+
+    names: tuple[str, ...]
+    on: dict[str, Any]  # the options' values when on
+    off: dict[str, Any]
+    word: str
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{name}={AUTO}" for name in self.names)
+
+    def note(self, chosen: bool, on_peak: int, off_peak: int) -> str:
+        """The report's note on the choice."""
+        return (f"{self.label}: {self.word if chosen else 'not ' + self.word}, the step's activations predicted to "
+                f"peak at {on_peak / 2**20:.2f} MiB {self.word} and {off_peak / 2**20:.2f} MiB not ({self.word} where "
+                f"{MIN_PEAK_CUT:.0%} lower)")
+
+
+def auto_groups(config: Config) -> list[AutoGroup]:
+    """``config``'s "auto" options in the order they are tried: block checkpoints first (they change what the step
+    saves most), then chunks (which cut what a recomputed block holds too)."""
+    groups = []
+    if config.block_checkpoint == AUTO:
+        # the block options that need block_checkpoint go with it
+        groups.append(AutoGroup(("block_checkpoint",), {"block_checkpoint": True, "block_input_bits":
+                                config.block_input_bits, "block_offload": config.block_offload},
+                                {"block_checkpoint": False, "block_input_bits": None, "block_offload": False},
+                                "checkpointed"))
+    chunks = tuple(name for name in CHUNK_OPTIONS if getattr(config, name) == AUTO)
+    if chunks:
+        groups.append(AutoGroup(chunks, dict.fromkeys(chunks, AUTO), dict.fromkeys(chunks), "chunked"))
+    return groups
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    config: Config  # every "auto" option turned on or off
+    notes: list[str]  # the report's, one per group
+    failure: str | None = None  # the note of a group left off because a prediction failed
+
+
+def choose_auto(config: Config, predict: Callable[[Config], int | str | None]) -> AutoChoice:
+    """``config`` with each group of its "auto" options on or off: ``predict`` gives a config's predicted peak of
+    activations (None: it does not train; a string: why it could not be predicted) with the options off, then with
+    each group on in turn, kept on where ``lowers_peak``."""
+    groups = auto_groups(config)
+    chosen = config.replace(**{name: value for group in groups for name, value in group.off.items()})
+    off_peak = predict(chosen)
+    notes, failure = [], None
+    for group in groups:
+        if off_peak is None:
+            notes.append(f"{group.label}: not {group.word}, the region does not train (no backward)")
+            continue
+        on_peak = off_peak if isinstance(off_peak, str) else predict(chosen.replace(**group.on))
+        failed = next((peak for peak in (off_peak, on_peak) if isinstance(peak, str)), None)
+        if failed is not None:
+            notes.append(f"{group.label}: not {group.word}, the step could not be predicted ({failed})")
+            failure = failure or notes[-1]
+            continue
+        notes.append(group.note(lowers_peak(off_peak, on_peak), on_peak, off_peak))
+        if lowers_peak(off_peak, on_peak):
+            chosen, off_peak = chosen.replace(**group.on), on_peak
+    return AutoChoice(chosen, notes, failure)
