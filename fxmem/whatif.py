@@ -112,8 +112,8 @@ class ActivationBytes:
     host: int = 0  # what the step stores in host memory instead (block_offload): in neither of the above
 
 
-def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], config: Config
-                               ) -> ActivationBytes:
+def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], config: Config, *,
+                               choose_auto: bool = True) -> ActivationBytes:
     """Saved-activation bytes of one step under ``config`` (the analysis's tensors priced by the cost model), and
     its transients (analysis.liveness.compiled_liveness: the graphs run in their own order with element-wise ops
     inside their readers' kernels and backward freeing each saved activation after its last reader, as inductor
@@ -122,7 +122,7 @@ def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Te
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = inspect(model, config=config, **batch)
+        report = inspect(model, config=config, choose_auto=choose_auto, **batch)
     from fxmem.cost_model.memory import host_bytes
     return ActivationBytes(saved=sum(planned for _, saved, planned in _activation_rows(report)),
                            transient=max((r.compiled_transient_bytes for r in report.regions), default=0),
@@ -302,7 +302,8 @@ def traced_activation_bytes(config: Any, *, layers: int, rank: int, dtype: torch
     model = fake_lora_model(config, rank, dtype, fake_mode)
     with fake_mode:
         inputs = example_batch(config, batch, seq, TRACE_DEVICE)
-    return predicted_activation_bytes(model, inputs, preset)
+    # its "auto" options on: layer_scaled_activation_bytes chooses them for the whole model
+    return predicted_activation_bytes(model, inputs, preset, choose_auto=False)
 
 
 def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype, batch: int, seq: int,
@@ -323,13 +324,18 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
         scaled: dict[Config, tuple[ActivationBytes, str]] = {}
 
         def predict(candidate: Config) -> int:
-            scaled[candidate] = layer_scaled_activation_bytes(config, rank=rank, dtype=dtype, batch=batch, seq=seq,
-                                                              preset=candidate)
+            scaled[candidate] = _layer_scaled(config, rank=rank, dtype=dtype, batch=batch, seq=seq, preset=candidate)
             return scaled[candidate][0].saved + scaled[candidate][0].transient
 
         choice = choose_auto(preset, predict)
         activations, how = scaled[choice.config]
         return activations, "; ".join([how, *choice.notes])
+    return _layer_scaled(config, rank=rank, dtype=dtype, batch=batch, seq=seq, preset=preset)
+
+
+def _layer_scaled(config: Any, *, rank: int, dtype: torch.dtype, batch: int, seq: int, preset: Config
+                  ) -> tuple[ActivationBytes, str]:
+    """``layer_scaled_activation_bytes`` with any "auto" option of ``preset`` on."""
 
     def traced(layers: int) -> ActivationBytes:
         return traced_activation_bytes(config, layers=layers, rank=rank, dtype=dtype, batch=batch, seq=seq,

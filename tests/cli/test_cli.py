@@ -77,13 +77,13 @@ def test_inspect_sets_config_fields_and_shows_the_blocks_a_budget_checkpoints(tm
 
 def test_inspect_says_what_auto_chunking_chose(tmp_path, capsys):
     out = tmp_path / "report.json"
-    assert cli.main(["inspect", "llama-tiny", "--batch", "1", "--seq", "1024", "--set", "mlp_chunk=auto",
+    assert cli.main(["inspect", "llama-tiny", "--batch", "1", "--seq", "512", "--set", "mlp_chunk=auto",
                      "--json", str(out)]) == 0
     [region] = json.loads(out.read_text())["regions"]
     assert re.fullmatch(r"mlp_chunk=auto: chunked, the step's activations predicted to peak at [\d.]+ MiB chunked "
                         r"and [\d.]+ MiB not \(chunked where 10% lower\)", region["notes"][0])
     assert region["config"]["mlp_chunk"] == "auto"
-    assert "SwiGLU MLP(s) of 1024 tokens" in capsys.readouterr().out
+    assert "SwiGLU MLP(s) of 512 tokens" in capsys.readouterr().out
 
 
 def test_bad_counts_are_usage_errors(capsys):
