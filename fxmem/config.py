@@ -113,8 +113,8 @@ class Config:
         kept exact): priced at its forward's seconds against the bytes of the block's plan then, and taken only
         where the rule picks it (the report's notes name each block chosen). "auto" (not with a budget): every block
         checkpointed where that lowers the region's predicted peak of activations by a tenth, its saved bytes and
-        the transients of a recomputed block both counted (cost_model/auto.py), tried before the "auto" chunk
-        options; the report's notes say which and why. False (every preset) is off.
+        the transients of a recomputed block both counted (cost_model/auto.py), weighed with and without the
+        "auto" chunk options; the report's notes say which and why. False (every preset) is off.
     block_input_bits: with ``block_checkpoint`` under a quantizing preset, the bits each block's stored input is
         kept at: 4 halves the bytes of the residual stream between blocks, the blocks then recomputed from a coarser
         input (docs/long-context.md measures the fidelity); None (every preset) is 8.

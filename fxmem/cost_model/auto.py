@@ -7,12 +7,14 @@ saves only its input, for its forward run again in backward, where backward then
 pays where what it cuts sets the step's peak, which depends on everything else the step holds: at long context the
 transients dominate, at short context and under an exact plan the saved tensors may. So the choice is the region's,
 priced by the liveness model whatif uses (analysis/liveness.py, as inductor runs the graphs): the region is planned
-with the "auto" options off, then with each group of them on in turn (blocks, then chunks), and a group is kept on
-where it lowers the predicted peak of activations (saved plus transients) by at least ``MIN_PEAK_CUT``.
+with every set of the "auto" groups on (the chunk options one group, block_checkpoint another), and a set is
+chosen over one with fewer on where it lowers the predicted peak of activations (saved plus transients) by at
+least ``MIN_PEAK_CUT``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -75,25 +77,30 @@ class AutoGroup:
         return ", ".join(f"{name}={AUTO}" for name in self.names)
 
     def note(self, chosen: bool, on_peak: int, off_peak: int) -> str:
-        """The report's note on the choice."""
+        """The report's note on the choice: the predicted peaks with the group on and off, the other groups as
+        chosen."""
         return (f"{self.label}: {self.word if chosen else 'not ' + self.word}, the step's activations predicted to "
-                f"peak at {on_peak / 2**20:.2f} MiB {self.word} and {off_peak / 2**20:.2f} MiB not ({self.word} where "
+                f"peak at {_size(on_peak)} {self.word} and {_size(off_peak)} not ({self.word} where "
                 f"{MIN_PEAK_CUT:.0%} lower)")
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
 def auto_groups(config: Config) -> list[AutoGroup]:
-    """``config``'s "auto" options in the order they are tried: block checkpoints first (they change what the step
-    saves most), then chunks (which cut what a recomputed block holds too)."""
+    """``config``'s "auto" options, each group in the order ``choose_auto`` tries them: chunks first, since they cut
+    the transients that a checkpointed block, recomputed in backward, holds whole."""
     groups = []
+    chunks = tuple(name for name in CHUNK_OPTIONS if getattr(config, name) == AUTO)
+    if chunks:
+        groups.append(AutoGroup(chunks, dict.fromkeys(chunks, AUTO), dict.fromkeys(chunks), "chunked"))
     if config.block_checkpoint == AUTO:
         # the block options that need block_checkpoint go with it
         groups.append(AutoGroup(("block_checkpoint",), {"block_checkpoint": True, "block_input_bits":
                                 config.block_input_bits, "block_offload": config.block_offload},
                                 {"block_checkpoint": False, "block_input_bits": None, "block_offload": False},
                                 "checkpointed"))
-    chunks = tuple(name for name in CHUNK_OPTIONS if getattr(config, name) == AUTO)
-    if chunks:
-        groups.append(AutoGroup(chunks, dict.fromkeys(chunks, AUTO), dict.fromkeys(chunks), "chunked"))
     return groups
 
 
@@ -101,28 +108,34 @@ def auto_groups(config: Config) -> list[AutoGroup]:
 class AutoChoice:
     config: Config  # every "auto" option turned on or off
     notes: list[str]  # the report's, one per group
-    failure: str | None = None  # the note of a group left off because a prediction failed
+    failure: str | None = None  # why every group was left off: a prediction failed
 
 
 def choose_auto(config: Config, predict: Callable[[Config], int | str | None]) -> AutoChoice:
-    """``config`` with each group of its "auto" options on or off: ``predict`` gives a config's predicted peak of
-    activations (None: it does not train; a string: why it could not be predicted) with the options off, then with
-    each group on in turn, kept on where ``lowers_peak``."""
+    """``config`` with each group of its "auto" options on or off. ``predict`` gives a config's predicted peak of
+    activations (None: it does not train; a string: why it could not be predicted) for every set of groups on, the
+    fewest first; a set replaces the one chosen so far where ``lowers_peak``. Every set is predicted: a group may pay
+    only with another on (a checkpointed block, recomputed whole, holds transients that only chunks cut)."""
     groups = auto_groups(config)
-    chosen = config.replace(**{name: value for group in groups for name, value in group.off.items()})
-    off_peak = predict(chosen)
-    notes, failure = [], None
-    for group in groups:
-        if off_peak is None:
-            notes.append(f"{group.label}: not {group.word}, the region does not train (no backward)")
-            continue
-        on_peak = off_peak if isinstance(off_peak, str) else predict(chosen.replace(**group.on))
-        failed = next((peak for peak in (off_peak, on_peak) if isinstance(peak, str)), None)
-        if failed is not None:
-            notes.append(f"{group.label}: not {group.word}, the step could not be predicted ({failed})")
-            failure = failure or notes[-1]
-            continue
-        notes.append(group.note(lowers_peak(off_peak, on_peak), on_peak, off_peak))
-        if lowers_peak(off_peak, on_peak):
-            chosen, off_peak = chosen.replace(**group.on), on_peak
-    return AutoChoice(chosen, notes, failure)
+
+    def applied(on: frozenset[int]) -> Config:  # the groups on, by index
+        return config.replace(**{name: value for index, group in enumerate(groups)
+                                 for name, value in (group.on if index in on else group.off).items()})
+
+    sets = [frozenset(c) for size in range(len(groups) + 1) for c in itertools.combinations(range(len(groups)), size)]
+    peaks: dict[frozenset[int], int] = {}
+    for on in sets:
+        peak = predict(applied(on))
+        if peak is None or isinstance(peak, str):
+            why = ("the region does not train (no backward)" if peak is None
+                   else f"the step could not be predicted ({peak})")
+            notes = [f"{group.label}: not {group.word}, {why}" for group in groups]
+            return AutoChoice(applied(frozenset()), notes, None if peak is None else notes[0])
+        peaks[on] = peak
+    chosen = sets[0]
+    for on in sets[1:]:
+        if lowers_peak(peaks[chosen], peaks[on]):
+            chosen = on
+    notes = [group.note(index in chosen, peaks[chosen | {index}], peaks[chosen - {index}])
+             for index, group in enumerate(groups)]
+    return AutoChoice(applied(chosen), notes)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fxmem
-from fxmem.cost_model.auto import MAX_AUTO_ROWS, MIN_AUTO_ROWS, chunk_rows, lowers_peak
+from fxmem.cost_model.auto import MAX_AUTO_ROWS, MIN_AUTO_ROWS, choose_auto, chunk_rows, lowers_peak
 from fxmem.kernels import chunked_mlp
 from fxmem.measure import peak_memory
 from tests.conftest import assert_matches_eager, loss_and_grads, pass_summary, randomize_lora_b, tiny_model
@@ -33,6 +33,22 @@ def test_an_auto_option_is_on_from_a_tenth_off_the_predicted_peak():
     assert lowers_peak(1000, 900)
     assert not lowers_peak(1000, 901)
     assert not lowers_peak(0, 0)
+
+
+def test_every_set_of_auto_groups_is_weighed_so_blocks_may_pay_only_with_chunks():
+    # whatif's Llama-3-8B at 147,456 tokens (GiB): checkpointed blocks alone hold their MLPs whole in backward
+    peaks = {(None, False): 470, ("auto", False): 72, (None, True): 517, ("auto", True): 40}
+    config = fxmem.Config(mlp_chunk="auto", block_checkpoint="auto")
+    choice = choose_auto(config, lambda c: peaks[c.mlp_chunk, c.block_checkpoint] * 2**30)
+    assert (choice.config.mlp_chunk, choice.config.block_checkpoint, choice.failure) == ("auto", True, None)
+    assert choice.notes == [
+        "mlp_chunk=auto: chunked, the step's activations predicted to peak at 40.00 GiB chunked and 517.00 GiB not "
+        "(chunked where 10% lower)",
+        "block_checkpoint=auto: checkpointed, the step's activations predicted to peak at 40.00 GiB checkpointed and "
+        "72.00 GiB not (checkpointed where 10% lower)"]
+    # a set with more on must beat the one chosen so far by a tenth
+    peaks[("auto", True)] = 65
+    assert choose_auto(config, lambda c: peaks[c.mlp_chunk, c.block_checkpoint] * 2**30).config.block_checkpoint is False
 
 
 def _step_peak(model, batch, config):
@@ -119,7 +135,7 @@ def test_auto_blocks_and_chunks_together_keep_the_gradients_of_eager():
     reference = loss_and_grads(model, model, batch)
     backend = fxmem.backend("exact", block_checkpoint="auto", mlp_chunk="auto")
     loss, grads = loss_and_grads(torch.compile(model, backend=backend), model, batch)
-    blocks, chunks = backend.regions[0].notes[:2]
+    chunks, blocks = backend.regions[0].notes[:2]
     assert blocks.startswith("block_checkpoint=auto: checkpointed,") and chunks.startswith("mlp_chunk=auto: chunked,")
     assert_matches_eager(reference, loss, grads)
 
