@@ -412,13 +412,11 @@ class Backend:
     ``torch._dynamo.reset()``); its record stays in ``regions`` for the report, unless ``keep_dropped_regions`` is
     False: then it leaves with its code (``backend="fxmem"``, whose report no one holds).
 
-    ``choose_auto``: each region turns its options set to "auto" on or off (cost_model.auto.choose_auto); False
-    leaves them on, chunks sized by their rule, for a caller that makes the choice for a whole model it traces in
-    part (whatif)."""
+    Each region turns its options set to "auto" on or off (cost_model.auto.choose_auto)."""
 
     def __init__(self, config: Config | None = None, *, lowering: Lowering = "inductor",
                  passes: PassManager | None = None, fidelity_probes: bool = False,
-                 keep_dropped_regions: bool = True, choose_auto: bool = True) -> None:
+                 keep_dropped_regions: bool = True) -> None:
         if lowering not in LOWERINGS:
             raise ValueError(f"lowering must be one of {', '.join(LOWERINGS)}; got {lowering!r}")
         self.config = config or Config()
@@ -427,7 +425,6 @@ class Backend:
         self.passes = passes or PassManager(default_passes())
         self.fidelity_probes = fidelity_probes
         self.keep_dropped_regions = keep_dropped_regions
-        self.choose_auto = choose_auto
         self.regions: list[Region] = []
         self._indices = itertools.count()  # region numbers stay unique as dropped regions leave
 
@@ -442,7 +439,7 @@ class Backend:
             patches.update(torch._inductor.list_mode_options(mode))
         patches.update(inductor_options)
         auto_notes = []
-        if self.choose_auto and config.auto_options():  # each group of them on or off, by the region's predicted peak
+        if config.auto_options():  # each group of them on or off, by the region's predicted peak
             choice = choose_auto(config, functools.partial(self._predicted_peak, gm, example_inputs, patches=patches))
             if choice.failure is not None:
                 fall_back(f"fxmem: {choice.failure}", config)

@@ -13,7 +13,7 @@ from fxmem.report import Report
 from fxmem.techniques import default_passes
 
 
-def inspect(model: torch.nn.Module, *example_args: Any, config: Config | None = None, choose_auto: bool = True,
+def inspect(model: torch.nn.Module, *example_args: Any, config: Config | None = None,
             **example_kwargs: Any) -> Report:
     """Trace ``model`` on the example inputs as fxmem's backend would and report every saved tensor.
 
@@ -22,10 +22,9 @@ def inspect(model: torch.nn.Module, *example_args: Any, config: Config | None = 
     generated code, so this takes seconds. One forward runs (with grad enabled);
     no backward and no optimizer step. The model's train/eval mode is respected. Passes that only pick
     which kernel runs a product (and would time candidates to do it) are left out: they save nothing.
-    ``choose_auto`` as ``Backend``'s.
     """
     passes = PassManager([p for p in default_passes() if not p.speed_only])
-    backend = Backend(config or Config(), lowering="eager", passes=passes, choose_auto=choose_auto)
+    backend = Backend(config or Config(), lowering="eager", passes=passes)
     compiled = torch.compile(model, backend=backend)
     with torch.enable_grad():
         compiled(*example_args, **example_kwargs)

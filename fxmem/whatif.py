@@ -25,7 +25,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.choices import BASES, CONTEXT_GRANULARITY, DTYPE_NAMES, MAX_CONTEXT_PRESETS, OPTIMIZER_STATES
 from fxmem.config import Config, overrides_text
-from fxmem.cost_model.auto import choose_auto
 from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes, loss_chunks, unfused_loss_bytes
 from fxmem.fitting import Probe, longest_fitting
@@ -112,8 +111,8 @@ class ActivationBytes:
     host: int = 0  # what the step stores in host memory instead (block_offload): in neither of the above
 
 
-def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], config: Config, *,
-                               choose_auto: bool = True) -> ActivationBytes:
+def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], config: Config
+                               ) -> ActivationBytes:
     """Saved-activation bytes of one step under ``config`` (the analysis's tensors priced by the cost model), and
     its transients (analysis.liveness.compiled_liveness: the graphs run in their own order with element-wise ops
     inside their readers' kernels and backward freeing each saved activation after its last reader, as inductor
@@ -122,7 +121,7 @@ def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Te
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = inspect(model, config=config, choose_auto=choose_auto, **batch)
+        report = inspect(model, config=config, **batch)
     from fxmem.cost_model.memory import host_bytes
     return ActivationBytes(saved=sum(planned for _, saved, planned in _activation_rows(report)),
                            transient=max((r.compiled_transient_bytes for r in report.regions), default=0),
@@ -302,8 +301,7 @@ def traced_activation_bytes(config: Any, *, layers: int, rank: int, dtype: torch
     model = fake_lora_model(config, rank, dtype, fake_mode)
     with fake_mode:
         inputs = example_batch(config, batch, seq, TRACE_DEVICE)
-    # its "auto" options on: layer_scaled_activation_bytes chooses them for the whole model
-    return predicted_activation_bytes(model, inputs, preset, choose_auto=False)
+    return predicted_activation_bytes(model, inputs, preset)
 
 
 def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype, batch: int, seq: int,
@@ -317,26 +315,9 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
     block where the peak holds them). Past ``MAX_SCALING_DEPTH``, blocks that save alike but add unlike steps to
     the peak add the larger of the last two each (an assumed bound); otherwise the whole model is traced.
 
-    Options set to "auto" are chosen for the whole model as the backend chooses them for a region
-    (cost_model.auto.choose_auto), each candidate scaled so: at the traced depths alone the choice could differ.
+    Options set to "auto" are chosen region by region, as the backend chooses them (cost_model.auto.choose_auto):
+    here for the traced depths, whose choice can differ from the whole model's.
     """
-    if preset.auto_options():
-        scaled: dict[Config, tuple[ActivationBytes, str]] = {}
-
-        def predict(candidate: Config) -> int:
-            scaled[candidate] = _layer_scaled(config, rank=rank, dtype=dtype, batch=batch, seq=seq, preset=candidate)
-            return scaled[candidate][0].saved + scaled[candidate][0].transient
-
-        choice = choose_auto(preset, predict)
-        activations, how = scaled[choice.config]
-        return activations, "; ".join([how, *choice.notes])
-    return _layer_scaled(config, rank=rank, dtype=dtype, batch=batch, seq=seq, preset=preset)
-
-
-def _layer_scaled(config: Any, *, rank: int, dtype: torch.dtype, batch: int, seq: int, preset: Config
-                  ) -> tuple[ActivationBytes, str]:
-    """``layer_scaled_activation_bytes`` with any "auto" option of ``preset`` on."""
-
     def traced(layers: int) -> ActivationBytes:
         return traced_activation_bytes(config, layers=layers, rank=rank, dtype=dtype, batch=batch, seq=seq,
                                        preset=preset)

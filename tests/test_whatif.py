@@ -1,5 +1,4 @@
 import json
-import re
 import types
 
 import pytest
@@ -204,14 +203,13 @@ def test_max_context_with_chunked_mlps_fits_longer_and_says_so(tiny_config):
     assert chunked.seq > whole.seq and chunked.total <= memory
 
 
-def test_max_context_chooses_auto_options_for_the_model_and_says_which(tiny_config):
+def test_max_context_with_auto_chunks_chunks_where_the_peak_drops_and_fits_longer(tiny_config):
     memory = 24 * 2**20
+    [whole] = max_context(str(tiny_config), memory, rank=8, dtype="fp32", presets=["exact"], granularity=256)
     [auto] = max_context(str(tiny_config), memory, rank=8, dtype="fp32", presets=["exact"], granularity=256,
                          options={"mlp_chunk": "auto"})
     assert auto.preset == "exact, mlp_chunk='auto'"
-    assert re.search(r"; mlp_chunk=auto: chunked, the step's activations predicted to peak at [\d.]+ MiB chunked and "
-                     r"[\d.]+ MiB not \(chunked where 10% lower\)$", auto.how), auto.how
-    assert auto.seq and auto.total <= memory
+    assert auto.seq > whole.seq and auto.total <= memory
 
 
 def test_max_context_with_an_nf4_base_counts_the_weights_its_chunked_ops_dequantize(tiny_config, capsys):

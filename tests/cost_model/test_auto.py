@@ -42,10 +42,10 @@ def test_every_set_of_auto_groups_is_weighed_so_blocks_may_pay_only_with_chunks(
     choice = choose_auto(config, lambda c: peaks[c.mlp_chunk, c.block_checkpoint] * 2**30)
     assert (choice.config.mlp_chunk, choice.config.block_checkpoint, choice.failure) == ("auto", True, None)
     assert choice.notes == [
-        "mlp_chunk=auto: chunked, the step's activations predicted to peak at 40.00 GiB chunked and 517.00 GiB not "
-        "(chunked where 10% lower)",
-        "block_checkpoint=auto: checkpointed, the step's activations predicted to peak at 40.00 GiB checkpointed and "
-        "72.00 GiB not (checkpointed where 10% lower)"]
+        ("mlp_chunk=auto: chunked, the step's activations predicted to peak at 40.00 GiB chunked and 517.00 GiB not "
+         "(chunked where 10% lower)"),
+        ("block_checkpoint=auto: checkpointed, the step's activations predicted to peak at 40.00 GiB checkpointed "
+         "and 72.00 GiB not (checkpointed where 10% lower)")]
     # a set with more on must beat the one chosen so far by a tenth
     peaks[("auto", True)] = 65
     assert choose_auto(config, lambda c: peaks[c.mlp_chunk, c.block_checkpoint] * 2**30).config.block_checkpoint is False
