@@ -492,6 +492,8 @@ class Backend:
             self._release(region, _fx_sources() - sources)
         if region.kind != "training":
             return None
+        if not region.compiled_liveness:  # not planned (_unplanned): nothing priced, which is no peak of 0 bytes
+            return region.notes[-1] if region.notes else "the region was not planned"
         return predicted_peak_bytes(region.saved, region.plans, region.compiled_transient_bytes)
 
     def _release(self, region: Region, fx_sources: set[str]) -> None:

@@ -316,7 +316,7 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
     the peak add the larger of the last two each (an assumed bound); otherwise the whole model is traced.
 
     Options set to "auto" are chosen region by region, as the backend chooses them (cost_model.auto.choose_auto):
-    here for the traced depths, whose choice can differ from the whole model's.
+    here at each depth traced, whose choice can differ from the whole model's.
     """
     def traced(layers: int) -> ActivationBytes:
         return traced_activation_bytes(config, layers=layers, rank=rank, dtype=dtype, batch=batch, seq=seq,

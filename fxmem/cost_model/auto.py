@@ -7,9 +7,10 @@ saves only its input, for its forward run again in backward, where backward then
 pays where what it cuts sets the step's peak, which depends on everything else the step holds: at long context the
 transients dominate, at short context and under an exact plan the saved tensors may. So the choice is the region's,
 priced by the liveness model whatif uses (analysis/liveness.py, as inductor runs the graphs): the region is planned
-with every set of the "auto" groups on (the chunk options one group, block_checkpoint another), and a set is
-chosen over one with fewer on where it lowers the predicted peak of activations (saved plus transients) by at
-least ``MIN_PEAK_CUT``.
+with every set of the "auto" groups on (the chunk options one group, block_checkpoint another), and each set, the
+fewest on first, replaces the one chosen so far where it lowers the predicted peak of activations (saved plus
+transients) by at least ``MIN_PEAK_CUT``. Under dynamic shapes the choice and the chunks' tokens are made at the
+traced length's hint, and kept for every length the graph then runs.
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ class AutoChoice:
 
 def choose_auto(config: Config, predict: Callable[[Config], int | str | None]) -> AutoChoice:
     """``config`` with each group of its "auto" options on or off. ``predict`` gives a config's predicted peak of
-    activations (None: it does not train; a string: why it could not be predicted) for every set of groups on, the
-    fewest first; a set replaces the one chosen so far where ``lowers_peak``. Every set is predicted: a group may pay
+    activations (None: it does not train; a string: why it could not be predicted) for every set of groups on; each
+    set, the fewest on first, replaces the one chosen so far where ``lowers_peak``. Every set is predicted: a group may pay
     only with another on (a checkpointed block, recomputed whole, holds transients that only chunks cut)."""
     groups = auto_groups(config)
 

@@ -148,3 +148,20 @@ def test_the_predictions_leave_no_calibration_state_behind():
     torch.compile(model, backend=backend)(**batch).loss.backward()
     [region] = backend.regions
     assert region.slots and set(calibration.SLOTS) - before == {slot.id for slot in region.slots}
+
+
+def test_a_region_left_unplanned_is_no_peak_of_zero_bytes(monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("no plan")
+
+    # every plan fails: each prediction's region compiles unplanned, and so does the region itself
+    monkeypatch.setattr(importlib.import_module("fxmem.backend"), "plan_region", fail)
+    monkeypatch.delenv("FXMEM_STRICT", raising=False)
+    model, batch = tiny_model("llama", lora=True, layers=1)
+    backend = fxmem.backend("exact", mlp_chunk="auto")
+    with pytest.warns(UserWarning, match="could not be predicted"):
+        torch.compile(model, backend=backend)(**batch).loss.backward()
+    assert backend.regions[0].notes[0] == (
+        "mlp_chunk=auto: not chunked, the step could not be predicted (saved-tensor analysis or planning failed "
+        "(RuntimeError: no plan); this region compiles as plain inductor)")
+    assert backend.regions[0].config.mlp_chunk is None
