@@ -41,13 +41,15 @@ MAX_AUTO_ROWS = 2048
 MIN_PEAK_CUT = 0.10
 
 
-def chunk_rows(setting: int | str, rows: int, input_row_bytes: int, workspace_row_bytes: int) -> int:
+def chunk_rows(setting: int | str, rows: int, input_row_bytes: int, workspace_row_bytes: Callable[[bool], int]
+               ) -> int:
     """The tokens per chunk of an op over ``rows`` tokens: ``setting`` itself, or under "auto" as many as hold no
-    more workspace (``workspace_row_bytes`` a token) than its input (``input_row_bytes`` a token), within
-    ``MIN_AUTO_ROWS`` and ``MAX_AUTO_ROWS`` and no more than ``rows``."""
+    more workspace than its input (``input_row_bytes`` a token), within ``MIN_AUTO_ROWS`` and ``MAX_AUTO_ROWS`` and
+    no more than ``rows``. ``workspace_row_bytes(backward)``: the op's workspace a token, in forward or backward."""
     if setting != AUTO:
         return int(setting)
-    fits = rows * input_row_bytes // max(1, workspace_row_bytes)
+    workspace = max(workspace_row_bytes(False), workspace_row_bytes(True))
+    fits = rows * input_row_bytes // max(1, workspace)
     return max(1, min(rows, MAX_AUTO_ROWS, max(MIN_AUTO_ROWS, fits)))
 
 
@@ -93,10 +95,10 @@ def auto_groups(config: Config) -> list[AutoGroup]:
     """``config``'s "auto" options, each group in the order ``choose_auto`` tries them: chunks first, since they cut
     the transients that a checkpointed block, recomputed in backward, holds whole."""
     groups = []
-    chunks = tuple(name for name in CHUNK_OPTIONS if getattr(config, name) == AUTO)
+    chunks = tuple(name for name in config.auto_options() if name in CHUNK_OPTIONS)
     if chunks:
         groups.append(AutoGroup(chunks, dict.fromkeys(chunks, AUTO), dict.fromkeys(chunks), "chunked"))
-    if config.block_checkpoint == AUTO:
+    if "block_checkpoint" in config.auto_options():
         # the block options that need block_checkpoint go with it
         groups.append(AutoGroup(("block_checkpoint",), {"block_checkpoint": True, "block_input_bits":
                                 config.block_input_bits, "block_offload": config.block_offload},
@@ -115,8 +117,8 @@ class AutoChoice:
 def choose_auto(config: Config, predict: Callable[[Config], int | str | None]) -> AutoChoice:
     """``config`` with each group of its "auto" options on or off. ``predict`` gives a config's predicted peak of
     activations (None: it does not train; a string: why it could not be predicted) for every set of groups on; each
-    set, the fewest on first, replaces the one chosen so far where ``lowers_peak``. Every set is predicted: a group may pay
-    only with another on (a checkpointed block, recomputed whole, holds transients that only chunks cut)."""
+    set, the fewest on first, replaces the one chosen so far where ``lowers_peak``. Every set is predicted: a group
+    may pay only with another on (a checkpointed block, recomputed whole, holds transients that only chunks cut)."""
     groups = auto_groups(config)
 
     def applied(on: frozenset[int]) -> Config:  # the groups on, by index

@@ -67,6 +67,6 @@ def _rows(setting: int | str, group: LoraLinearGroup) -> int:
     x = example_tensor(group.x)
     widths = [example_tensor(output).shape[-1] for output in group.outputs]
     rank = max(example_tensor(linear.a).shape[0] for linear in group.linears)
-    workspace = max(workspace_bytes(1, 1, x.shape[-1], widths, rank, x.element_size(), backward=b)
-                    for b in (False, True))
-    return chunk_rows(setting, group.tokens, x.shape[-1] * x.element_size(), workspace)
+    return chunk_rows(setting, group.tokens, x.shape[-1] * x.element_size(),
+                      lambda backward: workspace_bytes(1, 1, x.shape[-1], widths, rank, x.element_size(),
+                                                       backward=backward))

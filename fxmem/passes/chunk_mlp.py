@@ -28,8 +28,8 @@ class ChunkMlp(GraphPass):
                     "frozen weight (float, or bitsandbytes 4-bit: dequantize_bases)")
         mlp = found[0]
         hidden = example_tensor(mlp.x).shape[-1]
-        workspace = max(workspace_bytes(1, 1, mlp.width, mlp.element_size, backward=b) for b in (False, True))
-        rows = chunk_rows(state.config.mlp_chunk, mlp.tokens, hidden * mlp.element_size, workspace)
+        rows = chunk_rows(state.config.mlp_chunk, mlp.tokens, hidden * mlp.element_size,
+                          lambda backward: workspace_bytes(1, 1, mlp.width, mlp.element_size, backward=backward))
         for each in found:
             replace_with_call(graph, each.output, chunked_swiglu_mlp,
                               (each.x, _linear(each.gate), _linear(each.up), _linear(each.down), rows))

@@ -27,8 +27,8 @@ class ChunkNorm(GraphPass):
             return ("no RMSNorm of Llama's form (weight * (u * rsqrt(mean(u**2) + eps)).to(x.dtype), "
                     "u = x.to(torch.float32), over (batch, tokens, hidden))")
         norm = found[0]
-        workspace = max(workspace_bytes(1, 1, norm.hidden, norm.element_size, backward=b) for b in (False, True))
-        rows = chunk_rows(state.config.norm_chunk, norm.tokens, norm.hidden * norm.element_size, workspace)
+        rows = chunk_rows(state.config.norm_chunk, norm.tokens, norm.hidden * norm.element_size,
+                          lambda backward: workspace_bytes(1, 1, norm.hidden, norm.element_size, backward=backward))
         for each in found:
             chunked = replace_with_call(graph, each.output, chunked_rms_norm, (each.x, each.weight, each.eps, rows))
             # what dynamo traced it with, as every node of its graph carries: the dynamo passes' matchers read it
