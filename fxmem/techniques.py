@@ -1,6 +1,6 @@
-"""Every technique as one registered unit: its section of ``Config``, its planner hooks and its passes.
+"""Every technique as one registered unit: its section of ``Config``, its planner hook and its passes.
 
-Adding a technique means a Config section (fields, validation, presets), planner hooks in cost_model/planner.py,
+Adding a technique means a Config section (fields, validation, presets), a planner hook in cost_model/planner.py,
 a pass in passes/, and one ``Technique`` here. The order passes run in is declared once: ``PASS_ORDER``.
 """
 
@@ -45,27 +45,25 @@ class Technique:
     fields: tuple[str, ...]  # its section of Config
     enabled: Callable[[Config], bool]
     passes: tuple[str, ...] = ()  # the passes it needs, by name (PASS_ORDER orders them; shared ones run once)
-    propose: planner.Propose | None = None  # a plan for one saved storage
-    refine: planner.Refine | None = None  # a pass over the region's plans, in registration order
+    propose: planner.Propose | None = None  # the compression the config asks of one saved storage
 
 
 # Quantization and low-rank factors both recompute the logits and fused attention, so that those are not saved
 # exact beside the compressed tensors (passes/recompute_logits.py, passes/recompute_attention.py).
 _COMPRESSION_RECOMPUTES = ("recompute_logits", "recompute_attention")
 
-# Registration order is planning order: where two proposals save as many bytes, the earlier technique's wins.
+# Where two proposals save as many bytes, the earlier-registered technique's is the configured compression.
 TECHNIQUES: tuple[Technique, ...] = (
     Technique("quantize", ("bits", "qkv_bits", "linear_input_bits", "outlier_ratio", "outlier_values", "rotation",
                            "stochastic_rounding", "calibration_steps", "calibration", "intra"),
               lambda config: config.bits is not None, (*_COMPRESSION_RECOMPUTES, "quantize"),
               propose=planner.propose_quantized),
     Technique("lowrank", ("lowrank", "prenorm_sharing"), lambda config: config.lowrank is not None,
-              (*_COMPRESSION_RECOMPUTES, "lowrank"), propose=planner.propose_lowrank, refine=planner.share_prenorm),
+              (*_COMPRESSION_RECOMPUTES, "lowrank"), propose=planner.propose_lowrank),
     Technique("attn_sparsity", ("attn_sparsity",), lambda config: config.attn_sparsity is not None,
               ("sparsify_attention",), propose=planner.propose_sparse),
     Technique("lora_reorder", ("lora_reorder", "rebuild_from_x", "fused_epilogue"),
-              lambda config: config.lora_reorder, ("lora_reorder", "fuse_epilogue"),
-              refine=planner.rebuild_from_x),
+              lambda config: config.lora_reorder, ("lora_reorder", "fuse_epilogue")),
     Technique("runlora", ("runlora",), lambda config: config.runlora != "off", ("runlora", "onednn_matmul")),
     # PEFT's fp32 adapters on a half-precision model: the cast of x recomputed in backward, in every preset (the
     # cast is lossless: under exact the gradients are torch.compile's); x saved where a lossy plan follows.
@@ -98,10 +96,8 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("lora_half_products", ("lora_half_products",), lambda config: config.lora_half_products != "off",
               ("lora_half_products",)),
     Technique("memory_budget", ("memory_budget",), lambda config: config.memory_budget is not None,
-              (*_COMPRESSION_RECOMPUTES, "quantize"), refine=planner.fit_budget),
-    # Last: it moves what the plans store, once every other technique has chosen it.
-    Technique("block_offload", ("block_offload",), lambda config: config.block_offload, ("offload_blocks",),
-              refine=planner.offload_block_inputs),
+              (*_COMPRESSION_RECOMPUTES, "quantize")),
+    Technique("block_offload", ("block_offload",), lambda config: config.block_offload, ("offload_blocks",)),
 )
 
 # Config fields that belong to no technique: how fxmem reports what it could not do (fxmem/fallback.py).

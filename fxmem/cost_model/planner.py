@@ -107,21 +107,21 @@ def rebuild_refusal(consumer: str, config: Config) -> str | None:
     return None
 
 
-# A technique's planner hooks (fxmem.techniques registers them): ``propose`` a plan for one storage (None where
-# the technique does not apply; it may add the RoPE tables the plan pays for to the set it is given), ``refine``
-# the region's plans once every storage has one.
+# A technique's planner hook (fxmem.techniques registers it): ``propose`` the compression the config asks of one
+# storage (None where the technique does not apply; it may add the RoPE tables the plan pays for to the set it is
+# given). The choice among them and every other option is the planner's (fit_ceilings, fit_budget).
 Propose = Callable[[SavedTensor, list[SavedTensor], Analysis, Config, set[str]], Plan | None]
-Refine = Callable[[Analysis, dict[str, list[SavedTensor]], dict[str, Plan], Config, set[str]], None]
 
 
 class TechniqueHooks(Protocol):
     name: str
     propose: Propose | None
-    refine: Refine | None
 
 
 def plan_region(analysis: Analysis, config: Config, techniques: Sequence[TechniqueHooks]) -> list[Plan]:
-    """One plan per saved tensor, in the analysis' order, from the hooks of the enabled ``techniques``.
+    """One plan per saved tensor, in the analysis' order: with memory_budget its one rule down to the region's target
+    (fit_budget), else the same kind of choice against each storage's ceiling, the compression the config asks of it
+    (fit_ceilings).
 
     Tensors sharing a storage are planned together: the storage is compressed
     only if every tensor viewing it may be.
@@ -131,13 +131,13 @@ def plan_region(analysis: Analysis, config: Config, techniques: Sequence[Techniq
         by_storage.setdefault(saved.storage, []).append(saved)
     tables_saved: set[str] = set()  # RoPE tables already paid for by an earlier plan
     # the analysis counts a storage's bytes on its first saved tensor, its owner
-    owner_plans = {storage: _plan_storage(group[0], group, analysis, config, tables_saved, techniques)
-                   for storage, group in by_storage.items()}
-    if config.memory_budget is None:
-        _recompute_where_cheaper(analysis, by_storage, owner_plans)
-    for technique in techniques:
-        if technique.refine is not None:
-            technique.refine(analysis, by_storage, owner_plans, config, tables_saved)
+    held = {storage: _held_as_is(group[0], group, analysis) for storage, group in by_storage.items()}
+    if config.memory_budget is not None:  # the budget's planner starts from the fastest plan and spends from there
+        owner_plans = {storage: plan or Plan("keep", "exact: memory_budget needs no bytes of it")
+                       for storage, plan in held.items()}
+        fit_budget(analysis, by_storage, owner_plans, config, tables_saved)
+    else:
+        owner_plans = fit_ceilings(analysis, by_storage, held, config, tables_saved, techniques)
     plans = []
     for saved in analysis.saved:
         owner, owner_plan = by_storage[saved.storage][0], owner_plans[saved.storage]
@@ -167,13 +167,10 @@ def _held_as_is(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis
     return None
 
 
-def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
-                  tables_saved: set[str], techniques: Sequence[TechniqueHooks]) -> Plan:
-    held = _held_as_is(owner, group, analysis)
-    if held is not None:
-        return held
-    if config.memory_budget is not None:  # the budget's planner starts from the fastest plan and spends from there
-        return Plan("keep", "exact: memory_budget needs no bytes of it")
+def _configured_plan(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
+                     tables_saved: set[str], techniques: Sequence[TechniqueHooks]) -> Plan:
+    """The compression the config asks of a storage: of the enabled techniques' proposals, the fewest bytes (a tie
+    goes to the technique registered first: quantization, the cheaper one to compute); keep where none compresses."""
     # each with the RoPE tables it would save, on top of tables_saved (only the chosen plan's count)
     proposals: list[tuple[Plan, set[str]]] = []
     for technique in techniques:
@@ -186,8 +183,6 @@ def _plan_storage(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
     compressing = [c for c in proposals if c[0].action != "keep"]
     if not compressing:
         return Plan("keep", "; ".join(plan.reason for plan, _ in proposals))
-    # Both bits and lowrank on: the plan with the fewest bytes under the cost model; a tie goes to the technique
-    # registered first (quantization: the cheaper one to compute).
     plan, tables = min(compressing, key=lambda c: c[0].nbytes)
     tables_saved.update(tables)
     return plan
@@ -235,53 +230,21 @@ def propose_sparse(owner: SavedTensor, group: list[SavedTensor], analysis: Analy
     return None
 
 
-def _recompute_plan(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
-                    chosen: set[str]) -> Plan | None:
-    """Recomputing ``owner``'s storage in backward from the saved storages and graph inputs its chain reads, if
-    those stay saved (none of them recomputed itself, ``chosen``) and it is compressible; priced by reading them
-    once more as they are planned."""
+def _recompute_plan(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
+                    owner_plans: dict[str, Plan]) -> Plan | None:
+    """Recomputing ``owner``'s storage in backward from the saved storages and graph inputs its chain reads, if it is
+    compressible (the callers keep what it reads saved); priced by reading them once more as they are planned."""
     if owner.recompute is None or not _compressible(by_storage[owner.storage]):
         return None
     leaves = [n.name for n in rebuild_inputs(owner.recompute) if n.name in by_storage]
-    if any(leaf in chosen for leaf in leaves) or owner.storage in _leaves_of(chosen, by_storage):
-        return None
     read = sum(stored_bytes(by_storage[leaf][0], owner_plans[leaf]) for leaf in leaves)
     device = str(tensor_val(owner.base).device)
     return Plan("recompute", f"rebuilt element-wise in backward from {', '.join(leaves) or 'graph inputs'}",
                 nbytes=0, seconds=recompute_seconds(read, device), chain=owner.recompute)
 
 
-def _leaves_of(chosen: set[str], by_storage: dict[str, list[SavedTensor]]) -> set[str]:
-    """The saved storages the recomputations of ``chosen`` read: they must stay saved."""
-    return {n.name for storage in chosen for n in rebuild_inputs(by_storage[storage][0].recompute)}
-
-
 def _compressible(group: list[SavedTensor]) -> bool:
     return all(s.role in QUANTIZED_ROLES | LOWRANK_ROLES for s in group)
-
-
-def _recompute_where_cheaper(analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
-                             owner_plans: dict[str, Plan]) -> None:
-    """A storage planned compressed that backward can rebuild element-wise from what stays saved exactly is
-    recomputed instead when that is cheaper (cost_model/prices.py): exact where the compression was not. (From a
-    quantized input it would carry that input's error instead of its own, which is not less: a norm's output
-    quantized per channel keeps rows that its quantized input, scaled per row, rounds coarser; measured on the
-    tiny Llama, q_proj's A gradient cosine fell from 0.995 to 0.990.)"""
-    chosen: set[str] = set()
-    for storage, group in by_storage.items():
-        plan = owner_plans[storage]
-        if plan.action not in ("quantize", "lowrank"):
-            continue
-        recompute = _recompute_plan(group[0], by_storage, owner_plans, chosen)
-        if recompute is None or recompute.seconds >= plan.seconds:
-            continue
-        leaves = [owner_plans[n.name] for n in rebuild_inputs(group[0].recompute) if n.name in owner_plans]
-        if any(p.action != "keep" for p in leaves):
-            continue
-        owner_plans[storage] = dataclasses.replace(
-            recompute, reason=f"{recompute.reason}: cheaper than {plan.action} ({recompute.seconds * 1e3:.2f} vs "
-                              f"{plan.seconds * 1e3:.2f} ms)")
-        chosen.add(storage)
 
 
 def _quantizable(group: list[SavedTensor], config: Config) -> bool:
@@ -428,48 +391,191 @@ def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_s
                 nbytes=nbytes, seconds=lowrank_seconds(rows, width, k, DEFAULT_NITER, str(val.device)))
 
 
-def share_prenorm(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
-                  config: Config, tables_saved: set[str]) -> None:
-    """``prenorm_sharing``, LoRAct's pre-norm sharing: what a norm's backward saves (RMSNorm's input, LayerNorm's
-    x_hat), planned lossy, whose norm output is stored as factors, is rebuilt from those factors instead of being
-    stored itself, when that costs fewer bytes."""
-    if config.prenorm_sharing:
-        _share_norm_outputs(analysis, by_storage, owner_plans,
-                            lambda output, plan: plan if plan.action == "lowrank" else None)
+# A preset's error tiers (fit_ceilings). Its widths are configured, so what is left to choose is whether a storage
+# is held exact or at the 8 bits backward rebuilds from (REBUILD_SOURCE_BITS), rounded coarser, or factored.
+EXACT_TIER, ROUNDED_TIER, FACTORED_TIER = 0, 1, 2
 
 
-def _share_norm_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
-                        output_plan_for: Callable[[str, Plan], Plan | None]) -> None:
-    """Plan a norm's saved input ``prenorm``, rebuilt from its output as ``output_plan_for(output storage, its
-    plan)`` stores it (None: it cannot), where that saves bytes; the output then takes that plan."""
+def _rebuilds_from_x(config: Config) -> bool:
+    """``rebuild_from_x`` with the lora_reorder that saves X W (a preset's, turned off, leaves it set)."""
+    return config.rebuild_from_x and config.lora_reorder
+
+
+def _tier(plan: Plan) -> int:
+    if plan.action == "lowrank" or (plan.action == "prenorm" and plan.bits is None):
+        return FACTORED_TIER
+    if plan.action == "sparsify" or (plan.action in ("quantize", "prenorm") and plan.bits < REBUILD_SOURCE_BITS):
+        return ROUNDED_TIER
+    return EXACT_TIER
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """A preset's option for one storage: its plan, and the storages whose x it makes a rebuild source (raised to
+    REBUILD_SOURCE_BITS: _rebuild_source), each with what backward rebuilds from it."""
+
+    plan: Plan
+    raises: tuple[tuple[str, str], ...] = ()
+
+
+# What backward rebuilds from a raised source: its reason names the X W where it serves both.
+_REPLAYED_X_W = "an X W"
+_NORM_INPUT = "its norm's input"
+
+
+def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], held: dict[str, Plan | None],
+                 config: Config, tables_saved: set[str], techniques: Sequence[TechniqueHooks]) -> dict[str, Plan]:
+    """Without memory_budget, each storage's target is its ceiling: the bytes of the compression the config asks of it
+    (_configured_plan), or of a norm input rebuilt from its output's factors with ``prenorm_sharing``. Its options
+    (_choices): that compression, at REBUILD_SOURCE_BITS or more where backward rebuilds something from it;
+    recomputed element-wise from storages the config keeps exact (from a quantized one it would carry that error
+    rather than its own, which is not less: a norm's output rebuilt from its input quantized per row lost
+    q_proj's A gradient cosine from 0.995 to 0.990 on the tiny Llama); with ``rebuild_from_x`` an X W replayed from its
+    x; a norm's input rebuilt from its output's factors (``prenorm_sharing``) or, with ``rebuild_from_x``, from its
+    output's codes at 8 bits.
+
+    One rule chooses, the one memory_budget spends by (fit_budget) against a target per storage instead of per
+    region: among the options within the ceiling, the least error tier (_tier), then the fewest seconds per byte
+    saved, then the most bytes saved; where none is within it, the fewest bytes. A storage the config keeps is not
+    moved. The bytes an option adds to the x it raises to 8 bits count against no ceiling: ``rebuild_from_x`` asks for
+    them (llama-pretrained at hyclora-2bit: worst LoRA-gradient cosine 0.93 with a norm's input at 2 bits, 0.995
+    rebuilt from its output at 8; docs/quantization.md). A storage is chosen again when a plan it reads changes (its
+    x, its norm's output) or an option raises it. ``block_offload`` then puts a checkpointed block's input in host
+    memory, as its plan stores it."""
+    configured = {storage: plan or _configured_plan(by_storage[storage][0], by_storage[storage], analysis, config,
+                                                    tables_saved, techniques)
+                  for storage, plan in held.items()}
+    plans = dict(configured)
+    raised: dict[str, list[str]] = {}  # storage -> what backward rebuilds from it, where an option raised it
+    readers: dict[str, set[str]] = {}  # storage -> the storages whose options read its plan
     for storage, group in by_storage.items():
-        plan, owner = owner_plans[storage], group[0]
-        if owner.role is not Role.NORM_INPUT or plan.action not in ("lowrank", "quantize"):
+        owner = group[0]
+        source = _replay_source_storage(owner, by_storage) if _rebuilds_from_x(config) else None
+        norm_output = owner.norm.output.name if owner.role is Role.NORM_INPUT and owner.norm is not None else None
+        for read in (source, norm_output):
+            if read is not None:
+                readers.setdefault(read, set()).add(storage)
+    pending = [storage for storage, plan in configured.items() if plan.action != "keep"]
+    while pending:
+        storage = pending.pop(0)
+        if configured[storage].action == "keep":  # kept by the config, a source raised or not
             continue
-        unit = owner.norm
-        if unit is None or unit.output.name not in owner_plans:
-            continue
-        output_plan = output_plan_for(unit.output.name, owner_plans[unit.output.name])
-        if output_plan is None:
-            continue
-        val = tensor_val(unit.x)
-        width = val.shape[-1]
-        exact = max(1, math.ceil(PRENORM_EXACT_SHARE * width))
-        rstd_saved = unit.rstd is None or storage_base(unit.rstd).name in analysis.saved_storages
-        nbytes = prenorm_bytes(numel_hint(val) // width, exact, val.element_size()) + (
-            0 if rstd_saved else storage_bytes(tensor_val(unit.rstd)))
-        if nbytes >= plan.nbytes:
-            continue
-        formula = "(output - beta) / gamma" if unit.beta is not None else "output / gamma"
-        formula += " / rstd" if unit.rstd is not None else ""
-        stored = (f"rank-{output_plan.rank} factors" if output_plan.action == "lowrank"
-                  else f"{output_plan.bits}-bit codes")
-        owner_plans[unit.output.name] = output_plan
-        owner_plans[storage] = Plan(
-            "prenorm", f"rebuilt as {formula} from {unit.output.name}'s {stored}; "
-            f"{exact} smallest-|gamma| channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
-            bits=output_plan.bits if output_plan.action == "quantize" else None, exact_channels=exact, norm=unit,
-            nbytes=nbytes)
+        choice = _choose(storage, by_storage, configured, plans, raised, analysis, config, tables_saved)
+        changed = choice.plan != plans[storage]
+        plans[storage] = choice.plan
+        for source, purpose in choice.raises:
+            if purpose not in raised.setdefault(source, []):
+                raised[source].append(purpose)
+                pending.append(source)
+        if changed:
+            pending.extend(readers.get(storage, ()))
+    for storage, group in by_storage.items():
+        if config.block_offload and _offloadable(group[0], group, plans[storage], analysis):
+            plans[storage] = _offloaded(group[0], plans[storage])
+    return plans
+
+
+def _choose(storage: str, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
+            plans: dict[str, Plan], raised: dict[str, list[str]], analysis: Analysis, config: Config,
+            tables_saved: set[str]) -> _Choice:
+    """fit_ceilings' rule for one storage, from the plans now."""
+    owner = by_storage[storage][0]
+    choices = _choices(owner, by_storage, configured, plans, raised, analysis, config, tables_saved)
+    ceiling = min([_ceiling(owner, by_storage[storage], configured[storage], analysis, config, tables_saved)]
+                  + [c.plan.nbytes for c in choices if c.plan.action == "prenorm" and c.plan.bits is None])
+    within = [c for c in choices if stored_bytes(owner, c.plan) <= ceiling]
+    if not within:
+        return min(choices, key=lambda c: stored_bytes(owner, c.plan))
+
+    def key(choice: _Choice) -> tuple[int, float, int]:
+        saved = owner.nbytes - stored_bytes(owner, choice.plan)
+        return _tier(choice.plan), choice.plan.seconds / saved if saved > 0 else math.inf, -saved
+
+    best = min(within, key=key)
+    if best is choices[0]:
+        return best
+    base = choices[0].plan
+    stored = f"rank-{base.rank} factors" if base.action == "lowrank" else f"{base.bits}-bit codes"
+    return dataclasses.replace(best, plan=dataclasses.replace(
+        best.plan, reason=f"{best.plan.reason}, against {base.seconds * 1e3:.3g} ms for its {stored}"))
+
+
+def _ceiling(owner: SavedTensor, group: list[SavedTensor], plan: Plan, analysis: Analysis, config: Config,
+             tables_saved: set[str]) -> int:
+    """The bytes of the compression the config asks of a storage: an X W that feeds GELU, tanh or ReLU at the
+    preset's width, not the 8 bits it is held at unless replayed (rebuild_refusal)."""
+    if _rebuilds_from_x(config) and plan.action == "quantize" and config.bits is not None \
+            and _lowest_bits(owner) > config.bits:
+        at_width = _quantize(owner, group, analysis, config, set(tables_saved), config.bits)
+        if at_width.action == "quantize":
+            return at_width.nbytes
+    return stored_bytes(owner, plan)
+
+
+def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
+             plans: dict[str, Plan], raised: dict[str, list[str]], analysis: Analysis, config: Config,
+             tables_saved: set[str]) -> list[_Choice]:
+    """fit_ceilings' options for a storage the config compresses, its configured compression first."""
+    storage, group = owner.storage, by_storage[owner.storage]
+    base = configured[storage]
+    if storage in raised and base.action == "quantize":
+        purpose = _REPLAYED_X_W if _REPLAYED_X_W in raised[storage] else raised[storage][0]
+        base = _rebuild_source(owner, group, analysis, config, set(tables_saved), purpose)
+    choices = [_Choice(base)]
+    leaves = [n.name for n in rebuild_inputs(owner.recompute)] if owner.recompute is not None else []
+    if all(configured.get(leaf, Plan("keep", "")).action == "keep" for leaf in leaves):
+        recompute = _recompute_plan(owner, by_storage, plans)
+        if recompute is not None:
+            choices.append(_Choice(dataclasses.replace(
+                recompute, reason=f"{recompute.reason}, {recompute.seconds * 1e3:.3g} ms")))
+    source = _replay_source_storage(owner, by_storage) if _rebuilds_from_x(config) else None
+    if source is not None and plans[source].action in ("keep", "quantize"):
+        choices.append(_Choice(_replayed(owner, source), ((source, _REPLAYED_X_W),)))
+    choices.extend(_prenorm_choices(owner, by_storage, plans, analysis, config, tables_saved))
+    return choices
+
+
+def _prenorm_choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], plans: dict[str, Plan],
+                     analysis: Analysis, config: Config, tables_saved: set[str]) -> list[_Choice]:
+    """A norm's saved input (RMSNorm's input, LayerNorm's x_hat) rebuilt from its output: from the output's factors
+    with ``prenorm_sharing`` (LoRAct's pre-norm sharing); with ``rebuild_from_x`` from the output's codes at
+    REBUILD_SOURCE_BITS, the output raised to them where it is a linear's input (as rebuild_from_x holds every x)."""
+    unit = owner.norm
+    if owner.role is not Role.NORM_INPUT or unit is None or unit.output.name not in plans:
+        return []
+    output, output_plan = unit.output.name, plans[unit.output.name]
+    choices = []
+    if config.prenorm_sharing and output_plan.action == "lowrank":
+        choices.append(_Choice(_prenorm(owner, analysis, output, output_plan)))
+    if _rebuilds_from_x(config) and output_plan.action == "quantize":
+        if output_plan.bits >= REBUILD_SOURCE_BITS:
+            choices.append(_Choice(_prenorm(owner, analysis, output, output_plan)))
+        elif any(Role.LINEAR_INPUT in (s.role, *s.also) for s in by_storage[output]):
+            group = by_storage[output]
+            raised = _rebuild_source(group[0], group, analysis, config, set(tables_saved), _NORM_INPUT)
+            if raised.action == "quantize":
+                choices.append(_Choice(_prenorm(owner, analysis, output, raised), ((output, _NORM_INPUT),)))
+    return choices
+
+
+def _prenorm(owner: SavedTensor, analysis: Analysis, output: str, output_plan: Plan) -> Plan:
+    """A norm's saved input rebuilt in backward from its output ``output``, stored as ``output_plan``, and the
+    channels with the smallest |gamma| saved exactly (PRENORM_EXACT_SHARE)."""
+    unit = owner.norm
+    val = tensor_val(unit.x)
+    width = val.shape[-1]
+    exact = max(1, math.ceil(PRENORM_EXACT_SHARE * width))
+    rstd_saved = unit.rstd is None or storage_base(unit.rstd).name in analysis.saved_storages
+    nbytes = prenorm_bytes(numel_hint(val) // width, exact, val.element_size()) + (
+        0 if rstd_saved else storage_bytes(tensor_val(unit.rstd)))
+    formula = "(output - beta) / gamma" if unit.beta is not None else "output / gamma"
+    formula += " / rstd" if unit.rstd is not None else ""
+    stored = (f"rank-{output_plan.rank} factors" if output_plan.action == "lowrank"
+              else f"{output_plan.bits}-bit codes")
+    return Plan("prenorm", f"rebuilt as {formula} from {output}'s {stored}; {exact} smallest-|gamma| "
+                f"channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
+                bits=output_plan.bits if output_plan.action == "quantize" else None, exact_channels=exact, norm=unit,
+                nbytes=nbytes)
 
 
 # The error class of a memory_budget option: exact ones first (recompute, an X W replayed from its x, a block's input
@@ -703,7 +809,7 @@ def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
         return []
     options = []
     if storage not in spending.read_by_recompute:
-        recompute = _recompute_plan(owner, by_storage, owner_plans, set())
+        recompute = _recompute_plan(owner, by_storage, owner_plans)
         if recompute is not None and not spending.recomputed & {n.name for n in rebuild_inputs(recompute.chain)}:
             options.append(Option(storage, recompute, EXACT_ERROR))
         replay = _replay_plan(owner, by_storage, owner_plans, config)
@@ -792,82 +898,12 @@ def _replayed(owner: SavedTensor, source: str) -> Plan:
                 f"{seconds * 1e3:.3g} ms", nbytes=0, seconds=seconds, chain=owner.rebuild_product)
 
 
-def rebuild_from_x(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
-                   config: Config, tables_saved: set[str]) -> None:
-    """``rebuild_from_x``: what backward can rebuild from a LoRA linear's input x is not stored below
-    REBUILD_SOURCE_BITS, x being stored at that width instead: the X W of _replay_base_outputs, then a norm's input
-    where x is the norm's output (rebuilt as output / gamma / rstd, whose rounding is then the output's, channel by
-    channel: a channel's scale divides out). The norm's input is rebuilt where its own bytes shrink; raising x
-    for it is a fidelity decision, not a byte one: at 2 bits it costs more than the 2-bit input it replaces
-    (llama-pretrained, hyclora-2bit: worst LoRA-gradient cosine 0.93 with the input at 2 bits, 0.995 rebuilt;
-    docs/quantization.md)."""
-    if not config.rebuild_from_x:
-        return
-    _replay_base_outputs(analysis, by_storage, owner_plans, config, tables_saved)
-
-    def output_plan_for(output: str, plan: Plan) -> Plan | None:
-        if plan.action != "quantize":
-            return None
-        if plan.bits >= REBUILD_SOURCE_BITS:
-            return plan
-        group = by_storage[output]
-        if not any(Role.LINEAR_INPUT in (s.role, *s.also) for s in group):
-            return None
-        raised = _rebuild_source(group[0], group, analysis, config, set(tables_saved), "its norm's input")
-        return raised if raised.action == "quantize" else None
-
-    _share_norm_outputs(analysis, by_storage, owner_plans, output_plan_for)
-
-
-def _replay_base_outputs(analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
-                         owner_plans: dict[str, Plan], config: Config, tables_saved: set[str]) -> None:
-    """An X W lora_reorder rebuilds from, planned below REBUILD_SOURCE_BITS (or at it only because it feeds an
-    activation whose derivative torch would save, rebuild_refusal), is not saved: backward replays its
-    matmul from the saved x and the frozen weight, x then stored at REBUILD_SOURCE_BITS or more. Done for the X W
-    of one x together when their codes outweigh what x's wider codes add. Priced by the matmul's flops (the step's
-    time against the quantized plan: the report shows both)."""
-    by_source: dict[str, list[str]] = {}
-    for storage, group in by_storage.items():
-        owner, plan = group[0], owner_plans[storage]
-        # below 8 bits, or at 8 only because it feeds GELU, tanh or ReLU (rebuild_refusal)
-        coarse = plan.action == "quantize" and (plan.bits < REBUILD_SOURCE_BITS or _lowest_bits(owner) > config.bits)
-        source = _replay_source_storage(owner, by_storage) if coarse else None
-        if source is not None and owner_plans[source].action in ("keep", "quantize"):
-            by_source.setdefault(source, []).append(storage)
-    for source, products in by_source.items():
-        group, before = by_storage[source], owner_plans[source]
-        after = before if before.action == "keep" else _rebuild_source(group[0], group, analysis, config,
-                                                                         set(tables_saved), "an X W")
-        added = planned_bytes(group[0], after) - planned_bytes(group[0], before)
-        if sum(owner_plans[p].nbytes for p in products) <= added:
-            continue
-        owner_plans[source] = after
-        for storage in products:
-            quantized = owner_plans[storage]
-            replayed = _replayed(by_storage[storage][0], source)
-            against = f"{quantized.seconds * 1e3:.3g} ms for its {quantized.bits}-bit codes"
-            owner_plans[storage] = dataclasses.replace(replayed, reason=f"{replayed.reason} against {against}")
-
-
 # What passes/offload_blocks.py moves: the tensor itself, or the tensors compress_storage saved in its place.
 _OFFLOADABLE = ("keep", "quantize", "lowrank")
 
 
-def offload_block_inputs(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
-                         config: Config, tables_saved: set[str]) -> None:
-    """``block_offload``: what a checkpointed block is recomputed from waits in host memory between forward and
-    backward, as its plan stores it (exact, or its codes), priced by the two copies over the host link. Left on the
-    device: a storage a forward output also holds, one saved as a view, and one a plan rebuilds otherwise. Under
-    memory_budget it is one of the budget's options instead (fit_budget)."""
-    if not config.block_offload or config.memory_budget is not None:
-        return
-    for storage, group in by_storage.items():
-        if _offloadable(group[0], group, owner_plans[storage], analysis):
-            owner_plans[storage] = _offloaded(group[0], owner_plans[storage])
-
-
 def _offloadable(owner: SavedTensor, group: list[SavedTensor], plan: Plan, analysis: Analysis) -> bool:
-    """Whether a checkpointed block's input, planned ``plan``, can wait in host memory (offload_block_inputs)."""
+    """Whether a checkpointed block's input, planned ``plan``, can wait in host memory (block_offload)."""
     # kept exact, the storage moves only where it is saved once, as itself (a saved view would hold it here)
     kept_whole = plan.action != "keep" or (len(group) == 1 and owner.node is owner.base)
     return BLOCK_SOURCE in owner.base.meta and owner.frees_memory and owner.storage not in analysis.output_storages \
@@ -883,7 +919,7 @@ def _offloaded(owner: SavedTensor, plan: Plan) -> Plan:
 
 
 def on_device(plan: Plan, owner: SavedTensor, why: str) -> Plan:
-    """``plan`` (an offload_block_inputs plan) with its storage left on the device, and ``why``."""
+    """``plan`` (a block_offload plan) with its storage left on the device, and ``why``."""
     return dataclasses.replace(plan, host=False, seconds=plan.seconds - _offload_seconds(owner, plan),
                                reason=f"{plan.reason}; left on the device: {why}")
 

@@ -1,12 +1,12 @@
 """Move each checkpointed block's stored input to host memory between forward and backward (block_offload).
 
-The planner marks the plans (cost_model/planner.offload_block_inputs); this moves what each stores: the saved
-tensor itself where it is kept exact, or the tensors the quantize or lowrank pass saved in its place. Forward
-copies each to host memory after its last forward reader and saves the copy; backward copies it back to the
-device before its first reader. Both copies are ``prims.device_put``, as torch's own activation offloading
-inserts them (torch/_functorch/_activation_offloading), and run on the compute stream in the graph's order: the
-device holds one block's input at a time, for the time of two copies over the host link per block. The bytes
-that come back are the bytes that left, so the gradients do not change.
+The planner marks the plans (cost_model/planner.fit_ceilings, or fit_budget under a budget); this moves what each
+stores: the saved tensor itself where it is kept exact, or the tensors the quantize or lowrank pass saved in its
+place. Forward copies each to host memory after its last forward reader and saves the copy; backward copies it
+back to the device before its first reader. Both copies are ``prims.device_put``, as torch's own activation
+offloading inserts them (torch/_functorch/_activation_offloading), and run on the compute stream in the graph's
+order: the device holds one block's input at a time, for the time of two copies over the host link per block.
+The bytes that come back are the bytes that left, so the gradients do not change.
 
 On a GPU inductor copies each tensor into pinned host memory and waits for it: one synchronization per tensor (a
 block's 8-bit codes are five), as torch's synchronous offloading does. Overlapping the copies with compute (its
