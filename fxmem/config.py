@@ -48,7 +48,7 @@ class Config:
     rebuild_from_x: with ``lora_reorder``, rebuild in backward from a LoRA linear's input x, stored at 8 bits
         for it, what would be saved below 8 bits: an X W, by replaying its matmul with the frozen weight (one
         matmul per such layer; an aten mm or addmm, not a QLoRA 4-bit base), and, where x is a norm's output, the
-        norm's input, by dividing out gamma and rstd (cost_model.planner.rebuild_from_x). Fewer bytes and a far
+        norm's input, by dividing out gamma and rstd (cost_model.planner.fit_ceilings). Fewer bytes and a far
         closer gradient on a pretrained model (SwiGLU's backward multiplies the two rebuilt values, so each one's
         rounding reached the other's gradient whole), for the matmuls' time. Without lora_reorder nothing is
         rebuilt; under ``memory_budget`` the replayed X W is one of the budget's exact options (x then held at

@@ -37,7 +37,7 @@ def test_a_preset_turns_on_its_techniques_and_their_passes_in_the_declared_order
     assert [p.name for p in techniques.default_passes() if p.enabled(config)] == passes
 
 
-def test_a_memory_budget_alone_runs_the_quantize_pass_and_its_refinement():
+def test_a_memory_budget_alone_runs_the_quantize_pass():
     config = Config(memory_budget=0.5)
     assert [t.name for t in techniques.enabled_techniques(config)] == [*_ALWAYS, "chunk_loss", "memory_budget"]
     assert "quantize" in [p.name for p in techniques.default_passes() if p.enabled(config)]

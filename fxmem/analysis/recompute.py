@@ -6,7 +6,7 @@ tensor from the saved tensors and parameters it already has, with a few element-
 it: no saved byte more, no matmul. This module finds those chains; the planner prices them against compression.
 
 It also finds the one matmul that rebuilds a LoRA linear's frozen product x W^T from the saved x and the frozen
-weight: not free, but exact up to x's own storage (cost_model.planner.rebuild_from_x prices it).
+weight: not free, but exact up to x's own storage (cost_model.planner._replayed prices it).
 """
 
 from __future__ import annotations

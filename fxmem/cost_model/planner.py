@@ -431,15 +431,16 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
     recomputed element-wise from storages the config keeps exact (from a quantized one it would carry that error
     rather than its own, which is not less: a norm's output rebuilt from its input quantized per row lost
     q_proj's A gradient cosine from 0.995 to 0.990 on the tiny Llama); with ``rebuild_from_x`` an X W replayed from its
-    x; a norm's input rebuilt from its output's factors (``prenorm_sharing``) or, with ``rebuild_from_x``, from its
-    output's codes at 8 bits.
+    x where its codes are coarser than 8 bits; a norm's input rebuilt from its output's factors (``prenorm_sharing``)
+    or, with ``rebuild_from_x``, from its output's codes at 8 bits.
 
     One rule chooses, the one memory_budget spends by (fit_budget) against a target per storage instead of per
     region: among the options within the ceiling, the least error tier (_tier), then the fewest seconds per byte
     saved, then the most bytes saved; where none is within it, the fewest bytes. A storage the config keeps is not
-    moved. The bytes an option adds to the x it raises to 8 bits count against no ceiling: ``rebuild_from_x`` asks for
-    them (llama-pretrained at hyclora-2bit: worst LoRA-gradient cosine 0.93 with a norm's input at 2 bits, 0.995
-    rebuilt from its output at 8; docs/quantization.md). A storage is chosen again when a plan it reads changes (its
+    moved. The X W replayed from one x are weighed with x (_replayable). The bytes a rebuilt norm input adds to its
+    output, raised to 8 bits, count against no ceiling: ``rebuild_from_x`` asks for them (llama-pretrained at
+    hyclora-2bit: worst LoRA-gradient cosine 0.93 with a norm's input at 2 bits, 0.995 rebuilt from its output at 8;
+    docs/quantization.md). A storage is chosen again when a plan it reads changes (its
     x, its norm's output) or an option raises it. ``block_offload`` then puts a checkpointed block's input in host
     memory, as its plan stores it."""
     configured = {storage: plan or _configured_plan(by_storage[storage][0], by_storage[storage], analysis, config,
@@ -455,12 +456,13 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
         for read in (source, norm_output):
             if read is not None:
                 readers.setdefault(read, set()).add(storage)
+    replayable = _replayable(analysis, by_storage, configured, config, tables_saved)
     pending = [storage for storage, plan in configured.items() if plan.action != "keep"]
     while pending:
         storage = pending.pop(0)
         if configured[storage].action == "keep":  # kept by the config, a source raised or not
             continue
-        choice = _choose(storage, by_storage, configured, plans, raised, analysis, config, tables_saved)
+        choice = _choose(storage, by_storage, configured, plans, raised, replayable, analysis, config, tables_saved)
         changed = choice.plan != plans[storage]
         plans[storage] = choice.plan
         for source, purpose in choice.raises:
@@ -476,11 +478,11 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
 
 
 def _choose(storage: str, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
-            plans: dict[str, Plan], raised: dict[str, list[str]], analysis: Analysis, config: Config,
-            tables_saved: set[str]) -> _Choice:
+            plans: dict[str, Plan], raised: dict[str, list[str]], replayable: set[str], analysis: Analysis,
+            config: Config, tables_saved: set[str]) -> _Choice:
     """fit_ceilings' rule for one storage, from the plans now."""
     owner = by_storage[storage][0]
-    choices = _choices(owner, by_storage, configured, plans, raised, analysis, config, tables_saved)
+    choices = _choices(owner, by_storage, configured, plans, raised, replayable, analysis, config, tables_saved)
     ceiling = min([_ceiling(owner, by_storage[storage], configured[storage], analysis, config, tables_saved)]
                   + [c.plan.nbytes for c in choices if c.plan.action == "prenorm" and c.plan.bits is None])
     within = [c for c in choices if stored_bytes(owner, c.plan) <= ceiling]
@@ -500,6 +502,34 @@ def _choose(storage: str, by_storage: dict[str, list[SavedTensor]], configured: 
         best.plan, reason=f"{best.plan.reason}, against {base.seconds * 1e3:.3g} ms for its {stored}"))
 
 
+def _replayable(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
+                config: Config, tables_saved: set[str]) -> set[str]:
+    """The X W ``rebuild_from_x`` may replay from its x: configured below REBUILD_SOURCE_BITS (or at it only for
+    rebuild_refusal), x kept or quantized, and the X W of one x together where their codes outweigh what x's codes at
+    REBUILD_SOURCE_BITS add to its configured ones: the ceilings of the move (the X W and x) hold it. Against 8-bit
+    codes a matmul would buy bytes the config did not ask for, at the machine's measured flops per byte. Counted so
+    because a replayed product is back in backward beside the rest: without the count, hyclora-2bit with
+    qkv_bits=None on whatif's Llama-3-8B replayed GQA's narrow q, k and v, for 13% fewer saved bytes and a step
+    predicted 7% higher at 16,384 tokens (62.23 against 57.91 GiB)."""
+    if not _rebuilds_from_x(config):
+        return set()
+    by_source: dict[str, list[str]] = {}
+    for storage, group in by_storage.items():
+        owner, plan = group[0], configured[storage]
+        coarse = plan.action == "quantize" and (plan.bits < REBUILD_SOURCE_BITS or _lowest_bits(owner) > config.bits)
+        source = _replay_source_storage(owner, by_storage) if coarse else None
+        if source is not None and configured[source].action in ("keep", "quantize"):
+            by_source.setdefault(source, []).append(storage)
+    replayable = set()
+    for source, products in by_source.items():
+        group, before = by_storage[source], configured[source]
+        after = before if before.action == "keep" else _rebuild_source(group[0], group, analysis, config,
+                                                                         set(tables_saved), _REPLAYED_X_W)
+        if sum(configured[p].nbytes for p in products) > stored_bytes(group[0], after) - stored_bytes(group[0], before):
+            replayable.update(products)
+    return replayable
+
+
 def _ceiling(owner: SavedTensor, group: list[SavedTensor], plan: Plan, analysis: Analysis, config: Config,
              tables_saved: set[str]) -> int:
     """The bytes of the compression the config asks of a storage: an X W that feeds GELU, tanh or ReLU at the
@@ -513,8 +543,8 @@ def _ceiling(owner: SavedTensor, group: list[SavedTensor], plan: Plan, analysis:
 
 
 def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
-             plans: dict[str, Plan], raised: dict[str, list[str]], analysis: Analysis, config: Config,
-             tables_saved: set[str]) -> list[_Choice]:
+             plans: dict[str, Plan], raised: dict[str, list[str]], replayable: set[str], analysis: Analysis,
+             config: Config, tables_saved: set[str]) -> list[_Choice]:
     """fit_ceilings' options for a storage the config compresses, its configured compression first."""
     storage, group = owner.storage, by_storage[owner.storage]
     base = configured[storage]
@@ -528,7 +558,7 @@ def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], confi
         if recompute is not None:
             choices.append(_Choice(dataclasses.replace(
                 recompute, reason=f"{recompute.reason}, {recompute.seconds * 1e3:.3g} ms")))
-    source = _replay_source_storage(owner, by_storage) if _rebuilds_from_x(config) else None
+    source = _replay_source_storage(owner, by_storage) if storage in replayable else None
     if source is not None and plans[source].action in ("keep", "quantize"):
         choices.append(_Choice(_replayed(owner, source), ((source, _REPLAYED_X_W),)))
     choices.extend(_prenorm_choices(owner, by_storage, plans, analysis, config, tables_saved))
@@ -572,10 +602,12 @@ def _prenorm(owner: SavedTensor, analysis: Analysis, output: str, output_plan: P
     formula += " / rstd" if unit.rstd is not None else ""
     stored = (f"rank-{output_plan.rank} factors" if output_plan.action == "lowrank"
               else f"{output_plan.bits}-bit codes")
+    # element-wise from the output backward reads anyway: the rebuilt input written and read once
+    seconds = recompute_seconds(storage_bytes(val), str(val.device))
     return Plan("prenorm", f"rebuilt as {formula} from {output}'s {stored}; {exact} smallest-|gamma| "
                 f"channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
                 bits=output_plan.bits if output_plan.action == "quantize" else None, exact_channels=exact, norm=unit,
-                nbytes=nbytes)
+                nbytes=nbytes, seconds=seconds)
 
 
 # The error class of a memory_budget option: exact ones first (recompute, an X W replayed from its x, a block's input

@@ -7,7 +7,7 @@ first use and replays the views its saved tensors took of the storage. Both are 
 ops: inductor generates the statistics, codes and packing inside the producer's kernel and the unpacking,
 scaling and outlier merge inside the consumer's, with no host synchronisation and no data-dependent shape.
 
-A norm input planned ``prenorm`` on an output quantized here (cost_model.planner.rebuild_from_x) is rebuilt
+A norm input planned ``prenorm`` on an output quantized here (cost_model.planner.fit_ceilings) is rebuilt
 from the output's restored value, as the lowrank pass does from factors (saved_rewrite.rebuild_norm_input).
 
 For q and k after RoPE the plan names the tensor before rotation as the source: that is what gets quantized,

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import fxmem
+from fxmem.analysis import Role
+from fxmem.analysis.recompute import rebuild_inputs
 from tests.conftest import tiny_model
 
 planner = importlib.import_module("fxmem.cost_model.planner")
@@ -50,5 +52,50 @@ def test_an_exact_option_beats_coarser_codes_whatever_it_costs(dear_recompute):
 
 
 def test_a_storage_the_config_keeps_is_not_moved():
-    # exact asks for no bytes of anything: no recomputation, replay or rebuilt norm input either
-    assert {p.action for p in _plans("gpt2", fxmem.Config()).values()} == {"keep"}
+    # intra=False quantizes only the X W lora_reorder saves: replayed from x, which the config keeps exact and no
+    # replay raises; the norms' inputs, kept too, are not rebuilt from their outputs
+    config = fxmem.Config(bits=2, lora_reorder=True, rebuild_from_x=True, intra=False)
+    torch._dynamo.reset()
+    model, batch = tiny_model("llama", lora=True)
+    rows = [(s, p) for _, s, p in fxmem.inspect(model, **batch, config=config).rows() if s.nbytes]
+    replayed = [p for s, p in rows if s.role is Role.LORA_BASE_OUTPUT and p.action == "recompute"]
+    assert len(replayed) == 4  # SwiGLU's gate and up in both layers; q, k and v at qkv_bits=8 keep their codes
+    assert all(p.action == "keep" for s, p in rows if s.role in (Role.LINEAR_INPUT, Role.NORM_INPUT))
+
+
+@pytest.mark.parametrize(("family", "kv_heads", "config"), [
+    ("llama", 4, fxmem.Config.from_preset("hyclora-2bit")),
+    ("llama", 1, fxmem.Config.from_preset("hyclora-2bit", qkv_bits=None)),
+    ("gpt2", 4, fxmem.Config.from_preset("loract")),
+    ("llama", 4, fxmem.Config(bits=4, lowrank=0.05, prenorm_sharing=True, lora_reorder=True, rebuild_from_x=True)),
+    ("gpt2", 4, fxmem.Config.from_preset("hyclora-4bit")),
+    ("bert", 4, fxmem.Config.from_preset("hyclora-2bit")),
+])
+def test_every_plan_reads_what_stays_saved_as_it_needs(monkeypatch, family, kv_heads, config):
+    chosen = []
+
+    def fit_ceilings(analysis, by_storage, *args):
+        plans = real(analysis, by_storage, *args)
+        chosen.append((by_storage, plans))
+        return plans
+
+    real = planner.fit_ceilings
+    monkeypatch.setattr(planner, "fit_ceilings", fit_ceilings)
+    torch._dynamo.reset()
+    model, batch = tiny_model(family, lora=True, **({"kv_heads": kv_heads} if family == "llama" else {}))
+    fxmem.inspect(model, **batch, config=config)
+    kinds = set()
+    for by_storage, plans in chosen:
+        for storage, plan in plans.items():
+            owner = by_storage[storage][0]
+            if plan.action == "recompute" and plan.chain is owner.rebuild_product:  # an X W replayed from its x
+                x = plans[planner._replay_source_storage(owner, by_storage)]
+                assert x.action == "keep" or (x.action == "quantize" and x.bits >= planner.REBUILD_SOURCE_BITS)
+            elif plan.action == "recompute":  # element-wise, from storages kept exact
+                assert all(plans[n.name].action == "keep" for n in rebuild_inputs(plan.chain) if n.name in plans)
+            elif plan.action == "prenorm":  # from its output's factors, or its codes at the prenorm's width
+                output = plans[plan.source]
+                assert output.action == "lowrank" if plan.bits is None else (
+                    output.action == "quantize" and output.bits == plan.bits >= planner.REBUILD_SOURCE_BITS)
+            kinds.add(plan.action)
+    assert "recompute" in kinds or "prenorm" in kinds  # the rule had something to choose
