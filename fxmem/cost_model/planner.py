@@ -448,21 +448,23 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
                   for storage, plan in held.items()}
     plans = dict(configured)
     raised: dict[str, list[str]] = {}  # storage -> what backward rebuilds from it, where an option raised it
-    readers: dict[str, set[str]] = {}  # storage -> the storages whose options read its plan
-    for storage, group in by_storage.items():
-        owner = group[0]
-        source = _replay_source_storage(owner, by_storage) if _rebuilds_from_x(config) else None
-        norm_output = owner.norm.output.name if owner.role is Role.NORM_INPUT and owner.norm is not None else None
-        for read in (source, norm_output):
-            if read is not None:
-                readers.setdefault(read, set()).add(storage)
     replayable = _replayable(analysis, by_storage, configured, config, tables_saved)
+    readers: dict[str, set[str]] = {}  # storage -> the storages whose options read its plan
+    for storage, source in replayable.items():
+        readers.setdefault(source, set()).add(storage)
+    for storage, group in by_storage.items():
+        if group[0].role is Role.NORM_INPUT and group[0].norm is not None:
+            readers.setdefault(group[0].norm.output.name, set()).add(storage)
     pending = [storage for storage, plan in configured.items() if plan.action != "keep"]
+    # what the config asks of each: fixed by it, whatever the others choose
+    ceilings = {storage: _ceiling(by_storage[storage][0], by_storage[storage], configured[storage], analysis, config,
+                                  tables_saved) for storage in pending}
     while pending:
         storage = pending.pop(0)
         if configured[storage].action == "keep":  # kept by the config, a source raised or not
             continue
-        choice = _choose(storage, by_storage, configured, plans, raised, replayable, analysis, config, tables_saved)
+        choice = _choose(storage, by_storage, configured, plans, raised, replayable, ceilings[storage], analysis,
+                         config, tables_saved)
         changed = choice.plan != plans[storage]
         plans[storage] = choice.plan
         for source, purpose in choice.raises:
@@ -478,13 +480,13 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
 
 
 def _choose(storage: str, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
-            plans: dict[str, Plan], raised: dict[str, list[str]], replayable: set[str], analysis: Analysis,
-            config: Config, tables_saved: set[str]) -> _Choice:
-    """fit_ceilings' rule for one storage, from the plans now."""
+            plans: dict[str, Plan], raised: dict[str, list[str]], replayable: dict[str, str], ceiling: int,
+            analysis: Analysis, config: Config, tables_saved: set[str]) -> _Choice:
+    """fit_ceilings' rule for one storage, from the plans now; ``ceiling``: what the config asks of it
+    (_ceiling)."""
     owner = by_storage[storage][0]
     choices = _choices(owner, by_storage, configured, plans, raised, replayable, analysis, config, tables_saved)
-    ceiling = min([_ceiling(owner, by_storage[storage], configured[storage], analysis, config, tables_saved)]
-                  + [c.plan.nbytes for c in choices if c.plan.action == "prenorm" and c.plan.bits is None])
+    ceiling = min([ceiling] + [c.plan.nbytes for c in choices if c.plan.action == "prenorm" and c.plan.bits is None])
     within = [c for c in choices if stored_bytes(owner, c.plan) <= ceiling]
     if not within:
         return min(choices, key=lambda c: stored_bytes(owner, c.plan))
@@ -497,14 +499,18 @@ def _choose(storage: str, by_storage: dict[str, list[SavedTensor]], configured: 
     if best is choices[0]:
         return best
     base = choices[0].plan
-    stored = f"rank-{base.rank} factors" if base.action == "lowrank" else f"{base.bits}-bit codes"
     return dataclasses.replace(best, plan=dataclasses.replace(
-        best.plan, reason=f"{best.plan.reason}, against {base.seconds * 1e3:.3g} ms for its {stored}"))
+        best.plan, reason=f"{best.plan.reason}, against {base.seconds * 1e3:.3g} ms for its {_stored_as(base)}"))
+
+
+def _stored_as(plan: Plan) -> str:
+    """What a quantize or lowrank plan stores, for a reason."""
+    return f"rank-{plan.rank} factors" if plan.action == "lowrank" else f"{plan.bits}-bit codes"
 
 
 def _replayable(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
-                config: Config, tables_saved: set[str]) -> set[str]:
-    """The X W ``rebuild_from_x`` may replay from its x: configured below REBUILD_SOURCE_BITS (or at it only for
+                config: Config, tables_saved: set[str]) -> dict[str, str]:
+    """The X W ``rebuild_from_x`` may replay, each with its x: configured below REBUILD_SOURCE_BITS (or at it only for
     rebuild_refusal), x kept or quantized, and the X W of one x together where their codes outweigh what x's codes at
     REBUILD_SOURCE_BITS add to its configured ones: the ceilings of the move (the X W and x) hold it. Against 8-bit
     codes a matmul would buy bytes the config did not ask for, at the machine's measured flops per byte. Counted so
@@ -512,30 +518,34 @@ def _replayable(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], co
     qkv_bits=None on whatif's Llama-3-8B replayed GQA's narrow q, k and v, for 13% fewer saved bytes and a step
     predicted 7% higher at 16,384 tokens (62.23 against 57.91 GiB)."""
     if not _rebuilds_from_x(config):
-        return set()
+        return {}
     by_source: dict[str, list[str]] = {}
     for storage, group in by_storage.items():
         owner, plan = group[0], configured[storage]
-        coarse = plan.action == "quantize" and (plan.bits < REBUILD_SOURCE_BITS or _lowest_bits(owner) > config.bits)
+        coarse = plan.action == "quantize" and (plan.bits < REBUILD_SOURCE_BITS or _held_for_refusal(owner, config))
         source = _replay_source_storage(owner, by_storage) if coarse else None
         if source is not None and configured[source].action in ("keep", "quantize"):
             by_source.setdefault(source, []).append(storage)
-    replayable = set()
+    replayable = {}
     for source, products in by_source.items():
         group, before = by_storage[source], configured[source]
         after = before if before.action == "keep" else _rebuild_source(group[0], group, analysis, config,
                                                                          set(tables_saved), _REPLAYED_X_W)
         if sum(configured[p].nbytes for p in products) > stored_bytes(group[0], after) - stored_bytes(group[0], before):
-            replayable.update(products)
+            replayable.update(dict.fromkeys(products, source))
     return replayable
+
+
+def _held_for_refusal(owner: SavedTensor, config: Config) -> bool:
+    """An X W held at 8 bits, above the preset's width, only because it feeds GELU, tanh or ReLU (rebuild_refusal)."""
+    return config.bits is not None and _lowest_bits(owner) > config.bits
 
 
 def _ceiling(owner: SavedTensor, group: list[SavedTensor], plan: Plan, analysis: Analysis, config: Config,
              tables_saved: set[str]) -> int:
     """The bytes of the compression the config asks of a storage: an X W that feeds GELU, tanh or ReLU at the
     preset's width, not the 8 bits it is held at unless replayed (rebuild_refusal)."""
-    if _rebuilds_from_x(config) and plan.action == "quantize" and config.bits is not None \
-            and _lowest_bits(owner) > config.bits:
+    if _rebuilds_from_x(config) and plan.action == "quantize" and _held_for_refusal(owner, config):
         at_width = _quantize(owner, group, analysis, config, set(tables_saved), config.bits)
         if at_width.action == "quantize":
             return at_width.nbytes
@@ -543,7 +553,7 @@ def _ceiling(owner: SavedTensor, group: list[SavedTensor], plan: Plan, analysis:
 
 
 def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
-             plans: dict[str, Plan], raised: dict[str, list[str]], replayable: set[str], analysis: Analysis,
+             plans: dict[str, Plan], raised: dict[str, list[str]], replayable: dict[str, str], analysis: Analysis,
              config: Config, tables_saved: set[str]) -> list[_Choice]:
     """fit_ceilings' options for a storage the config compresses, its configured compression first."""
     storage, group = owner.storage, by_storage[owner.storage]
@@ -558,7 +568,7 @@ def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], confi
         if recompute is not None:
             choices.append(_Choice(dataclasses.replace(
                 recompute, reason=f"{recompute.reason}, {recompute.seconds * 1e3:.3g} ms")))
-    source = _replay_source_storage(owner, by_storage) if storage in replayable else None
+    source = replayable.get(storage)
     if source is not None and plans[source].action in ("keep", "quantize"):
         choices.append(_Choice(_replayed(owner, source), ((source, _REPLAYED_X_W),)))
     choices.extend(_prenorm_choices(owner, by_storage, plans, analysis, config, tables_saved))
@@ -600,11 +610,9 @@ def _prenorm(owner: SavedTensor, analysis: Analysis, output: str, output_plan: P
         0 if rstd_saved else storage_bytes(tensor_val(unit.rstd)))
     formula = "(output - beta) / gamma" if unit.beta is not None else "output / gamma"
     formula += " / rstd" if unit.rstd is not None else ""
-    stored = (f"rank-{output_plan.rank} factors" if output_plan.action == "lowrank"
-              else f"{output_plan.bits}-bit codes")
     # element-wise from the output backward reads anyway: the rebuilt input written and read once
     seconds = recompute_seconds(storage_bytes(val), str(val.device))
-    return Plan("prenorm", f"rebuilt as {formula} from {output}'s {stored}; {exact} smallest-|gamma| "
+    return Plan("prenorm", f"rebuilt as {formula} from {output}'s {_stored_as(output_plan)}; {exact} smallest-|gamma| "
                 f"channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
                 bits=output_plan.bits if output_plan.action == "quantize" else None, exact_channels=exact, norm=unit,
                 nbytes=nbytes, seconds=seconds)
