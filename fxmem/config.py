@@ -127,9 +127,9 @@ class Config:
         and only where host memory is apart from the device. False (every preset) is off.
     lora_half_products: the products of PEFT's fp32 adapters on a bf16 model (x A^T, its product with B,
         and their backward products) run with inputs in the model's dtype and float32 accumulation, as a GPU's tensor
-        cores run them, each result rounded to the model's dtype (passes/lora_half_products.py): "auto" for each
-        product the cost model measured faster so on the device (none on a CPU without half-precision matrix
-        units), "on" for every one, "off" in float32 as PEFT runs them. "auto" in the lossy presets, "off" in exact
+        cores run them, each result rounded to the model's dtype (passes/lora_half_products.py): "auto" for every
+        one on a GPU with bf16 tensor cores and none elsewhere (cost_model/matmul_library.half_tensor_cores: a rule
+        on the device, not a timing), "on" for every one, "off" in float32 as PEFT runs them. "auto" in the lossy presets, "off" in exact
         and runlora.
     return_logits: False returns an empty tensor where the model returns its logits (as Liger-Kernel and
         Unsloth do in training), so that chunk_loss applies to a model that returns them, such as every HF

@@ -43,7 +43,7 @@ def hyclora_settings(bits: Sequence[int] = DEFAULT_BITS) -> list[Setting]:
     _check_unique("bits", bits)
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
     for b in bits:
-        # as the presets run them (lora_half_products: a bf16 model's LoRA products in bf16 where measured faster)
+        # as the presets run them (lora_half_products: a bf16 model's LoRA products in bf16 on tensor cores)
         paper = Config(bits=b, attn_sparsity=0.05, lora_reorder=True, lora_half_products="auto")
         intra = paper.replace(lora_reorder=False)
         settings += [Setting(f"{b}-bit intra + inter", "fxmem", paper),

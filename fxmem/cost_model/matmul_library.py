@@ -1,5 +1,5 @@
-"""Which library runs a CPU fp32 matrix product faster on this machine: aten's (MKL) or oneDNN's; and whether a
-product of fp32 operands runs faster with half-precision inputs (``half_product_faster``).
+"""Which library runs a CPU fp32 matrix product faster on this machine: aten's (MKL) or oneDNN's; and whether the
+device runs bf16 products on tensor cores (``half_tensor_cores``).
 
 FLOPs cannot rank two libraries computing the same product, and the answer
 differs between CPUs (MKL is fast on Intel, slow on AMD), so it is measured:
@@ -84,36 +84,15 @@ def weight_libraries(x: torch.Tensor, weight: torch.Tensor) -> tuple[str, str]:
             cpu_matmul_library(rows, out_features, in_features, b_transposed=False, dtype=weight.dtype))
 
 
-_HALF_CHOICES: dict[tuple[int, int, int, torch.dtype, str], bool] = {}
+# bf16 tensor cores: NVIDIA compute capability 8.0 (Ampere) and later
+BF16_TENSOR_CORE_CAPABILITY = (8, 0)
 
 
-def half_product_faster(rows: int, inner: int, cols: int, dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether (rows x inner) @ (inner x cols) runs faster with ``dtype`` (bf16 or fp16) inputs than in fp32 on
-    ``device``, measured once per process for each shape: a GPU's tensor cores take half-precision inputs (and
-    accumulate in fp32); a CPU without half-precision matrix units runs them far slower. The operands' casts are
-    not timed: one is the model's own half-precision x, the other a rank-r factor or gradient. A device that runs
-    no kernels (meta), or a CPU without matrix instructions for ``dtype``, measures nothing: False."""
+def half_tensor_cores(device: torch.device | str) -> bool:
+    """Whether ``device`` runs bf16 products on tensor cores (a CUDA GPU of compute capability 8.0 or later): there
+    bf16 inputs run at several times the fp32 CUDA-core rate and read half the bytes, so a LoRA product with bf16
+    inputs and float32 accumulation is the faster one whatever its shape, and the choice is a rule on the device, the
+    same in every run. A CPU answers no: its bf16 instructions (AVX512-BF16, AMX) win or lose by shape
+    (docs/cost_model.md), and a timing race between the two chose differently from one run to the next."""
     device = torch.device(device)
-    if device.type not in ("cpu", "cuda") or device.type == "cpu" and not cpu_half_matmul_units(dtype):
-        return False
-    rows = _probe_rows(rows, inner, cols)
-    key = (rows, inner, cols, dtype, str(device))
-    if key in _HALF_CHOICES:
-        return _HALF_CHOICES[key]
-    with _disable_current_modes(), torch.no_grad():
-        generator = torch.Generator(device=device).manual_seed(0)
-        a = torch.randn(rows, inner, generator=generator, device=device)
-        b = torch.randn(inner, cols, generator=generator, device=device)
-        a_half, b_half = a.to(dtype), b.to(dtype)
-        times = _median_times({"fp32": lambda: a @ b, "half": lambda: (a_half @ b_half).float()}, device)
-    faster = times["half"] < times["fp32"]
-    _HALF_CHOICES[key] = faster
-    return faster
-
-
-def cpu_half_matmul_units(dtype: torch.dtype) -> bool:
-    """Whether this CPU has instructions that multiply ``dtype`` matrices natively (AVX512-BF16 or AMX for bf16,
-    AMX-FP16 for fp16); without them a half-precision product is converted and runs slower than fp32's."""
-    if dtype == torch.bfloat16:
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return dtype == torch.float16 and torch.cpu._is_amx_fp16_supported()
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= BF16_TENSOR_CORE_CAPABILITY

@@ -11,9 +11,9 @@ gradients and the optimizer's state stay fp32.
 Which products: in the forward graph, x A^T and (x A^T) B^T of each LoRA linear (analysis/lora.py) whose factors
 are fp32 and whose x is a widening cast of a bf16 tensor (not fp16: its range could overflow where fp32's holds);
 in the backward graph, every product that reads one of those factors, x A^T, or the cast. The partitioner gives a
-node the same name in both graphs, so the backward's are found by name. Under ``lora_half_products="auto"`` a
-product changes only where the cost model measured the bf16 product faster for its shape on the device
-(cost_model/matmul_library.py); "on" changes every one (to measure the fidelity on a machine where it does not pay).
+node the same name in both graphs, so the backward's are found by name. Under ``lora_half_products="auto"`` the
+products change only on a device with bf16 tensor cores (cost_model/matmul_library.half_tensor_cores: a rule, the
+same in every run); "on" changes every one (to measure the fidelity on a machine where it does not pay).
 
 TF32 (fp32 operands rounded to 10 mantissa bits inside the tensor cores) is not offered: torch sets it for every
 fp32 product of the process (``torch.backends.cuda.matmul``), not for one product of a graph.
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from fxmem.analysis.graph import DTYPE_CASTS, aten, hint, is_view, prims, strip, tensor_val, view_source
+from fxmem.analysis.graph import DTYPE_CASTS, aten, is_view, prims, strip, tensor_val, view_source
 from fxmem.analysis.lora import matmul_operands
-from fxmem.cost_model.matmul_library import half_product_faster
+from fxmem.cost_model.matmul_library import half_tensor_cores
 from fxmem.passes.adapter_cast import widening_cast
 from fxmem.passes.manager import GraphPass, PipelineState
 from fxmem.passes.saved_rewrite import call
@@ -45,25 +45,21 @@ class LoraHalfProducts(GraphPass):
         operands = _lora_operands(state)
         if not operands:
             return ""
-        measured = state.config.lora_half_products == "auto"
-        changed = total = 0
-        for gm in (state.fw, state.bw):
-            for node in list(gm.graph.find_nodes(op="call_function", target=aten.mm.default)):
-                if not _lora_product(node, operands):
-                    continue
-                total += 1
-                if measured and not _faster(node):
-                    continue
-                _half_product(gm.graph, node)
-                changed += 1
-            gm.graph.eliminate_dead_code()
-        if not total:
+        products = [(gm, node) for gm in (state.fw, state.bw)
+                    for node in gm.graph.find_nodes(op="call_function", target=aten.mm.default)
+                    if _lora_product(node, operands)]
+        if not products:
             return ""
-        summary = (f"{changed} of {total} LoRA product(s) of fp32 adapters run with bfloat16 inputs and float32 "
-                   f"accumulation")
-        if measured:
-            summary += f", measured faster so here; {total - changed} measured faster in float32 stay so"
-        return summary
+        auto = state.config.lora_half_products == "auto"
+        if auto and not half_tensor_cores(tensor_val(products[0][1]).device):
+            return ""  # 'auto' changes them only on bf16 tensor cores: they stay as PEFT runs them
+        for gm, node in products:
+            _half_product(gm.graph, node)
+        for gm in (state.fw, state.bw):
+            gm.graph.eliminate_dead_code()
+        reason = "the device has bf16 tensor cores" if auto else "as configured"
+        return (f"{len(products)} LoRA product(s) of fp32 adapters run with bfloat16 inputs and float32 accumulation "
+                f"({reason})")
 
 
 def strip_views(node: object) -> Node:
@@ -112,16 +108,6 @@ def _lora_operands(state: PipelineState) -> dict[str, _Operand]:
             value = tensor_val(node)
             operands[node.name] = _Operand(_shape(value), value.dtype)
     return operands
-
-
-def _faster(node: Node) -> bool:
-    """The cost model's answer; no where it cannot measure (a probe out of memory): the product stays as traced, and
-    the passes before this one keep their rewrites."""
-    a, b = (tensor_val(n) for n in node.args)
-    try:
-        return half_product_faster(hint(a.shape[0]), hint(a.shape[1]), hint(b.shape[1]), HALF, a.device)
-    except (torch.OutOfMemoryError, RuntimeError):
-        return False
 
 
 def _half_product(graph: Graph, node: Node) -> None:
