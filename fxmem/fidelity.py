@@ -120,6 +120,8 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
     loss = loss or _output_loss
     torch._dynamo.reset()
     reference = _gradients(model, lambda: loss(model(**batch)))
+    zero = [name for name, gradient in reference.items() if not gradient.any()]
+    compared = {name: gradient for name, gradient in reference.items() if name not in zero}
     backend = Backend(config, lowering=lowering, fidelity_probes=per_tensor)
     compiled = torch.compile(model, backend=backend)
     try:
@@ -129,16 +131,15 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
         for region, probe, name in probes:
             for other in probes:
                 probe_kernel.COMPRESSED[other[1]] = other[1] == probe
-            alone = gradient_fidelity(reference, _gradients(model, lambda: loss(compiled(**batch))))
+            alone = gradient_fidelity(compared, _gradients(model, lambda: loss(compiled(**batch))))
             saved, plan = _saved_and_plan(region, name)
             tensors.append(TensorFidelity(region.index, name, saved.role.value, saved.layer, _describe(plan),
                                           alone.min_cosine, alone.worst_parameter, alone.median_relative_error))
     finally:
         probe_kernel.release([probe for region in backend.regions for probe, _ in region.probes])
         torch._dynamo.reset()
-    zero = [name for name, gradient in reference.items() if not gradient.any()]
-    parameters = [ParameterFidelity(name, *cosine_and_error(reference[name], compressed[name]))
-                  for name in reference if name not in zero]
+    parameters = [ParameterFidelity(name, *cosine_and_error(gradient, compressed[name]))
+                  for name, gradient in compared.items()]
     return FidelityReport(preset, config, sorted(parameters, key=lambda p: p.cosine),
                           sorted(tensors, key=lambda t: t.min_cosine), zero)
 

@@ -188,38 +188,51 @@ class Fidelity:
     min_cosine: float
     median_relative_error: float
     worst_parameter: str
+    compared: int | None = None  # gradients compared; None: a result written before the count was kept
+    zero_in_reference: int = 0  # of them, gradients zero in the reference (gradient_fidelity refuses any)
 
-    def to_dict(self) -> dict[str, float | str]:
+    def to_dict(self) -> dict[str, Any]:
         return {"min_cosine": self.min_cosine, "median_relative_error": self.median_relative_error,
-                "worst_parameter": self.worst_parameter}
+                "worst_parameter": self.worst_parameter, "compared": self.compared,
+                "zero_in_reference": self.zero_in_reference}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Fidelity:
         """The fidelity ``to_dict`` wrote."""
-        return cls(data["min_cosine"], data["median_relative_error"], data["worst_parameter"])
+        return cls(data["min_cosine"], data["median_relative_error"], data["worst_parameter"], data.get("compared"),
+                   data.get("zero_in_reference", 0))
+
+
+class ZeroGradientError(ValueError):
+    """A fidelity figure over a gradient that is zero in the reference: a cosine of zeros against zeros measures
+    nothing, and counted as 1 it hides what the candidate does to that parameter."""
 
 
 def gradient_fidelity(reference: Mapping[str, torch.Tensor], candidate: Mapping[str, torch.Tensor]) -> Fidelity:
-    """Minimum cosine similarity and median relative L2 error over the parameters of ``reference``."""
+    """Minimum cosine similarity and median relative L2 error over the parameters of ``reference``, every one of
+    them compared: a reference gradient that is zero (PEFT's LoRA A while B is at its zero init) is refused
+    (ZeroGradientError), since there is nothing to compare it with."""
     missing = sorted(set(reference) - set(candidate))
     if missing:
         raise ValueError(f"candidate has no gradient for {', '.join(missing[:5])}")
     if not reference:
         raise ValueError("no gradients to compare: the reference has no trainable parameters")
+    zero = [name for name, ref in reference.items() if not ref.any()]
+    if zero:
+        raise ZeroGradientError(
+            f"{len(zero)} of {len(reference)} reference gradients are zero (e.g. {zero[0]}), so the figure would "
+            "compare zeros with zeros: LoRA A has no gradient while B is at PEFT's zero init. Draw B past its init "
+            "(the benchmark workloads' lora_b_std) or compare after a training step")
     cosines: dict[str, float] = {}
     errors = []
     for name, ref in reference.items():
         ref64, cand64 = ref.detach().double().flatten(), candidate[name].detach().double().flatten().to(ref.device)
         ref_norm, cand_norm = ref64.norm().item(), cand64.norm().item()
-        if ref_norm == 0 and cand_norm == 0:
-            cosines[name], error = 1.0, 0.0
-        else:
-            cosines[name] = (ref64 @ cand64).item() / (ref_norm * cand_norm) if ref_norm and cand_norm else 0.0
-            error = (cand64 - ref64).norm().item() / ref_norm if ref_norm else float("inf")
-        errors.append(error)
+        cosines[name] = (ref64 @ cand64).item() / (ref_norm * cand_norm) if cand_norm else 0.0
+        errors.append((cand64 - ref64).norm().item() / ref_norm)
     worst = min(cosines, key=cosines.get)
     return Fidelity(min_cosine=cosines[worst], median_relative_error=statistics.median(errors),
-                    worst_parameter=worst)
+                    worst_parameter=worst, compared=len(reference))
 
 
 def cosine_and_error(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, float]:

@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from fxmem.measure import (
+    Fidelity,
+    ZeroGradientError,
     gradient_fidelity,
     peak_memory,
     saved_activation_bytes,
@@ -45,15 +47,31 @@ def test_cpu_peak_sees_a_transient_allocation():
 
 
 def test_gradient_fidelity():
-    reference = {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.0, 2.0]), "c": torch.zeros(2)}
+    reference = {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.0, 2.0])}
     same = gradient_fidelity(reference, {k: v.clone() for k, v in reference.items()})
     assert same.min_cosine == pytest.approx(1.0) and same.median_relative_error == 0.0
-    scaled = gradient_fidelity(reference, {"a": reference["a"] * 1.1, "b": reference["b"], "c": torch.zeros(2)})
-    assert scaled.min_cosine == pytest.approx(1.0) and scaled.median_relative_error == 0.0
-    rotated = gradient_fidelity(reference, {"a": torch.tensor([0.0, 1.0]), "b": reference["b"], "c": torch.zeros(2)})
+    assert (same.compared, same.zero_in_reference) == (2, 0)
+    scaled = gradient_fidelity(reference, {"a": reference["a"] * 1.1, "b": reference["b"]})
+    assert scaled.min_cosine == pytest.approx(1.0) and scaled.median_relative_error == pytest.approx(0.05)
+    rotated = gradient_fidelity(reference, {"a": torch.tensor([0.0, 1.0]), "b": reference["b"]})
     assert rotated.min_cosine == pytest.approx(0.0) and rotated.worst_parameter == "a"
+    vanished = gradient_fidelity(reference, {"a": torch.zeros(2), "b": reference["b"]})
+    assert vanished.min_cosine == 0.0 and vanished.worst_parameter == "a"
     with pytest.raises(ValueError, match="candidate has no gradient for b"):
-        gradient_fidelity(reference, {"a": reference["a"], "c": reference["c"]})
+        gradient_fidelity(reference, {"a": reference["a"]})
+
+
+def test_a_zero_reference_gradient_is_refused_not_counted_as_cosine_one():
+    reference = {"lora_A": torch.zeros(2), "lora_B": torch.tensor([1.0, 2.0])}
+    with pytest.raises(ZeroGradientError, match=r"1 of 2 reference gradients are zero \(e.g. lora_A\).*zero init"):
+        gradient_fidelity(reference, {k: v.clone() for k, v in reference.items()})
+
+
+def test_a_fidelity_written_before_the_counts_reads_back_without_them():
+    old = {"min_cosine": 0.99, "median_relative_error": 0.01, "worst_parameter": "p"}
+    assert Fidelity.from_dict(old) == Fidelity(0.99, 0.01, "p", None, 0)
+    fidelity = Fidelity(0.99, 0.01, "p", 14, 0)
+    assert Fidelity.from_dict(fidelity.to_dict()) == fidelity
 
 
 def test_static_bytes_count_weights_and_optimizer_state_once():

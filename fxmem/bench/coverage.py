@@ -5,10 +5,10 @@ patterns a rule can miss: separate or fused q/k/v, a fused gate+up, partial
 rotary, a parallel attention+MLP residual, Conv1D (transposed) weights, GELU,
 tanh-GELU and ReLU MLPs, LayerNorm and learned positions. Each is 2 layers,
 hidden 128, LoRA r=8 on every linear (PEFT's "all-linear"), dropout off,
-``use_cache=False``, one seeded batch of random tokens. Per family and preset:
+``use_cache=False``, LoRA B drawn past its zero init, one seeded batch of random tokens. Per family and preset:
 the bytes autograd holds for backward, eager PEFT's against fxmem's (measured:
 unique storages, parameters and inputs left out), the LoRA gradients against
-eager's at PEFT's initialisation and, with ``steps``, again after that many AdamW
+eager's at the initial weights and, with ``steps``, again after that many AdamW
 steps trained under fxmem, and the largest groups of bytes the plan keeps exact,
 by the rule that kept them (``Report.kept_by_reason``).
 """
@@ -22,12 +22,14 @@ from typing import Any
 import torch
 
 from fxmem.backend import Backend
+from fxmem.bench.workloads import draw_lora_b
 from fxmem.config import Config
 from fxmem.measure import Fidelity, gradient_fidelity, model_tensors, saved_bytes_and_gradients
 
 HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB = 128, 2, 4, 256, 256
 BATCH, SEQ, LORA_RANK = 2, 64, 8
-LEARNING_RATE = 1e-3  # AdamW's, for ``steps``: LoRA B leaves zero within a few steps
+LEARNING_RATE = 1e-3  # AdamW's, for ``steps``
+LORA_B_STD = 0.02  # B drawn past PEFT's zeros (draw_lora_b), so that A's gradient is compared too
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class CoverageResult:
     eager_bytes: int
     saved_bytes: int  # measured under fxmem
     planned_bytes: int  # fxmem's report
-    fidelity: Fidelity  # at PEFT's initialisation
+    fidelity: Fidelity  # at the initial weights
     kept: dict[str, dict[str, int]]  # Report.kept_by_reason
     steps: int = 0
     trained_fidelity: Fidelity | None = None  # after ``steps`` steps trained under fxmem, on the first batch
@@ -105,6 +107,7 @@ def build(family: Family) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     model = get_peft_model(model_class.from_config(config),
                            LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0,
                                       target_modules="all-linear"))
+    draw_lora_b(model, LORA_B_STD)
     return model, batch_of(0)
 
 

@@ -36,7 +36,6 @@ from fxmem.measure import gradient_fidelity
 
 RECIPE_DROPOUT = 0.05
 MICRO_BATCHES = 4
-RECIPE_B_STD = 0.02
 _SEED = 3  # torch's global seed before each run: inductor's dropout seeds, so the same masks in every method
 
 
@@ -48,6 +47,7 @@ class RecipeResult:
     planned_bytes: int  # what fxmem's plan saves
     min_cosine: float  # worst trainable gradient against torch.compile's on the same recipe
     worst_parameter: str
+    compared: int  # gradients compared, none of them zero in the reference (gradient_fidelity refuses those)
     max_relative_error: float  # the largest relative L2 error of any trainable gradient
     fallbacks: tuple[str, ...]  # the FallbackWarnings the run raised
 
@@ -62,8 +62,7 @@ def build(workload: Workload, recipe: str, device: torch.device | str = "cpu") -
         raise ValueError(f"unknown recipe {recipe!r}; valid recipes: {', '.join(RECIPES)}")
     if workload.family != "llama" or workload.pretrained:
         raise ValueError(f"recipes run on the random-weight llama workloads; got {workload.name}")
-    # B past PEFT's zeros, as issue 46 measured: at zero, A's gradient is zero and the LoRA output too
-    workload = dataclasses.replace(workload, nf4=recipe == "qlora", lora_b_std=workload.lora_b_std or RECIPE_B_STD)
+    workload = dataclasses.replace(workload, nf4=recipe == "qlora")
     dtype = torch.float32 if recipe == "autocast" else None
     return workload.build(device=device, dtype=dtype, lora_dropout=RECIPE_DROPOUT if recipe == "dropout" else 0.0)
 
@@ -129,7 +128,8 @@ def measure(workload: Workload, recipes: Sequence[str], presets: Sequence[str], 
                       for n, r in reference.items()]
             result = RecipeResult(recipe=recipe, method=preset, saved_bytes=report.activation_bytes,
                                   planned_bytes=report.planned_bytes, min_cosine=fidelity.min_cosine,
-                                  worst_parameter=fidelity.worst_parameter, max_relative_error=max(errors),
+                                  worst_parameter=fidelity.worst_parameter, compared=fidelity.compared,
+                                  max_relative_error=max(errors),
                                   fallbacks=fallbacks)
             on_result(result)
             results.append(result)

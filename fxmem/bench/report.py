@@ -164,7 +164,9 @@ _HOW_TO_READ = [
     "step's peak allocation above what was allocated when it began (CPU: the profiler's allocation events; "
     "CUDA: allocator statistics). Saved activations: the storages autograd holds for backward, each counted "
     "once at its full size, measured the same way for every method. Gradient cosine: the lowest cosine of any "
-    "trainable gradient against eager PEFT's on the same batch and weights; an fxmem row must meet its "
+    "trainable gradient against eager PEFT's on the same batch and weights, every one compared (LoRA B is drawn "
+    "past its zero init, so that A's gradients are not zero; a figure over a zero gradient is refused); an fxmem "
+    "row must meet its "
     "preset's published bound (marked \"missed\" where it does not, and then no claim is made for it; —: an "
     "exact method, held to none).")]
 
@@ -179,6 +181,21 @@ def _method_results(file: ResultFile) -> list[MethodResult]:
 
 def _cosine(result: MethodResult) -> str:
     return f"{result.fidelity.min_cosine:.6f}" if result.fidelity else "(reference)"
+
+
+def _compared(result: MethodResult) -> str:
+    """How many gradients the figure compared; a result that did not count them (written before gradient_fidelity
+    refused zero gradients) is refused, since its cosine may count LoRA A's zeros against zeros as 1."""
+    if result.fidelity is None:
+        return "—"
+    return str(_count(result.fidelity.to_dict()))
+
+
+def _count(fidelity: dict[str, Any]) -> int:
+    if fidelity.get("compared") is None:
+        raise KeyError("compared: the count of gradients compared (a result written before it was kept, whose "
+                       "cosine may count zero gradients as 1)")
+    return fidelity["compared"]
 
 
 def _bound(result: MethodResult) -> str:
@@ -234,10 +251,10 @@ def _compare(file: ResultFile) -> list[str]:
                  f"{r.peak_bytes / compiled.peak_bytes:.2f}x" if compiled else "—",
                  str(round_ratio(r.step_samples, compiled.step_samples)) if compiled else "—",
                  str(round_ratio(r.step_samples, eager.step_samples)) if eager else "—",
-                 _cosine(r), _bound(r)] for r in results]
+                 _cosine(r), _compared(r), _bound(r)] for r in results]
         lines += [f"{workload}:", "", *_table(("method", "saved activations", "step peak", "peak vs compile",
                                                "step vs compile", "step vs eager", "min grad cos",
-                                               "published bound"), rows), ""]
+                                               "gradients compared", "published bound"), rows), ""]
         ours = next((r for r in results if r.method == "fxmem"), None)
         if ours and not ours.meets_fidelity_bound:
             lines += [(f"fxmem's gradient on {workload} misses its preset's published bound: no claim of this "
@@ -255,18 +272,20 @@ def _summary(files: Sequence[ResultFile]) -> list[str]:
             if ours is None:
                 continue
             time = claim if ours.meets_fidelity_bound else _no_claim
-            rows += [[workload, file.data.get("preset", "exact"), f"{_cosine(ours)} ({_bound(ours)})", _label(theirs),
+            rows += [[workload, file.data.get("preset", "exact"),
+                      f"{_cosine(ours)} ({_bound(ours)}), {_compared(ours)} gradients", _label(theirs),
                       f"{ours.peak_bytes / theirs.peak_bytes:.2f}x", time(ours, theirs)]
                      for theirs in results if theirs is not ours]
     lines = _table(("workload", "fxmem preset", "fxmem's min grad cos (published bound)", "against",
                     "step peak: fxmem / theirs", "step time: fxmem / theirs"), rows) if rows else [
         "(no compare table at this commit)"]
     fidelity = [[f.data.get("workload", ""), "random token ids" if f.data.get("tokens") == "random" else "real text",
-                 r["method"], r.get("dtype", ""), *_cosine_and_bound(r)]
+                 r["method"], r.get("dtype", ""), *_cosine_and_bound(r),
+                 str(_count(r["comparisons"][0]["same_dtype"]))]
                 for f in files if f.kind == "fidelity" for r in f.results if r["method"] in PUBLISHED_MIN_COSINE]
     if fidelity:
         lines += ["", *_table(("workload", "batch", "fxmem preset", "dtype", "min grad cos vs eager, same dtype",
-                               "published bound"), fidelity)]
+                               "published bound", "gradients compared"), fidelity)]
     return lines
 
 
@@ -285,10 +304,11 @@ def _frontier(file: ResultFile) -> list[str]:
     for workload, results in _by_workload(_method_results(file)).items():
         compiled = next(r for r in results if r.method == "compile")
         rows = [[_label(r), format_bytes(r.saved_bytes), format_bytes(r.peak_bytes),
-                 str(round_ratio(r.step_samples, compiled.step_samples)), _cosine(r), _bound(r)] for r in results]
+                 str(round_ratio(r.step_samples, compiled.step_samples)), _cosine(r), _compared(r), _bound(r)]
+                for r in results]
         lines += [f"{workload} (targets: fractions of what torch.compile saves):", "",
                   *_table(("point", "saved activations", "step peak", "step vs compile", "min grad cos",
-                           "published bound"), rows), ""]
+                           "gradients compared", "published bound"), rows), ""]
         for theirs, winner in wins(results):
             lines.append(f"- {_label(theirs)}: " + (
                 f"{winner.label} has no higher peak and is faster with the ranges apart" if winner else
@@ -309,10 +329,10 @@ def _fidelity(file: ResultFile) -> list[str]:
         first = r["comparisons"][0]
         same, fp32 = first["same_dtype"], first["fp32"]
         cosine, bound = _cosine_and_bound(r)
-        rows.append([r["method"], r.get("dtype", ""), format_bytes(r["saved_bytes"]), cosine,
+        rows.append([r["method"], r.get("dtype", ""), format_bytes(r["saved_bytes"]), cosine, str(_count(same)),
                      short_name(same["worst_parameter"]), f"{fp32['min_cosine']:.4f}", bound])
-    return [*_table(("method", "dtype", "saved", "min grad cos", "worst parameter", "min cos vs fp32 eager",
-                     "published bound"), rows),
+    return [*_table(("method", "dtype", "saved", "min grad cos", "gradients compared", "worst parameter",
+                     "min cos vs fp32 eager", "published bound"), rows),
             "", ("min grad cos: against eager PEFT in the same dtype; vs fp32 eager: at the same weights, in fp32 "
                 "(eager's own row is the dtype's floor).")]
 

@@ -1,4 +1,4 @@
-"""The benchmark workloads of ../shared/BENCHMARKS.md: model, LoRA, batch shape, real text, loss."""
+"""The benchmark workloads (docs/benchmarks.md, "Workloads"): model, LoRA, batch shape, real text, loss."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Workload:
     pretrained: bool = False  # llama: the weights fxmem.bench.pretrained builds, fine-tuned on held-out prose
     dtype: torch.dtype | None = None  # the dtype it trains in on every device; None: default_dtype's choice
     lora_alpha: int | None = None  # None: the rank (scaling 1)
-    lora_b_std: float = 0.0  # LoRA B drawn from N(0, std^2) instead of PEFT's zeros: gradients reach A from step 0
+    lora_b_std: float = 0.02  # LoRA B drawn past PEFT's zeros in every workload (draw_lora_b)
 
     def default_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype is not None:
@@ -129,11 +129,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("llama3-bf16-small", "llama", 2, 512,
              "LlamaForCausalLM 512/1792, 2 layers, 8 heads, 2 KV heads, vocab 4096, bf16 with PEFT's fp32 adapters "
              "(r=16, alpha 32, B drawn past init): the bf16 fidelity workload",
-             LlamaShape(512, 1792, 2, 8, 4096, kv_heads=2), dtype=torch.bfloat16, lora_alpha=32, lora_b_std=0.02),
+             LlamaShape(512, 1792, 2, 8, 4096, kv_heads=2), dtype=torch.bfloat16, lora_alpha=32),
     Workload("llama3-8b-shape", "llama", 2, 2048,
              "LlamaForCausalLM with Llama-3-8B's layer shape (4096/14336, 32 heads, 8 KV heads, vocab 128256), 4 "
              "layers, bf16, LoRA as llama3-bf16-small", LlamaShape(4096, 14336, 4, 32, 128256, kv_heads=8),
-             gpu_only=True, dtype=torch.bfloat16, lora_alpha=32, lora_b_std=0.02),
+             gpu_only=True, dtype=torch.bfloat16, lora_alpha=32),
     Workload("minilm-real", "bert", 16, 128,
              "pretrained all-MiniLM-L6-v2 (BERT, 6 layers, 384 hidden), docstring/code contrastive loss"),
 )}
@@ -189,7 +189,7 @@ def minilm_dir() -> pathlib.Path:
 
 def _load_minilm() -> torch.nn.Module:
     from transformers import BertModel
-    # Dropout 0, as every benchmark workload (shared/BENCHMARKS.md): with it, runs that should match draw
+    # Dropout 0, as every benchmark workload (docs/benchmarks.md): with it, runs that should match draw
     # different masks, and gradient probes compare noise.
     return BertModel.from_pretrained(minilm_dir(), attn_implementation="sdpa", add_pooling_layer=False,
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -200,12 +200,18 @@ def _with_lora(model: torch.nn.Module, family: str, rank: int, alpha: int, b_std
     from peft import LoraConfig, get_peft_model
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
                                              target_modules=LORA_TARGETS[family]))
-    if b_std:
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "lora_B" in name:
-                    parameter.normal_(0.0, b_std)
+    draw_lora_b(model, b_std)
     return model
+
+
+def draw_lora_b(model: torch.nn.Module, std: float) -> None:
+    """Every LoRA B of ``model`` drawn from N(0, std^2) (the global generator) instead of PEFT's zeros: with B = 0,
+    A's gradient is zero, and a fidelity figure would compare zeros with zeros (fxmem.measure.gradient_fidelity
+    refuses it)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, std)
 
 
 def _llama_batches(workload: Workload, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:

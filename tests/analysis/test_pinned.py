@@ -7,7 +7,7 @@ import torch
 import fxmem
 from fxmem.analysis.graph import storage_bytes
 from fxmem.measure import format_bytes, gradient_fidelity
-from tests.conftest import loss_and_grads, tiny_model
+from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
 
 
 def _training_notes(backend: fxmem.Backend) -> list[str]:
@@ -44,6 +44,7 @@ def test_saved_inputs_the_caller_holds_are_counted():
 @pytest.mark.parametrize("preset, min_cosine", [("exact", 1 - 1e-9), ("hyclora-4bit", 0.98)])
 def test_hf_gradient_checkpointing_trains_under_fxmem_and_the_report_says_what_it_reruns(preset, min_cosine):
     model, batch = tiny_model("llama", lora=True, layers=2)
+    randomize_lora_b(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reference_loss, reference = loss_and_grads(model, model, batch)
     backend = fxmem.Backend(fxmem.Config.from_preset(preset), lowering="eager")

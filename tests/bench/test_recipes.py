@@ -29,16 +29,17 @@ def test_every_recipe_runs_exact_as_torch_compile_and_hyclora_at_the_plain_recip
 
 
 def test_the_table_compares_each_plan_with_the_plain_recipes_and_marks_a_missed_bound():
-    results = [RecipeResult("plain", "exact", 8 << 20, 8 << 20, 1.0, "lora_A", 0.0, ()),
-               RecipeResult("plain", "hyclora-4bit", 4 << 20, 1 << 20, 0.999, "lora_A", 0.01, ()),
-               RecipeResult("packed", "hyclora-4bit", 4 << 20, 3 << 20, 0.9, "lora_A", 0.3, ("pass quantize failed",))]
-    columns, rows, legend = _table(results)
+    results = [RecipeResult("plain", "exact", 8 << 20, 8 << 20, 1.0, "lora_A", 56, 0.0, ()),
+               RecipeResult("plain", "hyclora-4bit", 4 << 20, 1 << 20, 0.999, "lora_A", 56, 0.01, ()),
+               RecipeResult("packed", "hyclora-4bit", 4 << 20, 3 << 20, 0.9, "lora_A", 56, 0.3,
+                            ("pass quantize failed",))]
+    columns, rows, legend = _table(results, TINY)
     packed = dict(zip(columns, rows[-1], strict=True))
-    assert packed["vs plain recipe"] == "3.00x"
+    assert packed["vs plain recipe"] == "3.00x" and packed["gradients compared"] == "56"
     assert packed["published bound"] == "0.995 (missed)"
     assert packed["fell back"] == "pass quantize failed"
     assert dict(zip(columns, rows[0], strict=True))["published bound"] == "0.9999"
-    assert "position_ids restarting" in legend
+    assert "position_ids restarting" in legend and "B drawn with std 0.02 past PEFT's zeros" in legend
 
 
 def test_an_unknown_recipe_or_workload_is_refused_with_the_valid_ones():

@@ -16,7 +16,8 @@ def result(method: str, samples: list[float], peak: int = 100, cosine: float | N
            bound: float | None = None, budget: float | None = None) -> MethodResult:
     return MethodResult(workload="llama-tiny", method=method, saved_bytes=peak // 2, peak_bytes=peak, static_bytes=1,
                         compile_seconds=0.0, first_loss=1.0, step_samples=samples, budget=budget,
-                        fidelity=None if cosine is None else Fidelity(cosine, 0.01, "lora_A"), fidelity_bound=bound)
+                        fidelity=None if cosine is None else Fidelity(cosine, 0.01, "lora_A", 56),
+                        fidelity_bound=bound)
 
 
 def result_file(tmp_path: pathlib.Path, name: str, command: str, commit: str, results: list[MethodResult],
@@ -70,12 +71,12 @@ def test_the_page_shows_one_commit_and_marks_a_gradient_below_its_bound(tmp_path
     assert "compare-new.json" in report.page and "compare-old.json" not in report.page
     assert "compare-old.json" in report.history and "compare-dirty.json" in report.history
     assert "(../compare-new.json)" in report.page  # links relative to the page's folder
-    assert "| fxmem | 50 B | 100 B | 0.50x | 1.20x (1.10-1.30) | 0.60x (0.55-0.65) | 0.980000 | 0.995 (missed) |" \
-        in report.page
+    assert ("| fxmem | 50 B | 100 B | 0.50x | 1.20x (1.10-1.30) | 0.60x (0.55-0.65) | 0.980000 | 56 | "
+            "0.995 (missed) |") in report.page
     assert "| compile-budget 0.125 |" in report.page
     assert "fxmem's gradient on llama-tiny misses its preset's published bound: no claim" in report.page
     # faster in every round, but its gradient misses the bound: the summary claims nothing
-    assert ("| llama-tiny | hyclora-4bit | 0.980000 (0.995 (missed)) | compile-budget 0.125 | 0.67x | "
+    assert ("| llama-tiny | hyclora-4bit | 0.980000 (0.995 (missed)), 56 gradients | compile-budget 0.125 | 0.67x | "
             "0.80x (0.79-0.81), no claim (gradient below its published bound) |") in report.summary
     assert report.summary in report.page
     with pytest.raises(ValueError, match="measured at commit 'fffffff'; commits with one: 0ld0000, abc1234$"):
@@ -88,6 +89,15 @@ def test_the_page_shows_one_commit_and_marks_a_gradient_below_its_bound(tmp_path
     del current.data["results"][0]["step_samples"]
     with pytest.raises(ValueError, match="compare-new.json: not a complete compare result .KeyError"):
         build([current], "abc1234", links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
+
+
+def test_a_cosine_that_did_not_count_its_gradients_is_refused(tmp_path):
+    rows = [result("eager", [2.0, 2.0, 2.0]), result("fxmem", [1.0, 1.0, 1.0], cosine=0.99999, bound=0.995)]
+    file = result_file(tmp_path, "compare-old-format.json", "fxmem bench --workloads llama-tiny", "abc1234", rows)
+    del file.data["results"][1]["fidelity"]["compared"]  # as written before gradient_fidelity counted
+    with pytest.raises(ValueError, match="compare-old-format.json: not a complete compare result .KeyError: "
+                                         ".compared: the count of gradients compared"):
+        build([file], "abc1234", links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
 
 
 def test_the_readme_summary_goes_between_its_markers_only():

@@ -38,7 +38,17 @@ def _kept(result: CoverageResult, top: int = 2) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fxmem.bench.coverage import BATCH, HIDDEN, LAYERS, LEARNING_RATE, LORA_RANK, SEQ, get_family, measure
+    from fxmem.bench.coverage import (
+        BATCH,
+        HIDDEN,
+        LAYERS,
+        LEARNING_RATE,
+        LORA_B_STD,
+        LORA_RANK,
+        SEQ,
+        get_family,
+        measure,
+    )
     from fxmem.measure import format_bytes
 
     if args.steps < 0:
@@ -59,11 +69,12 @@ def run(args: argparse.Namespace) -> int:
              *([f"{r.trained_fidelity.min_cosine:.4f}"] if r.trained_fidelity else []), _kept(r)]
             for r in results if r.family in args.families]
     patterns = "; ".join(f"{f.name}: {f.patterns}" for f in families)
-    legend = (f"Tiny configs: {LAYERS} layers, hidden {HIDDEN}, LoRA r={LORA_RANK} on every linear, dropout off, "
+    legend = (f"Tiny configs: {LAYERS} layers, hidden {HIDDEN}, LoRA r={LORA_RANK} on every linear (B drawn with std "
+              f"{LORA_B_STD} past PEFT's zeros), dropout off, "
               f"use_cache=False, batch {BATCH} x {SEQ} random tokens, {args.lowering} lowering. saved: bytes "
               "autograd holds for backward (unique storages, parameters and inputs left out). vs llama: the "
               "family's reduction over llama's at the same preset. min grad cos: LoRA gradients against eager "
-              "PEFT's at PEFT's initialisation (after N steps: the same batch, at the weights N AdamW steps at lr "
+              "PEFT's at the initial weights (after N steps: the same batch, at the weights N AdamW steps at lr "
               f"{LEARNING_RATE:g} under fxmem reached, each on a new batch). largest kept exact: the plan's keep "
               "reasons by bytes "
               f"(Report.kept_by_reason). Patterns: {patterns}.")

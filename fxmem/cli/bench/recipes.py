@@ -21,6 +21,7 @@ from fxmem.config import PRESETS
 
 if TYPE_CHECKING:
     from fxmem.bench.recipes import RecipeResult
+    from fxmem.bench.workloads import Workload
 
 NAME = "recipes"
 
@@ -56,27 +57,28 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         console.print(f"[red]{error}[/red]")
         return 2
-    print_table(f"fxmem bench recipes: {workload.name}", *_table(results), args, args.device)
+    print_table(f"fxmem bench recipes: {workload.name}", *_table(results, workload), args, args.device)
     return 0
 
 
-def _table(results: list[RecipeResult]) -> tuple[list[str], list[list[str]], str]:
-    from fxmem.bench.recipes import MICRO_BATCHES, RECIPE_B_STD, RECIPE_DROPOUT
+def _table(results: list[RecipeResult], workload: Workload) -> tuple[list[str], list[list[str]], str]:
+    from fxmem.bench.recipes import MICRO_BATCHES, RECIPE_DROPOUT
     from fxmem.config import PUBLISHED_MIN_COSINE
     from fxmem.measure import format_bytes
 
     plain = {r.method: r.planned_bytes for r in results if r.recipe == "plain"}
     columns = ["recipe", "preset", "torch.compile saves", "fxmem plans", "vs plain recipe", "min grad cos",
-               "published bound", "max grad rel err", "fell back"]
+               "gradients compared", "published bound", "max grad rel err", "fell back"]
     rows = []
     for r in results:
         against = f"{r.planned_bytes / plain[r.method]:.2f}x" if plain.get(r.method) else "—"
         bound = PUBLISHED_MIN_COSINE.get(r.method)
+        missed = " (missed)" if bound and r.min_cosine < bound else ""
         rows.append([r.recipe, r.method, format_bytes(r.saved_bytes), format_bytes(r.planned_bytes), against,
-                     f"{r.min_cosine:.6f}", f"{bound}" + (" (missed)" if bound and r.min_cosine < bound else "")
-                     if bound else "—", f"{r.max_relative_error:.1e}", "; ".join(r.fallbacks) or "no"])
-    legend = (f"Each recipe from the same weights (LoRA r=16 on every linear, B drawn with std {RECIPE_B_STD} past "
-              "PEFT's zeros) and seed, so the same dropout masks. plain: the workload as it is; dropout: "
+                     f"{r.min_cosine:.6f}", str(r.compared), f"{bound}{missed}" if bound else "—",
+                     f"{r.max_relative_error:.1e}", "; ".join(r.fallbacks) or "no"])
+    legend = (f"Each recipe from the same weights (LoRA r=16 on every linear, B drawn with std {workload.lora_b_std} "
+              "past PEFT's zeros) and seed, so the same dropout masks. plain: the workload as it is; dropout: "
               f"lora_dropout={RECIPE_DROPOUT}; autocast: the fp32 model's forward under torch.autocast in bf16; "
               "packed: the batch's rows cut into documents flattened into one row, position_ids restarting per "
               f"document; accumulation: {MICRO_BATCHES} micro-batches, one backward each; qlora: an NF4 base "
