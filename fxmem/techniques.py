@@ -66,7 +66,8 @@ TECHNIQUES: tuple[Technique, ...] = (
               lambda config: config.lora_reorder, ("lora_reorder", "fuse_epilogue")),
     Technique("runlora", ("runlora",), lambda config: config.runlora != "off", ("runlora", "onednn_matmul")),
     # PEFT's fp32 adapters on a half-precision model: the cast of x recomputed in backward, in every preset (the
-    # cast is lossless: under exact the gradients are torch.compile's); x saved where a lossy plan follows.
+    # cast is lossless, though inductor then sums in another order: under exact the gradients are torch.compile's
+    # within bf16 rounding, tests/test_exact.py); x saved where a lossy plan follows.
     Technique("adapter_cast", (), lambda config: True, ("recompute_adapter_cast",)),
     # A LoRA input's dropout mask drawn again in backward from its seed, in every preset: the same mask, so under
     # exact the gradients are torch.compile's.
