@@ -16,13 +16,16 @@ WORKLOAD_FAMILIES = {
 }
 
 # bench/compare.py
-COMPARE_METHODS = ("eager", "compile", "compile-budget", "hf-checkpointing", "compile-checkpointing", "compile-sac",
-                   "compile-offload", "fxmem")
+COMPARE_METHODS = ("eager", "compile", "compile-budget", "hf-checkpointing", "compile-checkpointing",
+                   "compile-checkpointing-lce", "compile-checkpointing-liger", "compile-checkpointing-offload",
+                   "compile-sac", "compile-offload", "fxmem")
 FRONTIER_TARGETS = (0.5, 0.3, 0.15, 0.08)  # bench/frontier.py's, fractions of what torch.compile saves
 
-# bench/context.py: the baselines measured beside fxmem's presets. compile-budget runs at its lowest setting: the
-# least that inductor's own solver saves.
-CONTEXT_BASELINES = ("eager", "compile", "compile-budget", "compile-checkpointing")
+# bench/context.py: the baselines measured beside fxmem's presets (by default, those that run on the device: the
+# last two on CUDA, where installed). compile-budget runs at its lowest setting: the least that inductor's own
+# solver saves.
+CONTEXT_BASELINES = ("eager", "compile", "compile-budget", "compile-checkpointing", "compile-checkpointing-lce",
+                     "compile-checkpointing-liger", "compile-checkpointing-offload")
 CONTEXT_PRESETS = ("exact", "hyclora-4bit")
 
 # bench/coverage.py's families (transformers' model_type of each)

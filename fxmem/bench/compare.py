@@ -3,6 +3,8 @@ process."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +28,17 @@ from fxmem.measure import (
 )
 from fxmem.timing import interleaved_step_times, median, step_times, warm_up_compiler
 
-CUDA_ONLY_METHODS = frozenset({"compile-offload"})
+# Each method that runs on CUDA only, and why
+CUDA_ONLY_METHODS = {
+    "compile-offload": "host offload saves no memory on a CPU",
+    "compile-checkpointing-liger": "Liger-Kernel's kernels are Triton GPU kernels",
+    "compile-checkpointing-offload": "host offload saves no memory on a CPU",
+}
+# The methods that take the loss from the decoder's final hidden states, the logits never built whole, and the model
+# families whose causal-LM head and loss they reproduce (WORKLOAD_FAMILIES' names, transformers' model_type alike)
+HIDDEN_STATE_LOSS_METHODS = frozenset({"compile-checkpointing-lce", "compile-checkpointing-liger"})
+HIDDEN_STATE_LOSS_FAMILIES = ("llama",)
+IGNORE_INDEX = -100  # HF's label for a token outside the loss
 METHOD_DESCRIPTIONS = {
     "eager": "eager PEFT LoRA (what most users run today)",
     "compile": "torch.compile, inductor defaults (min-cut rematerialization)",
@@ -35,6 +47,13 @@ METHOD_DESCRIPTIONS = {
                       "setting saves more, or none more)",
     "hf-checkpointing": "eager with HF gradient checkpointing",
     "compile-checkpointing": "torch.compile over HF gradient checkpointing (each decoder layer recomputed whole)",
+    "compile-checkpointing-lce": "compile-checkpointing with the loss taken from the final hidden states by torch's "
+                                 "chunked linear_cross_entropy (LinearCrossEntropyOptions), decoder and loss "
+                                 "compiled together: the logits never built whole (causal LMs only)",
+    "compile-checkpointing-liger": "compile-checkpointing-lce with Liger-Kernel's fused linear cross-entropy in place "
+                                   "of torch's (CUDA only, where liger-kernel is installed)",
+    "compile-checkpointing-offload": "compile-checkpointing with HF's offloaded checkpointing: each checkpointed "
+                                     "layer's inputs held in pinned host memory (CUDA only)",
     "compile-sac": "torch.compile with selective activation checkpointing per decoder layer: matmuls and attention "
                    "saved, everything else recomputed",
     "compile-offload": "torch.compile with inductor's activation offloading: every saved activation it can move "
@@ -136,17 +155,71 @@ def _offloading_backend(on_cuda: bool) -> Callable:
     return compile_offloading
 
 
+@dataclass
+class LossOutput:
+    """What the training step reads of a model's output (Setup.loss): the loss alone, no logits."""
+
+    loss: torch.Tensor
+
+
+HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, head weight, targets)
+
+
+def hidden_state_loss(model: torch.nn.Module, head_loss: HeadLoss) -> Callable[..., torch.Tensor]:
+    """``model``'s causal-LM loss as HF computes it (the labels shifted by one, padded with IGNORE_INDEX so that the
+    last position is ignored; the mean over the tokens not ignored), taken by ``head_loss(hidden, head weight,
+    targets)`` from the decoder's final hidden states, [tokens, hidden], so that the logits need not be built whole.
+    ``model``: a causal LM, or PEFT's wrapper of one."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder, head = causal_lm.model, causal_lm.lm_head
+
+    def loss(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        return head_loss(hidden.flatten(0, 1), head.weight, targets.flatten())
+    return loss
+
+
+def _head_loss(method: str) -> HeadLoss:
+    if method == "compile-checkpointing-liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        liger_loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+        return lambda hidden, weight, targets: liger_loss(weight, hidden, targets)
+    # allow_retain_graph=True is what torch.compile promotes the default to (it keeps the forward's gradient
+    # buffers for a second backward); set here, the warning that promotion issues does not break the graph
+    # between the decoder and the loss
+    options = torch.nn.LinearCrossEntropyOptions(allow_retain_graph=True)
+    return lambda hidden, weight, targets: torch.nn.functional.linear_cross_entropy(
+        hidden, weight, targets, ignore_index=IGNORE_INDEX, options=options)
+
+
+def _compiled_hidden_state_loss(method: str, model: torch.nn.Module) -> Callable[..., LossOutput]:
+    compiled = torch.compile(hidden_state_loss(model, _head_loss(method)))
+
+    def forward(**batch: torch.Tensor) -> LossOutput:
+        return LossOutput(compiled(**batch))
+    return forward
+
+
 def forward_for_method(method: str, model: torch.nn.Module, config: Config, budget: float | None = None
                        ) -> Callable:
-    """What the training step calls under ``method``: the model itself, or a compiled wrapper of it."""
+    """What the training step calls under ``method``: the model itself, or a compiled wrapper of it (for the
+    HIDDEN_STATE_LOSS_METHODS, a compiled loss function that returns a LossOutput)."""
     if method == "eager":
         return model
-    if method in ("hf-checkpointing", "compile-checkpointing", "compile-sac"):
+    if method in HIDDEN_STATE_LOSS_METHODS and (family := model.config.model_type) not in HIDDEN_STATE_LOSS_FAMILIES:
+        raise ValueError(_family_refusal(method, family))
+    if method in ("hf-checkpointing", "compile-checkpointing", "compile-sac", "compile-checkpointing-offload",
+                  *HIDDEN_STATE_LOSS_METHODS):
         # HF's checkpointing of each decoder layer; SAC through the same call (its kwargs go to checkpoint())
         options: dict[str, Any] = {"use_reentrant": False}
         if method == "compile-sac":
             options["context_fn"] = selective_checkpoint_context
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+        offload = {"offload": True} if method == "compile-checkpointing-offload" else {}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options, **offload)
+        if method in HIDDEN_STATE_LOSS_METHODS:
+            return _compiled_hidden_state_loss(method, model)
         return model if method == "hf-checkpointing" else torch.compile(model)
     if method == "compile":
         return torch.compile(model)
@@ -160,9 +233,60 @@ def forward_for_method(method: str, model: torch.nn.Module, config: Config, budg
     raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
 
 
-def default_methods(device: torch.device | str) -> tuple[str, ...]:
-    """Every method that runs on ``device``."""
-    return tuple(m for m in METHODS if torch.device(device).type == "cuda" or m not in CUDA_ONLY_METHODS)
+def _family_refusal(method: str, family: str) -> str:
+    return (f"{method} takes the loss from a causal LM's final hidden states: it supports the "
+            f"{', '.join(HIDDEN_STATE_LOSS_FAMILIES)} family only, not {family}")
+
+
+def unavailable_methods() -> dict[str, str]:
+    """The methods whose library is missing or too old here, each with why."""
+    import transformers
+
+    missing = {}
+    if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        missing["compile-checkpointing-lce"] = (f"torch {torch.__version__} has no chunked linear_cross_entropy "
+                                                "(torch.nn.LinearCrossEntropyOptions)")
+    if importlib.util.find_spec("liger_kernel") is None:
+        missing["compile-checkpointing-liger"] = "Liger-Kernel is not installed (pip install liger-kernel)"
+    enable = getattr(transformers.PreTrainedModel, "activation_checkpointing_enable", None)
+    if enable is None or "offload" not in inspect.signature(enable).parameters:
+        missing["compile-checkpointing-offload"] = (f"transformers {transformers.__version__} has no offloaded "
+                                                    "checkpointing (activation_checkpointing_enable(offload=True))")
+    return missing
+
+
+def _on_device(methods: Sequence[str], device: torch.device | str) -> list[str]:
+    return [m for m in methods if torch.device(device).type == "cuda" or m not in CUDA_ONLY_METHODS]
+
+
+def left_out_by_default(methods: Sequence[str], device: torch.device | str, family: str) -> dict[str, str]:
+    """Those of ``methods`` that run on ``device`` but not here on ``family``'s workloads, each with why: a model
+    family the method does not support, or its library missing."""
+    on_device = _on_device(methods, device)
+    reasons = {m: _family_refusal(m, family) for m in on_device
+               if m in HIDDEN_STATE_LOSS_METHODS and family not in HIDDEN_STATE_LOSS_FAMILIES}
+    reasons.update({m: why for m, why in unavailable_methods().items() if m in on_device and m not in reasons})
+    return reasons
+
+
+def default_methods(device: torch.device | str, family: str = "llama", methods: Sequence[str] = METHODS
+                    ) -> tuple[str, ...]:
+    """Every one of ``methods`` that runs on ``device`` and on ``family``'s workloads (left_out_by_default says why
+    the others on ``device`` do not)."""
+    left_out = left_out_by_default(methods, device, family)
+    return tuple(m for m in _on_device(methods, device) if m not in left_out)
+
+
+def check_runs_here(methods: Sequence[str], device: torch.device, family: str) -> None:
+    """Refuse, with why, the ``methods`` that cannot run on ``device`` or on ``family``'s workloads."""
+    if device.type != "cuda" and (cuda_only := [m for m in methods if m in CUDA_ONLY_METHODS]):
+        raise ValueError("; ".join(f"{m} runs on CUDA only ({CUDA_ONLY_METHODS[m]})" for m in cuda_only)
+                         + f"; got device {device}")
+    if family not in HIDDEN_STATE_LOSS_FAMILIES and (refused := [m for m in methods if m in HIDDEN_STATE_LOSS_METHODS]):
+        raise ValueError("; ".join(_family_refusal(m, family) for m in refused))
+    unavailable = unavailable_methods()
+    if missing := [m for m in methods if m in unavailable]:
+        raise ValueError("; ".join(f"{m} cannot run: {unavailable[m]}" for m in missing))
 
 
 def _saved_bytes(workload: Workload, device: torch.device, lora_rank: int,
@@ -267,8 +391,8 @@ def run_workload(workload: Workload, *, preset: str = "exact", device: torch.dev
     only the loss. ``options``: further Config overrides of the preset.
     """
     device = torch.device(device)
-    methods = default_methods(device) if methods is None else tuple(methods)
-    _check_methods(methods, device)
+    methods = default_methods(device, workload.family) if methods is None else tuple(methods)
+    _check_methods(methods, device, workload.family)
     config = Config.from_preset(preset, **{"return_logits": return_logits, **(options or {})})
     bracket = None
     if "compile-budget" in methods:  # first: each probe resets dynamo, which would recompile a prepared method
@@ -306,13 +430,11 @@ def run_workload(workload: Workload, *, preset: str = "exact", device: torch.dev
     return sorted((p.result for p in prepared.values()), key=lambda r: (order[r.method], r.budget or 0.0))
 
 
-def _check_methods(methods: Sequence[str], device: torch.device) -> None:
+def _check_methods(methods: Sequence[str], device: torch.device, family: str) -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; valid methods: {', '.join(METHODS)}")
-    if device.type != "cuda" and (cuda_only := [m for m in methods if m in CUDA_ONLY_METHODS]):
-        raise ValueError(f"{', '.join(cuda_only)} runs on CUDA only (host offload saves no memory on a CPU); "
-                         f"got device {device}")
+    check_runs_here(methods, device, family)
     if "compile-budget" in methods and "fxmem" not in methods:
         raise ValueError("compile-budget is matched to fxmem's measured saved bytes: add fxmem to the methods")
 

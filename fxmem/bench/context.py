@@ -17,7 +17,7 @@ import torch
 
 from fxmem.bench.choices import CONTEXT_BASELINES
 from fxmem.bench.choices import CONTEXT_PRESETS as DEFAULT_PRESETS
-from fxmem.bench.compare import METHOD_DESCRIPTIONS, forward_for_method
+from fxmem.bench.compare import METHOD_DESCRIPTIONS, check_runs_here, default_methods, forward_for_method
 from fxmem.bench.workloads import Workload
 from fxmem.config import PUBLISHED_MIN_COSINE, Config, overrides_text
 from fxmem.fitting import Probe, longest_fitting
@@ -28,6 +28,11 @@ LOWEST_BUDGET = 0.0  # compile-budget's lowest setting (see CONTEXT_BASELINES)
 BASELINE_DESCRIPTIONS = {
     **{b: METHOD_DESCRIPTIONS[b] for b in CONTEXT_BASELINES},
     "compile-budget": f"inductor with activation_memory_budget {LOWEST_BUDGET}, its lowest setting"}
+
+
+def default_baselines(device: torch.device | str, family: str = "llama") -> tuple[str, ...]:
+    """Every one of CONTEXT_BASELINES that runs on ``device`` and on ``family``'s workloads."""
+    return default_methods(device, family, CONTEXT_BASELINES)
 
 
 @dataclass
@@ -92,11 +97,12 @@ def measure_length(workload: Workload, method: str, seq: int, *, config: Config,
 
 
 def run_context(workload: Workload, memory_cap: int, *, presets: Sequence[str] = DEFAULT_PRESETS,
-                baselines: Sequence[str] = CONTEXT_BASELINES, device: torch.device | str = "cpu",
+                baselines: Sequence[str] | None = None, device: torch.device | str = "cpu",
                 lora_rank: int = 16, start: int = 512, granularity: int = 128, max_seq: int = 1 << 20,
                 return_logits: bool = False, options: Mapping[str, Any] | None = None,
                 progress: Callable[[str], None] = lambda message: None) -> list[ContextResult]:
-    """Every baseline and fxmem preset's longest fitting length on ``workload`` (batch 1) under ``memory_cap``.
+    """Every baseline and fxmem preset's longest fitting length on ``workload`` (batch 1) under ``memory_cap``
+    (``baselines``: default, default_baselines).
 
     At its longest length each method's step is timed once more, and each fxmem preset's gradients of the first
     step are compared with eager's at the same length and weights (eager runs there whatever its own peak: on a
@@ -106,9 +112,11 @@ def run_context(workload: Workload, memory_cap: int, *, presets: Sequence[str] =
     block_checkpoint), named in its label; the baselines run as HF runs them.
     """
     device = torch.device(device)
+    baselines = default_baselines(device, workload.family) if baselines is None else tuple(baselines)
     unknown = [b for b in baselines if b not in CONTEXT_BASELINES]
     if unknown:
         raise ValueError(f"unknown baseline(s) {', '.join(unknown)}; valid baselines: {', '.join(CONTEXT_BASELINES)}")
+    check_runs_here(baselines, device, workload.family)
     if not presets and not baselines:
         raise ValueError("nothing to measure: give at least one preset or baseline")
     runs = [(b, b, Config(), None) for b in baselines]

@@ -4,13 +4,15 @@ import json
 import math
 
 import pytest
+import torch
 
 from fxmem import cli
-from fxmem.bench.context import ContextResult, run_context
+from fxmem.bench.context import ContextResult, default_baselines, first_step, measure_length, run_context
 from fxmem.cli.bench.context import COLUMNS, rows
 from fxmem.cli.common import byte_size
-from fxmem.config import PUBLISHED_MIN_COSINE
+from fxmem.config import PUBLISHED_MIN_COSINE, Config
 from fxmem.fitting import MAX_GROWTH, MAX_PROBES, Probe, longest_fitting
+from fxmem.measure import gradient_fidelity
 from tests.conftest import TINY_LLAMA
 
 ONE_LAYER = dataclasses.replace(TINY_LLAMA, llama=dataclasses.replace(TINY_LLAMA.llama, layers=1))
@@ -107,8 +109,32 @@ def test_bench_context_command_prints_and_writes_its_results(tiny_workloads, tmp
 
 
 def test_unknown_baselines_are_refused_with_the_valid_ones():
-    with pytest.raises(ValueError, match="valid baselines: eager, compile, compile-budget, compile-checkpointing"):
+    with pytest.raises(ValueError, match="valid baselines: eager, compile, compile-budget, compile-checkpointing, "
+                                         "compile-checkpointing-lce, compile-checkpointing-liger"):
         run_context(ONE_LAYER, MiB, presets=(), baselines=("hf-checkpointing",))
+
+
+def test_default_baselines_are_those_that_run_on_the_device_and_the_cuda_ones_are_refused_on_a_cpu(capsys):
+    assert default_baselines("cpu") == ("eager", "compile", "compile-budget", "compile-checkpointing",
+                                        "compile-checkpointing-lce")
+    assert "compile-checkpointing-offload" in default_baselines("cuda")  # transformers >= its offload option
+    with pytest.raises(ValueError, match=r"compile-checkpointing-offload runs on CUDA only .*got device cpu"):
+        run_context(ONE_LAYER, MiB, presets=(), baselines=("compile-checkpointing-offload",))
+    assert cli.main(["bench", "context", "--memory-cap", "1GiB", "--baselines", "compile-checkpointing-liger",
+                     "--presets", "--device", "cpu"]) == 2
+    assert "compile-checkpointing-liger runs on CUDA only" in capsys.readouterr().out
+
+
+def test_linear_cross_entropy_baseline_is_measured_at_a_length_as_every_baseline(monkeypatch):
+    # compiled without inductor's code generation (seconds, not a minute): the method's own graphs
+    compile_with = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **options: compile_with(model, **{"backend": "aot_eager",
+                                                                                         **options}))
+    device = torch.device("cpu")
+    eager = first_step(ONE_LAYER, "eager", 64, config=Config(), device=device, lora_rank=16)
+    chunked = measure_length(ONE_LAYER, "compile-checkpointing-lce", 64, config=Config(), device=device, lora_rank=16)
+    assert chunked.probe.seq == 64 and chunked.probe.peak_bytes > 0 and chunked.probe.static_bytes > 0
+    assert gradient_fidelity(eager.grads, chunked.grads).min_cosine > 0.99999
 
 
 def test_table_compares_with_the_best_baseline():

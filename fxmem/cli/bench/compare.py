@@ -57,7 +57,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
                         help="interleaved timed rounds, one step of each method per round, at least 3: ratios are "
                              "the median of the per-round ratios, with their min-max range")
     parser.add_argument("--methods", nargs="+", choices=list(COMPARE_METHODS),
-                        help="default: fxmem and every baseline that runs on the device (compile-offload: CUDA)")
+                        help="default: fxmem and every baseline that runs on the device and the workload (CUDA only: "
+                             "compile-offload, compile-checkpointing-liger where liger-kernel is installed, "
+                             "compile-checkpointing-offload; causal LMs only: compile-checkpointing-lce and -liger)")
     add_device(parser)
     parser.add_argument("--dtype", choices=list(DTYPE_CHOICES),
                         help="train in this dtype instead of the workload's own")
@@ -85,18 +87,25 @@ OWN_OPTIONS = {"preset": "--preset", "return_logits": "--drop-logits"}
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from fxmem.bench.compare import METHOD_DESCRIPTIONS, run_workload
+    from fxmem.bench.compare import METHOD_DESCRIPTIONS, check_runs_here, left_out_by_default, run_workload
 
+    device = torch.device(args.device)
+    names = args.workloads or ["llama-tiny", "llama-small"] + (["llama-7b-shape"] if device.type == "cuda" else [])
+    families = list(dict.fromkeys(get_workload(name).family for name in names))
     try:
         _check_options(args)
         Config.from_preset(args.preset, **dict(args.set))
+        for family in families:
+            check_runs_here(args.methods or (), device, family)
     except ValueError as error:
         console.print(f"[red]{error}[/red]")
         return 2
-    device = torch.device(args.device)
-    names = args.workloads or ["llama-tiny", "llama-small"] + (["llama-7b-shape"] if device.type == "cuda" else [])
     if args.frontier:
         return _frontier(args, names, device)
+    if args.methods is None:  # the defaults: say what they leave out here, and why
+        for family in families:
+            for method, why in left_out_by_default(COMPARE_METHODS, device, family).items():
+                console.print(f"[yellow]{method} left out of the {family} workloads: {why}[/yellow]")
     results = []
     with console.status("benchmarking") as status:
         for name in names:

@@ -36,7 +36,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
                         help="weights, optimizer state and the step's peak together, e.g. 2GiB")
     parser.add_argument("--presets", nargs="*", choices=list(PRESETS), default=list(CONTEXT_PRESETS),
                         help="fxmem presets, each with return_logits=False (its loss chunked)")
-    parser.add_argument("--baselines", nargs="*", choices=list(CONTEXT_BASELINES), default=list(CONTEXT_BASELINES))
+    parser.add_argument("--baselines", nargs="*", choices=list(CONTEXT_BASELINES),
+                        help="default: every one that runs on the device (CUDA only: compile-checkpointing-liger "
+                             "where liger-kernel is installed, compile-checkpointing-offload)")
     parser.add_argument("--start", type=int_at_least(1), default=512, help="the first length each search measures")
     parser.add_argument("--granularity", type=int_at_least(1), default=128,
                         help="lengths searched are multiples of this")
@@ -51,9 +53,22 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fxmem.bench.context import run_context
+    import torch
+
+    from fxmem.bench.compare import check_runs_here, left_out_by_default
+    from fxmem.bench.context import default_baselines, run_context
     from fxmem.measure import format_bytes
 
+    workload = get_workload(args.workload)
+    if args.baselines is None:  # what ran, as the legend lists it
+        args.baselines = list(default_baselines(args.device, workload.family))
+        for method, why in left_out_by_default(CONTEXT_BASELINES, args.device, workload.family).items():
+            console.print(f"[yellow]{method} left out: {why}[/yellow]")
+    try:
+        check_runs_here(args.baselines, torch.device(args.device), workload.family)
+    except ValueError as error:
+        console.print(f"[red]{error}[/red]")
+        return 2
     if args.start % args.granularity or args.start > args.max_seq:
         console.print(f"[red]--start ({args.start}) must be a multiple of --granularity ({args.granularity}) and at "
                       f"most --max-seq ({args.max_seq})[/red]")
@@ -61,7 +76,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.presets and not args.baselines:
         console.print("[red]nothing to measure: give at least one preset or baseline[/red]")
         return 2
-    workload = get_workload(args.workload)
     with console.status("context") as status:
         results = run_context(workload, args.memory_cap, presets=args.presets, baselines=args.baselines,
                               device=args.device, lora_rank=args.rank, start=args.start,
@@ -105,8 +119,8 @@ def legend(args: argparse.Namespace) -> str:
             "the shortest length found not to fit (the answer lies between the two; \"search stopped\": the search "
             "ended with them further apart). time per token: one step at the method's longest length over its "
             "tokens, as a ratio to the best baseline's at its own longest length (attention's share grows with the "
-            "length, so a longer run costs more per token). min grad cos: fxmem's gradients of the first step against eager "
-            "PEFT's at the same length, weights and batch.\n"
+            "length, so a longer run costs more per token). min grad cos: fxmem's gradients of the first step against "
+            "eager PEFT's at the same length, weights and batch.\n"
             + "".join(f"\n- {m}: {BASELINE_DESCRIPTIONS[m]}" for m in args.baselines)
             + ("\n- fxmem P: torch.compile(backend=fxmem) with preset P and return_logits=False (the loss chunked)"
                + overrides_text(args.set) if args.presets else ""))
