@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxmem.bench.compare import MethodResult
+from fxmem.bench.context import ContextResult
 from fxmem.bench.frontier import wins
 from fxmem.config import PUBLISHED_MIN_COSINE
 from fxmem.fidelity import short_name
@@ -286,6 +287,8 @@ def _summary(files: Sequence[ResultFile]) -> list[str]:
     if fidelity:
         lines += ["", *_table(("workload", "batch", "fxmem preset", "dtype", "min grad cos vs eager, same dtype",
                                "published bound", "gradients compared"), fidelity)]
+    if context := _context_summary(files):
+        lines += ["", *context]
     return lines
 
 
@@ -344,6 +347,68 @@ def _cosine_and_bound(result: dict[str, Any]) -> tuple[str, str]:
     return f"{cosine:.4f}", "—" if bound is None else f"{bound:g}" + ("" if cosine >= bound else " (missed)")
 
 
+# context ------------------------------------------------------------------------------------------------------
+
+def _context_results(file: ResultFile) -> list[ContextResult]:
+    return [ContextResult.from_dict(r) for r in file.results]
+
+
+def _context_title(file: ResultFile) -> str:
+    return f"Tokens that fit: {_workloads(file)} under {format_bytes(file.data['memory_cap'])}"
+
+
+def _best_baseline(results: Sequence[ContextResult]) -> ContextResult | None:
+    """The baseline that fits the most tokens (the fastest per token among equals)."""
+    baselines = [r for r in results if not r.method.startswith("fxmem") and r.longest]
+    return max(baselines, key=lambda r: (r.longest, -(r.seconds_per_token or 0.0)), default=None)
+
+
+def _context_versus(r: ContextResult, best: ContextResult | None) -> tuple[str, str]:
+    """``r``'s longest length and time per token, as ratios to ``best``'s."""
+    if best is None or not r.longest:
+        return "—", "—"
+    per_token = (f"{r.seconds_per_token / best.seconds_per_token:.2f}x" if r.seconds_per_token
+                 and best.seconds_per_token else "—")
+    return f"{r.longest / best.longest:.2f}x", per_token
+
+
+def _context_cosine(r: ContextResult) -> tuple[str, str, str]:
+    if r.fidelity is None:
+        return "—", "—", "—"
+    bound = "—" if r.fidelity_bound is None else f"{r.fidelity_bound:g}" + (
+        "" if r.fidelity.min_cosine >= r.fidelity_bound else " (missed)")
+    return f"{r.fidelity.min_cosine:.6f}", str(_count(r.fidelity.to_dict())), bound
+
+
+def _context(file: ResultFile) -> list[str]:
+    results = _context_results(file)
+    best = _best_baseline(results)
+    rows = [[r.method, f"{r.longest:,}" + ("" if r.converged else " (search stopped)"), *_context_versus(r, best),
+             f"{r.shortest_failing:,}" if r.shortest_failing else "—", *_context_cosine(r)] for r in results]
+    return [*_table(("method", "longest fitting", "vs best baseline", "time per token vs best baseline",
+                     "shortest failing", "min grad cos", "gradients compared", "published bound"), rows), "",
+            (f"Batch 1; a length fits where weights, optimizer state and the step's peak stay under "
+             f"{format_bytes(file.data['memory_cap'])}. Best baseline: "
+             f"{best.method if best else 'none fitted'}. Time per token: one step at the method's own longest "
+             "length over its tokens. min grad cos: fxmem's first-step gradients against eager PEFT's at the same "
+             "length, weights and batch.")]
+
+
+def _context_summary(files: Sequence[ResultFile]) -> list[str]:
+    rows = []
+    for file in (f for f in files if f.kind == "context"):
+        results = _context_results(file)
+        best = _best_baseline(results)
+        for r in results:
+            if r.method.startswith("fxmem") and best is not None:
+                cosine, compared, bound = _context_cosine(r)
+                rows.append([r.workload, format_bytes(file.data["memory_cap"]), r.method.removeprefix("fxmem "),
+                             f"{r.longest:,}", f"{best.method} {best.longest:,}", *_context_versus(r, best),
+                             f"{cosine} ({bound}), {compared} gradients"])
+    return _table(("workload", "memory cap", "fxmem preset", "tokens that fit", "best baseline",
+                   "tokens vs it", "time per token vs it", "min grad cos (published bound)"), rows) if rows else []
+
+
 @dataclass(frozen=True)
 class Renderer:
     title: Callable[[ResultFile], str]
@@ -351,5 +416,5 @@ class Renderer:
 
 
 # what the page shows, in its order
-RENDERERS = {"compare": Renderer(_compare_title, _compare), "frontier": Renderer(_frontier_title, _frontier),
-             "fidelity": Renderer(_fidelity_title, _fidelity)}
+RENDERERS = {"compare": Renderer(_compare_title, _compare), "context": Renderer(_context_title, _context),
+             "frontier": Renderer(_frontier_title, _frontier), "fidelity": Renderer(_fidelity_title, _fidelity)}

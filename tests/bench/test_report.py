@@ -105,3 +105,24 @@ def test_the_readme_summary_goes_between_its_markers_only():
     assert with_summary(readme, "| new |") == f"intro\n{README_START}\n| new |\n{README_END}\nrest\n"
     with pytest.raises(ValueError, match="the README has no block to write: add the lines"):
         with_summary("no markers here", "| new |")
+
+
+def test_a_context_result_is_tabled_against_the_baseline_that_fits_the_most_tokens(tmp_path):
+    from fxmem.bench.context import ContextResult
+    from fxmem.fitting import Probe
+
+    def context(method, longest, per_token, cosine=None, bound=None):
+        return ContextResult("llama-small", method, 3 << 29, longest, longest + 128,
+                             [Probe(longest, 100, 50)], per_token,
+                             None if cosine is None else Fidelity(cosine, 0.01, "lora_A", 112), bound)
+
+    results = [context("compile-checkpointing", 2048, 1.0), context("compile-checkpointing-lce", 4096, 1.2),
+               context("fxmem hyclora-4bit", 12288, 1.8, 0.9991, 0.995)]
+    command = "fxmem bench context --workload llama-small --memory-cap 1.5GiB"
+    file = result_file(tmp_path, "context.json", command, "abc1234", [], memory_cap=3 << 29)
+    file.data["results"] = [r.to_dict() for r in results]
+    report = build([file], "abc1234", links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
+    assert "## Tokens that fit: llama-small under 1.50 GiB" in report.page
+    assert "| fxmem hyclora-4bit | 12,288 | 3.00x | 1.50x | 12,416 | 0.999100 | 112 | 0.995 |" in report.page
+    assert ("| llama-small | 1.50 GiB | hyclora-4bit | 12,288 | compile-checkpointing-lce 4,096 | 3.00x | 1.50x | "
+            "0.999100 (0.995), 112 gradients |") in report.summary
