@@ -23,6 +23,7 @@ from fxmem.cli.bench import (
     loss,
     lowrank_error,
     lowrank_saved,
+    plans,
     pretrain,
     profile,
     ptxas,
@@ -33,7 +34,7 @@ from fxmem.cli.bench import (
 EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
                                                   lowrank_error, lowrank_saved, ptxas, distributed,
                                                   coverage, pretrain, fidelity, report, context, gpu_check,
-                                                  recipes)}
+                                                  recipes, plans)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
