@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import re
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from fxmem.choices import BASES, CONTEXT_GRANULARITY, DTYPE_NAMES, MAX_CONTEXT_P
 from fxmem.config import Config, overrides_text
 from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes, loss_chunks, unfused_loss_bytes
+from fxmem.fallback import FallbackError, FallbackWarning
 from fxmem.fitting import Probe, longest_fitting
 from fxmem.kernels.nf4 import nf4_nbytes
 from fxmem.models import build_lora_model, example_batch, hf_config, is_causal_lm
@@ -41,6 +43,21 @@ SCALING_DEPTHS = (2, 3, 4)
 MAX_SCALING_DEPTH = 6  # beyond it, a model whose blocks do not save alike is traced whole
 DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()}
 
+
+@dataclass(frozen=True)
+class TraceNote:
+    """What fxmem said of a traced step beside its figures, which the prediction then follows: a fallback (a pass's
+    stage rolled back, a region compiled unplanned, ...: fxmem.fallback) or a region's note (Region.notes)."""
+
+    text: str  # without the region's index
+    regions: int  # how many regions of one trace met it; 0: outside any region (the chunked loss's blocks)
+    fallback: bool  # a FallbackWarning: fxmem did otherwise than the preset asks there
+
+    def describe(self) -> str:
+        where = f"{self.regions} region{'s' if self.regions > 1 else ''}" if self.regions else "outside any region"
+        return f"{'fell back: ' if self.fallback else ''}{self.text} ({where})"
+
+
 @dataclass(frozen=True)
 class PresetCost:
     preset: str
@@ -49,10 +66,14 @@ class PresetCost:
     optimizer_state: int
     saved_activations: int
     how: str = ""  # how the saved activations were found: the whole model traced, or a few layers scaled
+    notes: tuple[TraceNote, ...] = ()  # every trace's fallbacks and region notes, each once
 
     @property
     def total(self) -> int:
         return self.weights + self.gradients + self.optimizer_state + self.saved_activations
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total}
 
 
 @dataclass
@@ -67,6 +88,11 @@ class WhatIf:
     costs: list[PresetCost] = field(default_factory=list)
     lora_orders: list[tuple[LoraShape, int, OrderChoice]] = field(default_factory=list)  # (shape, layers, choice)
     loss: LossCost | None = None  # a causal LM's loss; None for an encoder
+
+    @property
+    def notes(self) -> list[tuple[str, TraceNote]]:
+        """Every preset's fallbacks and region notes, with the preset."""
+        return [(cost.preset, note) for cost in self.costs for note in cost.notes]
 
 
 @dataclass(frozen=True)
@@ -109,6 +135,13 @@ class ActivationBytes:
     # (Region.compiled_transient_bytes): backward's gradients and intermediates at its peak net of the saved
     # activations it freed by then, or forward's transients
     host: int = 0  # what the step stores in host memory instead (block_offload): in neither of the above
+    notes: tuple[TraceNote, ...] = ()  # the trace's fallbacks and region notes
+
+    @property
+    def step(self) -> int:
+        """The step's peak above the static bytes (weights, optimizer state), as ``max_context`` counts it: the
+        saved activations and, beside them, the transients."""
+        return self.saved + self.transient
 
 
 def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], config: Config
@@ -116,16 +149,63 @@ def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Te
     """Saved-activation bytes of one step under ``config`` (the analysis's tensors priced by the cost model), and
     its transients (analysis.liveness.compiled_liveness: the graphs run in their own order with element-wise ops
     inside their readers' kernels and backward freeing each saved activation after its last reader, as inductor
-    runs them)."""
+    runs them), with every fallback and region note the trace met. In strict mode (``config.strict``,
+    FXMEM_STRICT=1) a fallback raises FallbackError instead."""
     from fxmem.inspection import inspect
     torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = inspect(model, config=config, **batch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("ignore")  # transformers' and torch's deprecations: not the prediction's
+        warnings.simplefilter("always", FallbackWarning)  # each region's, not once per call site
+        try:
+            report = inspect(model, config=config, **batch)
+        except Exception as error:
+            fallback = _fallback_error(error)
+            if fallback is None:
+                raise
+            raise fallback from None  # strict mode's error, not dynamo's wrapper around it
     from fxmem.cost_model.memory import host_bytes
     return ActivationBytes(saved=sum(planned for _, saved, planned in _activation_rows(report)),
                            transient=max((r.compiled_transient_bytes for r in report.regions), default=0),
-                           host=sum(host_bytes(s, p) for _, s, p in report.rows() if s.frees_memory))
+                           host=sum(host_bytes(s, p) for _, s, p in report.rows() if s.frees_memory),
+                           notes=_trace_notes(report, [str(w.message) for w in caught
+                                                       if issubclass(w.category, FallbackWarning)]))
+
+
+def _fallback_error(error: BaseException | None) -> FallbackError | None:
+    """The FallbackError ``error`` is or was raised from (dynamo wraps a backend's errors), if any."""
+    while error is not None and not isinstance(error, FallbackError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+# fxmem's fallback warnings name the region they happened in: "fxmem region 3: ..."
+_REGION_PREFIX = re.compile(r"fxmem region (\d+): ")
+
+
+def _trace_notes(report: Any, fallbacks: list[str]) -> tuple[TraceNote, ...]:
+    """The fallback warnings and region notes of one trace, each text once with the regions that met it. A region
+    compiled unplanned both warns and notes it: one fallback."""
+    regions: dict[str, set[int]] = {}
+    for message in fallbacks:
+        match = _REGION_PREFIX.match(message)
+        regions.setdefault(message[match.end():] if match else message, set()).update(
+            {int(match[1])} if match else set())
+    fell_back = set(regions)
+    for region in report.regions:
+        for note in region.notes:
+            regions.setdefault(note, set()).add(region.index)
+    return tuple(TraceNote(text, len(indices), text in fell_back) for text, indices in regions.items())
+
+
+def _merged_notes(*groups: tuple[TraceNote, ...]) -> tuple[TraceNote, ...]:
+    """The notes of several traces of one preset (depths, lengths), each text once, with the most regions any trace
+    met it in."""
+    merged: dict[tuple[str, bool], int] = {}
+    for notes in groups:
+        for note in notes:
+            key = (note.text, note.fallback)
+            merged[key] = max(merged.get(key, 0), note.regions)
+    return tuple(TraceNote(text, regions, fallback) for (text, fallback), regions in merged.items())
 
 
 def _activation_rows(report: Any) -> list[tuple[Any, Any, int]]:
@@ -147,13 +227,15 @@ def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype
 
 def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf16", optimizer: str = "adamw",
            presets: list[str] | None = None, name: str | None = None, base: str = "float",
-           shards: int = 1) -> WhatIf:
+           shards: int = 1, strict: bool = False) -> WhatIf:
     """Memory per preset and LoRA orders of ``model`` (a named shape, a config.json or a transformers config),
     called ``name`` in the result (default: ``model`` if it is a name, else the config's model type). ``base``
     "nf4" prices the LoRA-targeted frozen weights as QLoRA stores them; what a step saves is the float base's
     (a frozen weight's storage changes no saved activation: bitsandbytes' 4-bit matmul keeps its input, which
     the LoRA branch saves anyway). Per rank: ``batch`` is a rank's; ``shards`` > 1 is FSDP2 over that many
-    ranks, which holds 1/shards of the weights, gradients and optimizer state on each."""
+    ranks, which holds 1/shards of the weights, gradients and optimizer state on each. Each preset's fallbacks and
+    region notes are on its cost (``PresetCost.notes``); ``strict`` (or FXMEM_STRICT=1): a fallback raises
+    FallbackError instead."""
     _check_choices(dtype, optimizer, base, rank)
     if shards < 1:
         raise ValueError(f"shards must be an integer >= 1; got {shards}")
@@ -171,8 +253,8 @@ def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf
                     if is_causal_lm(config) else None)
     for preset in presets:
         activations, how = layer_scaled_activation_bytes(config, rank=rank, dtype=torch_dtype, batch=batch, seq=seq,
-                                                         preset=Config.from_preset(preset))
-        result.costs.append(PresetCost(preset, weights, gradients, state, activations.saved, how))
+                                                         preset=Config.from_preset(preset, strict=strict))
+        result.costs.append(PresetCost(preset, weights, gradients, state, activations.saved, how, activations.notes))
     return result
 
 
@@ -222,20 +304,24 @@ class ContextFit:
     transient: int  # ActivationBytes.transient: backward's gradients and intermediates at its peak, or forward's
     how: str
     host_activations: int = 0  # ActivationBytes.host: in host memory, outside the total
+    notes: tuple[TraceNote, ...] = ()  # the fallbacks and region notes of every length traced, each once
 
     @property
     def total(self) -> int:
         return self.weights + self.optimizer_state + self.saved_activations + self.transient
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total}
+
 
 def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16", optimizer: str = "adamw",
                 presets: Sequence[str] = MAX_CONTEXT_PRESETS, base: str = "float", shards: int = 1,
                 granularity: int = CONTEXT_GRANULARITY, max_seq: int = 1 << 24,
-                options: Mapping[str, Any] | None = None) -> list[ContextFit]:
+                options: Mapping[str, Any] | None = None, strict: bool = False) -> list[ContextFit]:
     """Per preset, the longest batch-1 sequence whose step fits ``memory`` bytes: weights, optimizer state, saved
     activations and the step's transients, traced on fake tensors at a few lengths (fxmem.fitting's search).
-    Gradients are counted where they live, in backward's transients; ``shards`` as in ``whatif``; ``options``:
-    Config fields set on every preset (e.g. mlp_chunk, block_checkpoint), named in its label."""
+    Gradients are counted where they live, in backward's transients; ``shards`` and ``strict`` as in ``whatif``;
+    ``options``: Config fields set on every preset (e.g. mlp_chunk, block_checkpoint), named in its label."""
     _check_choices(dtype, optimizer, base, rank)
     config = hf_config(model)
     torch_dtype = DTYPES[dtype]
@@ -243,16 +329,17 @@ def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16",
     weights, _, state = parameter_bytes(lora_model, optimizer, base, shards)
     dequantized = dequantized_base_bytes(lora_model, options or {}) if base == "nf4" else 0
     start = min(8 * granularity, max_seq - max_seq % granularity)
+    fields = {**(options or {}), **({"strict": True} if strict else {})}  # strict set in options stays on
     fits = []
     for preset in presets:
-        fxmem_config = Config.from_preset(preset, return_logits=False, **dict(options or {}))
+        fxmem_config = Config.from_preset(preset, return_logits=False, **fields)
         traced: dict[int, tuple[ActivationBytes, str]] = {}
 
         def probe(seq: int, fxmem_config: Config = fxmem_config, traced: dict = traced) -> Probe:
             traced[seq] = layer_scaled_activation_bytes(config, rank=rank, dtype=torch_dtype, batch=1, seq=seq,
                                                         preset=fxmem_config)
             activations = traced[seq][0]
-            return Probe(seq, activations.saved + activations.transient + dequantized, weights + state)
+            return Probe(seq, activations.step + dequantized, weights + state)
 
         fit = longest_fitting(probe, memory, start=start, granularity=granularity, max_seq=max_seq)
         activations, how = traced[fit.longest] if fit.longest else (ActivationBytes(0, 0), "")
@@ -260,7 +347,8 @@ def max_context(model: Any, memory: int, *, rank: int = 16, dtype: str = "bf16",
             how = f"{how}; the search stopped before the bracket closed".lstrip("; ")
         label = preset + overrides_text(options or {})
         fits.append(ContextFit(label, fit.longest, fit.shortest_failing, weights, state, activations.saved,
-                               activations.transient + (dequantized if fit.longest else 0), how, activations.host))
+                               activations.transient + (dequantized if fit.longest else 0), how, activations.host,
+                               _merged_notes(*(traced_at.notes for traced_at, _ in traced.values()))))
     return fits
 
 
@@ -306,7 +394,8 @@ def traced_activation_bytes(config: Any, *, layers: int, rank: int, dtype: torch
 
 def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype, batch: int, seq: int,
                                   preset: Config) -> tuple[ActivationBytes, str]:
-    """Activation bytes of the whole model and how they were found.
+    """Activation bytes of the whole model, with the fallbacks and region notes of every trace, and how they were
+    found.
 
     Tracing costs time linear in the depth (about 2 s a llama-7b block on two CPU cores), so a deep model is
     traced at ``SCALING_DEPTHS`` blocks, and one block more at a time up to ``MAX_SCALING_DEPTH``: when two
@@ -318,16 +407,23 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
     Options set to "auto" are chosen region by region, as the backend chooses them (cost_model.auto.choose_auto):
     here at each depth traced, whose choice can differ from the whole model's.
     """
+    met: list[tuple[TraceNote, ...]] = []  # every trace's notes: each depth's regions may meet others
+
     def traced(layers: int) -> ActivationBytes:
-        return traced_activation_bytes(config, layers=layers, rank=rank, dtype=dtype, batch=batch, seq=seq,
-                                       preset=preset)
+        activations = traced_activation_bytes(config, layers=layers, rank=rank, dtype=dtype, batch=batch, seq=seq,
+                                              preset=preset)
+        met.append(activations.notes)
+        return activations
+
+    def with_every_note(activations: ActivationBytes) -> ActivationBytes:
+        return replace(activations, notes=_merged_notes(*met))
 
     def step(shallow: ActivationBytes, deep: ActivationBytes) -> tuple[int, int, int]:
         return deep.saved - shallow.saved, deep.transient - shallow.transient, deep.host - shallow.host
 
     depth = config.num_hidden_layers
     if depth <= SCALING_DEPTHS[-1]:
-        return traced(depth), f"all {depth} layers traced"
+        return with_every_note(traced(depth)), f"all {depth} layers traced"
     depths = list(SCALING_DEPTHS)
     traces = [traced(d) for d in depths]
     # Where the peak sits in a shallow trace can differ (checkpointed blocks: at 2 blocks backward's peak is
@@ -335,11 +431,11 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
     bound = ""
     while step(*traces[-3:-1]) != step(*traces[-2:]):
         if depths[-1] + 1 >= depth:
-            return traced(depth), f"all {depth} layers traced (blocks do not save alike)"
+            return with_every_note(traced(depth)), f"all {depth} layers traced (blocks do not save alike)"
         if depths[-1] + 1 > MAX_SCALING_DEPTH:
             earlier, last = step(*traces[-3:-1]), step(*traces[-2:])
             if (earlier[0], earlier[2]) != (last[0], last[2]):
-                return traced(depth), f"all {depth} layers traced (blocks do not save alike)"
+                return with_every_note(traced(depth)), f"all {depth} layers traced (blocks do not save alike)"
             # The blocks save alike but add unlike amounts to the peak: inductor keeps freed buffers for reuse
             # while its estimate has room, and the room grows by what backward frees (analysis/liveness.py), in
             # steps that need not repeat. The larger of the last two steps is taken for each further block's: an
@@ -354,7 +450,7 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
     further = depth - depths[-1]
     deepest = traces[-1]
     scaled = ActivationBytes(deepest.saved + further * per_layer, deepest.transient + further * transient_per_layer,
-                             deepest.host + further * host_per_layer)
+                             deepest.host + further * host_per_layer, _merged_notes(*met))
     return scaled, (f"traced at {', '.join(map(str, depths))} layers, each further layer saves "
                     f"{per_layer / 2**20:.2f} MiB and adds {transient_per_layer / 2**20:.2f} MiB to the "
                     f"transients{bound}; scaled to {depth}")

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import fxmem.whatif as whatif_module
-from fxmem import Config, cli
+from fxmem import Config, FallbackError, cli
 from fxmem.cost_model.loss import LossChunks
+from fxmem.passes import QuantizeSaved
 from fxmem.whatif import (
     MAX_SCALING_DEPTH,
     SCALING_DEPTHS,
@@ -56,6 +57,7 @@ def test_whatif_counts_weights_gradients_state_and_lora_orders(tiny_config):
     # runlora saves no x A^T: 14 LoRA linears x 32 tokens x rank 8 floats fewer.
     assert exact.saved_activations - runlora.saved_activations == 14 * 32 * 8 * 4
     assert {count for _, count, _ in result.lora_orders} == {8, 4, 2}  # 64->64, 64->172, 172->64
+    assert result.notes == []  # nothing fell back, no region said anything beside its figures
     # 32 tokens x 256 vocabulary: logits, log-probabilities and gradient, all float32. Chunked (a frozen head in
     # float32: online sums): a block of all 32 rows by the whole vocabulary, the block's input, target rows and
     # float32 weighted sum, and the head input's gradient
@@ -227,3 +229,80 @@ def test_max_context_with_an_nf4_base_counts_the_weights_its_chunked_ops_dequant
                      "--granularity", "2048", "--base", "nf4", "--set", "linear_chunk=64"]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert "With an NF4 base, the transients include the float weights dequantized at once" in printed
+
+
+ROLLED_BACK = ("pass quantize failed and its partitioned stage was rolled back, so none of that stage's rewrites apply "
+               "here (RuntimeError: synthetic quantize bug)")
+
+
+def failing_quantize(self, state):
+    raise RuntimeError("synthetic quantize bug")
+
+
+@pytest.fixture
+def quantize_fails(monkeypatch):
+    """hyclora-4bit's quantize pass fails in every region: its stage is rolled back, and the saved tensors stay."""
+    monkeypatch.setattr(QuantizeSaved, "run", failing_quantize)
+
+
+def test_a_clean_trace_has_no_notes_and_a_rolled_back_pass_shows_on_the_cost(tiny_config, monkeypatch, lenient):
+    shape = {"batch": 2, "seq": 16, "rank": 8, "dtype": "fp32", "presets": ["hyclora-4bit"]}
+    [clean] = whatif(str(tiny_config), **shape).costs
+    assert clean.notes == ()
+    monkeypatch.setattr(QuantizeSaved, "run", failing_quantize)
+    result = whatif(str(tiny_config), **shape)
+    [cost] = result.costs
+    # one region, traced once (2 layers: no scaling)
+    assert cost.notes == (whatif_module.TraceNote(ROLLED_BACK, regions=1, fallback=True),)
+    assert result.notes == [("hyclora-4bit", cost.notes[0])]
+    assert cost.saved_activations > clean.saved_activations  # what it shaped: nothing is quantized
+
+
+def test_the_whatif_command_lists_fallbacks_under_its_table_and_in_its_json(tiny_config, tmp_path, quantize_fails,
+                                                                            lenient, capsys):
+    path = tmp_path / "whatif.json"
+    assert cli.main(["whatif", str(tiny_config), "--batch", "2", "--seq", "16", "--rank", "8", "--dtype", "fp32",
+                     "--presets", "exact", "hyclora-4bit", "--json", str(path)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"hyclora-4bit: fell back: {ROLLED_BACK} (1 region)" in printed
+    assert "exact: fell back" not in printed  # exact runs no quantize pass
+    exact, hyclora = json.loads(path.read_text())["results"]
+    assert (exact["preset"], exact["notes"]) == ("exact", [])
+    assert hyclora["notes"] == [{"text": ROLLED_BACK, "regions": 1, "fallback": True}]
+    assert hyclora["total"] == sum(hyclora[k] for k in ("weights", "gradients", "optimizer_state",
+                                                        "saved_activations"))
+
+
+def test_max_context_lists_the_fallbacks_of_every_length_it_traced(tiny_config, tmp_path, quantize_fails, lenient,
+                                                                   capsys):
+    [fit] = max_context(str(tiny_config), 24 * 2**20, rank=8, dtype="fp32", presets=["hyclora-4bit"],
+                        granularity=2048)
+    assert fit.notes == (whatif_module.TraceNote(ROLLED_BACK, regions=1, fallback=True),)
+    path = tmp_path / "context.json"
+    assert cli.main(["whatif", str(tiny_config), "--max-context", "24MiB", "--dtype", "fp32", "--rank", "8",
+                     "--presets", "hyclora-4bit", "--granularity", "2048", "--json", str(path)]) == 0
+    assert f"hyclora-4bit: fell back: {ROLLED_BACK} (1 region)" in " ".join(capsys.readouterr().out.split())
+    [result] = json.loads(path.read_text())["results"]
+    assert result["notes"] == [{"text": ROLLED_BACK, "regions": 1, "fallback": True}] and result["seq"] == fit.seq
+
+
+@pytest.mark.parametrize("how", ["config", "environment"])
+def test_strict_mode_raises_a_fallback_out_of_whatif_and_the_command_says_it_cleanly(tiny_config, quantize_fails,
+                                                                                     monkeypatch, capsys, how):
+    # "environment": the suite's own FXMEM_STRICT=1; "config": Config(strict=True) through whatif's strict
+    monkeypatch.setenv("FXMEM_STRICT", "0" if how == "config" else "1")
+    shape = {"batch": 2, "seq": 16, "rank": 8, "dtype": "fp32", "presets": ["hyclora-4bit"]}
+    strict_error = r"pass quantize \(partitioned stage\) failed: RuntimeError: synthetic quantize bug \[strict mode"
+    with pytest.raises(FallbackError, match=strict_error):
+        whatif(str(tiny_config), **shape, strict=how == "config")
+    with pytest.raises(FallbackError, match="pass quantize .*synthetic quantize bug"):
+        max_context(str(tiny_config), 24 * 2**20, rank=8, dtype="fp32", presets=["hyclora-4bit"], granularity=2048,
+                    strict=how == "config")
+    strict_flag = ["--strict"] if how == "config" else []
+    capsys.readouterr()
+    assert cli.main(["whatif", str(tiny_config), "--batch", "2", "--seq", "16", "--rank", "8", "--dtype", "fp32",
+                     "--presets", "hyclora-4bit", *strict_flag]) == 2
+    captured = capsys.readouterr()
+    printed = " ".join(captured.out.split())
+    assert "pass quantize (partitioned stage) failed" in printed and "FXMEM_STRICT=1 makes this an error]" in printed
+    assert "Traceback" not in captured.out + captured.err

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from rich.markup import escape
 
 from fxmem.choices import BASES, CONTEXT_GRANULARITY, DTYPE_NAMES, MAX_CONTEXT_PRESETS, NAMED_SHAPES, OPTIMIZER_STATES
 from fxmem.cli.common import (
@@ -18,12 +21,14 @@ from fxmem.cli.common import (
     run_metadata,
     show_table,
     workload_names,
+    write_json,
     write_markdown,
 )
 from fxmem.config import PRESETS
+from fxmem.fallback import STRICT_ENV, FallbackError
 
 if TYPE_CHECKING:
-    from fxmem.whatif import ContextFit
+    from fxmem.whatif import ContextFit, TraceNote
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -54,7 +59,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                              "block_checkpoint=True); repeatable")
     parser.add_argument("--measure", action="store_true",
                         help="also compile the model on this CPU (random weights) and measure the saved bytes")
-    add_outputs(parser, json_results=False)
+    parser.add_argument("--strict", action="store_true",
+                        help=f"stop at the first fallback (a pass rolled back, a region compiled unplanned) instead of "
+                             f"listing it under the table: Config(strict=True), as {STRICT_ENV}=1 does")
+    add_outputs(parser)
     parser.set_defaults(run=run)
 
 
@@ -71,9 +79,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = whatif(model, batch=args.batch, seq=args.seq, rank=args.rank, dtype=args.dtype,
                         optimizer=args.optimizer, presets=args.presets, name=args.model, base=args.base,
-                        shards=args.shards)
+                        shards=args.shards, strict=args.strict)
     except ValueError as error:
-        console.print(f"[red]{error}; or a workload: {', '.join(workload_names())}[/red]")
+        console.print(f"[red]{escape(str(error))}; or a workload: {', '.join(workload_names())}[/red]")
+        return 2
+    except FallbackError as error:
+        console.print(f"[red]{escape(str(error))}[/red]")
         return 2
     columns = ["preset", "weights", "gradients", "optimizer state", "saved activations", "total"]
     if args.measure:
@@ -97,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
               "tensors, priced by the cost model)" + ("; measured: a real compiled step on this CPU" if args.measure
                                                       else ""))
     legend += "".join(f"\nsaved activations, {c.preset}: {c.how}" for c in result.costs)
+    legend += _notes_text(result.notes)
     order_columns = ["LoRA shape (in -> out, r)", "layers", "forward", "backward", "GFLOPs fwd+bwd",
                      "default GFLOPs", "FLOPs saved"]
     order_rows = [[f"{s.in_features} -> {s.out_features}, r={s.rank}", str(count), c.forward, c.backward,
@@ -116,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
         show_table(*section)
     console.print(provenance_line(run_metadata(args)))
     write_markdown(sections, args)
+    write_json(result.costs, args, model=args.model, batch=args.batch, seq=args.seq, rank=args.rank,
+               dtype=args.dtype, optimizer=args.optimizer, base=args.base, shards=args.shards)
     if args.plot:
         plot(result, args.plot)
         console.print(f"wrote {args.plot}")
@@ -154,9 +168,9 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
     try:
         fits = max_context(model, args.max_context, rank=args.rank, dtype=args.dtype, optimizer=args.optimizer,
                            presets=args.presets or MAX_CONTEXT_PRESETS, base=args.base, shards=args.shards,
-                           granularity=args.granularity, options=dict(args.set))
-    except ValueError as error:
-        console.print(f"[red]{error}[/red]")
+                           granularity=args.granularity, options=dict(args.set), strict=args.strict)
+    except (ValueError, FallbackError) as error:
+        console.print(f"[red]{escape(str(error))}[/red]")
         return 2
     columns = ["preset", "longest sequence", "weights", "optimizer state", "saved activations", "transients",
                "total", "shortest failing", "saved per token"]
@@ -186,10 +200,22 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
                    "bitsandbytes' product; with mlp_chunk or linear_chunk, a module's projections together, "
                    "fxmem.whatif.dequantized_base_bytes).")
     legend += "".join(f"\n{fit.preset}: {fit.how}" for fit in fits if fit.how)
+    legend += _notes_text([(fit.preset, note) for fit in fits for note in fit.notes])
     show_table(title, columns, rows, legend)
     console.print(provenance_line(run_metadata(args)))
     write_markdown([(title, columns, rows, legend)], args)
+    write_json(fits, args, model=args.model, memory=args.max_context, rank=args.rank, dtype=args.dtype,
+               optimizer=args.optimizer, base=args.base, shards=args.shards, granularity=args.granularity)
     return 0
+
+
+def _notes_text(notes: Sequence[tuple[str, TraceNote]]) -> str:
+    """The legend's lines on what fxmem said while tracing: a fallback changes what a preset's figures count."""
+    if not notes:
+        return ""
+    return ("\nnotes, from fxmem's report on the traces (a fallback: the figures are of what fxmem did instead; "
+            f"--strict or {STRICT_ENV}=1 stops there):"
+            + "".join(f"\n  {preset}: {escape(note.describe())}" for preset, note in notes))
 
 
 def _context_row(fit: ContextFit) -> list[str]:
