@@ -126,3 +126,25 @@ def test_a_context_result_is_tabled_against_the_baseline_that_fits_the_most_toke
     assert "| fxmem hyclora-4bit | 12,288 | 3.00x | 1.50x | 12,416 | 0.999100 | 112 | 0.995 |" in report.page
     assert ("| llama-small | 1.50 GiB | hyclora-4bit | 12,288 | compile-checkpointing-lce 4,096 | 3.00x | 1.50x | "
             "0.999100 (0.995), 112 gradients |") in report.summary
+
+
+def test_exact_in_bf16_is_held_to_bf16_rounding_measured_by_eager_not_to_fp32s_bound(tmp_path):
+    def fidelity(method, same, fp32):
+        comparison = {"same_dtype": {"min_cosine": same, "median_relative_error": 0.01, "worst_parameter": "lora_A",
+                                     "compared": 28, "zero_in_reference": 0},
+                      "fp32": {"min_cosine": fp32, "median_relative_error": 0.01, "worst_parameter": "lora_A",
+                               "compared": 28, "zero_in_reference": 0}, "steps": 0, "per_parameter": {}}
+        return {"method": method, "dtype": "bfloat16", "saved_bytes": 1 << 20, "comparisons": [comparison]}
+
+    command = "fxmem bench fidelity --workload llama3-bf16-small --tokens random"
+    file = result_file(tmp_path, "fidelity.json", command, "abc1234", [], workload="llama3-bf16-small",
+                       tokens="random")
+    file.data["results"] = [fidelity("eager", 1.0, 0.9998), fidelity("exact", 0.9998, 0.99986),
+                            fidelity("runlora", 0.9990, 0.9990), fidelity("hyclora-4bit", 0.9923, 0.9923)]
+    report = build([file], "abc1234", links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
+    # below fp32's 0.9999, yet as close to fp32 eager as eager bf16 itself (0.9998): met
+    assert ("| llama3-bf16-small | random token ids | exact | bfloat16 | 0.9998 | bfloat16 rounding: 0.9996 vs fp32 "
+            "| 28 |") in report.summary
+    assert ("| runlora | bfloat16 | 1.00 MiB | 0.9990 | 28 | lora_A | 0.9990 | bfloat16 rounding: 0.9996 vs fp32 "
+            "(missed) |") in report.page
+    assert "| hyclora-4bit | bfloat16 | 0.9923 | 0.995 (missed) | 28 |" in report.summary
