@@ -1,6 +1,6 @@
 """Measuring a training step: saved-activation bytes, peak memory, step time, gradient fidelity.
 
-These are the definitions of ../shared/BENCHMARKS.md; the benchmark, the
+These are the definitions of docs/methodology.md; the benchmark, the
 fine-tuning demo and the tests all measure through them.
 """
 

@@ -1,4 +1,4 @@
-"""`fxmem bench compare`: each workload under fxmem and the baselines of ../shared/BENCHMARKS.md, in one
+"""`fxmem bench compare`: each workload under fxmem and the baselines of docs/methodology.md, in one
 process."""
 
 from __future__ import annotations

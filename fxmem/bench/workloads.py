@@ -1,4 +1,4 @@
-"""The benchmark workloads (docs/benchmarks.md, "Workloads"): model, LoRA, batch shape, real text, loss."""
+"""The benchmark workloads (docs/methodology.md): model, LoRA, batch shape, real text, loss."""
 
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ def minilm_dir() -> pathlib.Path:
 
 def _load_minilm() -> torch.nn.Module:
     from transformers import BertModel
-    # Dropout 0, as every benchmark workload (docs/benchmarks.md): with it, runs that should match draw
+    # Dropout 0, as every benchmark workload (docs/methodology.md): with it, runs that should match draw
     # different masks, and gradient probes compare noise.
     return BertModel.from_pretrained(minilm_dir(), attn_implementation="sdpa", add_pooling_layer=False,
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

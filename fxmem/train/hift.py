@@ -1,4 +1,4 @@
-"""Hierarchical full-parameter fine-tuning (HiFT, ../shared/seeds/002_*.txt, Algorithm 1).
+"""Hierarchical full-parameter fine-tuning (HiFT: "A Hierarchical Full Parameter Fine-Tuning Strategy", Algorithm 1).
 
 The model is cut into units (the embeddings, each block, the final norm and
 head), the units into ``k`` groups of ``layers_per_group``. Each optimizer step

@@ -1,4 +1,4 @@
-"""LoQT (Loeschcke et al., 2024, shared/seeds): train a model whose weights stay 4-bit.
+"""LoQT ("Low-Rank Adapters for Quantized Pretraining", Loeschcke et al., 2024): a model whose weights stay 4-bit.
 
 A converted linear computes ``y = x deq(W)^T + s * x (P B)^T`` (or ``(B P)^T``):
 W is stored NF4 (bitsandbytes, block 64, double-quantized scales), P holds the

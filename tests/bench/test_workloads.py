@@ -53,7 +53,7 @@ def test_minilm_real_loads_pretrained_weights_that_beat_chance():
     setup = get_workload("minilm-real").build()
     trainable = [n for n, p in setup.model.named_parameters() if p.requires_grad]
     assert len(trainable) == 6 * 6 * 2  # q, k, v, attention output, intermediate, output per layer
-    config = setup.model.base_model.model.config  # dropout 0, as BENCHMARKS.md: probes compare like with like
+    config = setup.model.base_model.model.config  # dropout 0, as docs/methodology.md: probes compare like with like
     assert config.hidden_dropout_prob == config.attention_probs_dropout_prob == 0.0
     batch = next(setup.batches)
     assert batch["input_ids"].shape == (32, 128)  # 16 docstrings then their 16 functions

@@ -1,4 +1,4 @@
-"""`fxmem bench [compare]`: each workload under fxmem and the baselines of ../shared/BENCHMARKS.md."""
+"""`fxmem bench [compare]`: each workload under fxmem and the baselines of docs/methodology.md."""
 
 from __future__ import annotations
 
