@@ -37,7 +37,11 @@ class Config:
         that does, or none below 8. None is off.
     stochastic_rounding: round codes down or up at random, with the probability of the distance (an unbiased
         restore inside the grid, a larger error per batch). False rounds to nearest.
-    attn_sparsity: fraction of attention probabilities kept (eager attention); None is off.
+    attn_sparsity: fraction of eager attention's probabilities stored, the largest of each row (HyC-LoRA's
+        pruning); None is off, and then a compressing preset rebuilds them in backward from q and k
+        (passes/recompute_attention.py). A fixed count a row bounds nothing of the probability mass it drops where
+        attention is spread out (a random-weight model, a long context): off in every preset, and the report says
+        so where it is set.
     calibration_steps: training forwards that gather quantization statistics before freezing them.
     calibration: "dynamic" recomputes scales and outlier channels from every batch; "static" freezes
         them after calibration_steps (the paper; values outside the calibrated range are clamped).
@@ -298,10 +302,10 @@ def _check_fraction(name: str, value: Any, *, low_open: bool, high: float, high_
 
 PRESETS: dict[str, Config] = {
     "exact": Config(),
-    "hyclora-4bit": Config(bits=4, attn_sparsity=0.05, lora_reorder=True, rebuild_from_x=True,
-                           lora_half_products="auto"),
-    "hyclora-2bit": Config(bits=2, attn_sparsity=0.05, lora_reorder=True, rebuild_from_x=True,
-                           lora_half_products="auto"),
+    # HyC-LoRA's paper keeps eager attention's 5% largest probabilities a row; a fixed count bounds nothing where
+    # attention is spread out, so the presets rebuild them in backward from q and k instead (recompute_attention)
+    "hyclora-4bit": Config(bits=4, lora_reorder=True, rebuild_from_x=True, lora_half_products="auto"),
+    "hyclora-2bit": Config(bits=2, lora_reorder=True, rebuild_from_x=True, lora_half_products="auto"),
     # LoRAct's factors, and 8-bit codes beside them: attention's q, k and v are never factored then (propose_lowrank
     # leaves them to qkv_bits), and every other tensor takes the smaller of its factors and its codes (factors for
     # most bf16 activations; codes for fp32 ones with fewer rows than channels). GQA's narrow k and v at rank 1/8 (16

@@ -126,9 +126,10 @@ def test_calibration_mode_is_validated():
         Config(calibration="weekly")
 
 
-def test_hyclora_presets_quantize_and_prune():
+def test_hyclora_presets_quantize_and_prune_no_attention_by_a_fixed_count():
     four, two = Config.from_preset("hyclora-4bit"), Config.from_preset("hyclora-2bit")
-    assert (four.bits, two.bits, four.attn_sparsity, four.outlier_ratio, four.calibration_steps) == (4, 2, 0.05, 0.005, 5)
+    assert (four.bits, two.bits, four.outlier_ratio, four.calibration_steps) == (4, 2, 0.005, 5)
+    assert four.attn_sparsity is None and two.attn_sparsity is None
     assert four.lora_reorder and two.lora_reorder and four.intra and two.intra  # the paper's best rows: intra + inter
     assert Config(bits=2, lora_reorder=True, intra=False).intra is False
     fxmem.backend(preset="hyclora-2bit", outlier_ratio=0.0, calibration_steps=2)  # built: no NotImplementedError

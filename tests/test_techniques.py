@@ -24,9 +24,9 @@ _EVERY_PRESETS_PASSES = ["causal_mask", "gqa_attention", "chunk_loss", "merge_ca
 
 @pytest.mark.parametrize("preset, names, passes", [
     ("exact", [*_ALWAYS, "chunk_loss"], _EVERY_PRESETS_PASSES),
-    ("hyclora-4bit", ["quantize", "attn_sparsity", "lora_reorder", *_ALWAYS, "chunk_loss", "lora_half_products"],
-     [*_EVERY_PRESETS_PASSES, "lora_reorder", "recompute_logits", "recompute_attention", "sparsify_attention",
-      "quantize", "fuse_epilogue", "lora_half_products"]),
+    ("hyclora-4bit", ["quantize", "lora_reorder", *_ALWAYS, "chunk_loss", "lora_half_products"],
+     [*_EVERY_PRESETS_PASSES, "lora_reorder", "recompute_logits", "recompute_attention", "quantize", "fuse_epilogue",
+      "lora_half_products"]),
     ("loract", ["quantize", "lowrank", *_ALWAYS, "chunk_loss", "lora_half_products"],
      [*_EVERY_PRESETS_PASSES, "recompute_logits", "recompute_attention", "quantize", "lowrank", "lora_half_products"]),
     ("runlora", ["runlora", *_ALWAYS, "chunk_loss"], [*_EVERY_PRESETS_PASSES, "runlora", "onednn_matmul"]),

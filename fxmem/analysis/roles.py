@@ -435,10 +435,11 @@ def classify(facts: TensorFacts) -> list[Match]:
 
 
 # Pointwise ops that carry attention scores from the matmul to the softmax (scale, mask, bias).
-_SCORE_PASSTHROUGH = frozenset({"add", "sub", "mul", "div", "where", "masked_fill"})
+# Scale, mask, sliding window and soft-capping (tanh(s / cap) * cap) between attention scores and their softmax
+_SCORE_PASSTHROUGH = frozenset({"add", "sub", "mul", "div", "where", "masked_fill", "tanh"})
 
 
-def _feeds(node: Node, ops: frozenset[str], depth: int = 4) -> bool:
+def _feeds(node: Node, ops: frozenset[str], depth: int = 8) -> bool:
     """Does ``node``'s value reach an op in ``ops`` through views, casts and scale/mask pointwise ops?"""
     frontier = [node]
     for _ in range(depth):

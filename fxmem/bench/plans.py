@@ -2,7 +2,7 @@
 benchmarks/plans.json and compared against it, so that a change that moves a plan shows in the diff of its commit.
 
 Each configuration is a tiny model (PEFT LoRA r=8 on every linear of a random-weight transformers model: Llama with
-4, 2 or 1 key/value heads, BERT, GPT-2; hidden 64, 2 layers), a Config (a preset and overrides, strict: a fallback
+4, 2 or 1 key/value heads, BERT, GPT-2; hidden 64, 2 layers, dropout off), a Config (a preset and overrides, strict: a fallback
 fails the dump instead of dumping the plan that fell back) and a batch of random token ids. ``dump`` traces each with
 ``fxmem.inspect`` (eager lowering: seconds a model) and keeps, per region and per saved tensor that frees memory (the
 tensors inspect's table lists), the plan's structural fields: the tensor's role and bytes, the plan's action and
@@ -88,12 +88,13 @@ class TinyModel:
         elif self.family == "bert":
             model = BertForSequenceClassification(BertConfig(
                 hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                vocab_size=VOCAB, attn_implementation=self.attention))
+                vocab_size=VOCAB, attn_implementation=self.attention, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0))
             batch_inputs["labels"] = torch.randint(0, 2, (batch,), generator=generator)
         elif self.family == "gpt2":
             model = GPT2LMHeadModel(GPT2Config(
                 n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, vocab_size=VOCAB, use_cache=False, bos_token_id=0,
-                eos_token_id=0, attn_implementation=self.attention))
+                eos_token_id=0, attn_implementation=self.attention, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
             model.loss_type = "ForCausalLM"  # avoids the graph break on a warning_once in the loss lookup
         else:
             raise ValueError(f"unknown family {self.family!r}; valid families: {', '.join(_LORA_TARGETS)}")

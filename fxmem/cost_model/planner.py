@@ -362,7 +362,8 @@ def _sparsify(owner: SavedTensor, ratio: float) -> Plan:
     row = val.shape[-1]
     keep = max(1, math.ceil(ratio * row))
     nbytes = sparse_bytes(numel_hint(val), row, keep, val.element_size())
-    return Plan("sparsify", f"largest {keep} of {row} per row kept", keep=keep, nbytes=nbytes,
+    return Plan("sparsify", f"largest {keep} of {row} per row kept (attn_sparsity: the probability mass each row "
+                            "drops is not bounded)", keep=keep, nbytes=nbytes,
                 seconds=recompute_seconds(numel_hint(val) * val.element_size() + nbytes, str(val.device)))
 
 

@@ -1,4 +1,4 @@
-"""Recompute fused attention's output in backward from its compressed q, k, v instead of saving it.
+"""Recompute attention in backward from its compressed q, k, v instead of saving its output or probabilities.
 
 Fused attention's backward reads its forward output O in D = rowsum(dO * O),
 which must equal sum_j P_ij dP_ij for the softmax gradient's rows to sum to
@@ -15,15 +15,25 @@ matmul rate. Attention with dropout is left alone: its random mask would not be 
 Under ``memory_budget`` the region is planned first without this pass; it then runs only in the layers whose
 q, k or v that plan compressed (``PipelineState.attention_layers``): elsewhere attention's q, k, v and output stay
 saved exact, and backward runs no second attention forward there (backend.py).
+
+Eager attention (matmul, softmax, matmul: a model's own, as Gemma-2's soft-capped logits need) saves its
+probabilities, heads x tokens x tokens a layer. Here the chain from the scores' matmul q k^T to the softmax
+(analysis/eager_attention.py: scale, mask, soft-capping, sliding window) is tagged instead, so that backward
+rebuilds the probabilities from the q and k it keeps for their own gradients, as fused attention does: nothing
+of the tokens x tokens map is saved, and what it is rebuilt from is bounded like any q and k. Where
+``attn_sparsity`` is set the probabilities stay saved, for it to prune.
 """
 
 from __future__ import annotations
 
 import operator
 
-from fxmem.analysis.graph import layer_of, module_path
+from torch.fx import Node
+
+from fxmem.analysis.eager_attention import eager_attention_chains
+from fxmem.analysis.graph import layer_of, module_path, tensor_val
 from fxmem.analysis.roles import dropout_probability, is_fused_attention
-from fxmem.cost_model.prices import attention_op_seconds
+from fxmem.cost_model.prices import attention_op_seconds, forward_seconds
 from fxmem.fallback import unsupported
 from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
 
@@ -35,26 +45,43 @@ class RecomputeAttention(GraphPass):
     def run(self, state: PipelineState) -> str:
         tagged = skipped = exact = whole = 0
         seconds = 0.0
-        for node in state.joint.graph.nodes:
-            if node.target is operator.getitem or not is_fused_attention(node):
-                continue  # a getitem carries its op's original_aten: count the op once
+
+        def chosen(node: Node) -> bool:
+            """Whether ``node``'s layer recomputes its attention here (else counted where it goes)."""
+            nonlocal exact, whole
             layer = layer_of(module_path(node))
             if state.blocks is not None and layer in state.blocks:
                 whole += 1  # checkpoint_blocks recomputes the whole block
-                continue
+                return False
             if state.attention_layers is not None and layer not in state.attention_layers:
                 exact += 1
-                continue
+                return False
+            return True
+
+        for node in state.joint.graph.nodes:
+            if node.target is operator.getitem or not is_fused_attention(node) or not chosen(node):
+                continue  # a getitem carries its op's original_aten: count the op once
             if dropout_probability(node):
                 skipped += 1
                 continue
             tag_must_recompute([node, *(u for u in node.users if u.target is operator.getitem)])
             tagged += 1
             seconds += attention_op_seconds(node)
+        chains, unreplayable = eager_attention_chains(state.joint.graph)
+        if state.config.attn_sparsity is not None:  # the probabilities stay saved, for it to prune
+            chains, unreplayable = [], 0
+        eager = [attention for attention in chains if chosen(attention.probabilities)]
+        eager_seconds = 0.0
+        for attention in eager:
+            tag_must_recompute(attention.chain)
+            eager_seconds += forward_seconds(attention.chain, tensor_val(attention.scores).device.type)
         parts = []
         if tagged:
             parts.append(f"{tagged} attention op(s) recomputed in backward (about {seconds * 1000:.2f} ms of "
                          f"attention forward a step at the measured matmul rate)")
+        if eager:
+            parts.append(f"{len(eager)} eager attention probabilities rebuilt in backward from q and k (about "
+                         f"{eager_seconds * 1000:.2f} ms a step at the measured matmul rate and memory bandwidth)")
         if exact:
             parts.append(f"{exact} left saving q, k, v and the output exact (memory_budget: their q, k and v stay "
                          f"exact)")
@@ -63,5 +90,8 @@ class RecomputeAttention(GraphPass):
         if skipped:
             parts.append(f"{skipped} with dropout left as is")
             unsupported(f"recompute_attention: {parts[-1]}", state.config)
+        if unreplayable:
+            parts.append(f"{unreplayable} eager attention(s) with dropout from a stateful generator left saving their "
+                         "probabilities")
+            unsupported(f"recompute_attention: {parts[-1]}", state.config)
         return "; ".join(parts)
-

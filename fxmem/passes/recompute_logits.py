@@ -16,7 +16,16 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from fxmem.analysis.graph import DTYPE_CASTS, is_view, numel_hint, original_op, storage_bytes, tensor_val
+from fxmem.analysis.graph import (
+    DTYPE_CASTS,
+    is_replayable_pointwise,
+    is_view,
+    numel_hint,
+    original_op,
+    storage_bytes,
+    tensor_args,
+    tensor_val,
+)
 from fxmem.analysis.lora import MATMULS, matmul_operands
 from fxmem.analysis.roles import LOG_SOFTMAXES
 from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
@@ -44,11 +53,13 @@ class RecomputeLogits(GraphPass):
 
 
 def _chain_to_matmul(node: Node) -> list[Node] | None:
-    """[matmul, views/casts...] ending at ``node`` if ``node`` is a matmul's output seen through those."""
+    """[matmul, views/casts/element-wise ops of it alone...] ending at ``node`` if ``node`` is a matmul's output seen
+    through those (soft-capped logits: tanh(logits / cap) * cap)."""
     chain = []
-    while node.op == "call_function" and (is_view(node) or node.target in DTYPE_CASTS):
+    while node.op == "call_function" and (is_view(node) or node.target in DTYPE_CASTS or (
+            is_replayable_pointwise(node) and len(tensor_args(node)) == 1)):
         chain.append(node)
-        node = node.all_input_nodes[0]
+        node = tensor_args(node)[0] if not is_view(node) else node.all_input_nodes[0]
     if node.op != "call_function" or node.target not in MATMULS:
         return None
     lhs, _ = matmul_operands(node)
