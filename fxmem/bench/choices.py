@@ -29,7 +29,9 @@ CONTEXT_BASELINES = ("eager", "compile", "compile-budget", "compile-checkpointin
 CONTEXT_PRESETS = ("exact", "hyclora-4bit")
 
 # bench/coverage.py's families (transformers' model_type of each)
-COVERAGE_FAMILIES = ("llama", "qwen2", "gemma", "phi3", "phi", "gpt_neox", "gpt2", "opt", "bert")
+COVERAGE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "gemma", "gemma2", "gemma3_text", "granite",
+                     "starcoder2", "phi3", "phi", "gpt_neox", "gpt2", "opt", "bert")
+COVERAGE_DTYPES = ("fp32", "bf16")
 
 # bench/recipes.py: issue 46's recipe matrix
 RECIPES = ("plain", "dropout", "autocast", "packed", "accumulation", "qlora")

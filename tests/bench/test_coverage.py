@@ -96,12 +96,14 @@ def test_the_command_tables_each_family_against_llama(monkeypatch, capsys, tmp_p
     from fxmem.cli.bench import coverage as command
     assert len(FAMILIES) >= 8
     json_path = tmp_path / "c.json"
-    assert cli.main(["bench", "coverage", "--families", "gpt2", "--steps", "2", "--json", str(json_path)]) == 0
+    assert cli.main(["bench", "coverage", "--families", "gpt2", "--presets", "hyclora-4bit", "--dtypes", "bf16",
+                     "--steps", "2", "--json", str(json_path)]) == 0
     printed = capsys.readouterr().out
     assert "gpt2" in printed and "vs llama" in printed and "Conv1D" in printed and "after 2 steps" in printed
     results = json.loads(json_path.read_text())["results"]
-    assert [r["family"] for r in results] == [command.REFERENCE, "gpt2"]
+    assert [(r["family"], r["dtype"]) for r in results] == [(command.REFERENCE, "bf16"), ("gpt2", "bf16")]
+    assert all(r["fidelity"]["compared"] > 0 and r["fidelity"]["zero_in_reference"] == 0 for r in results)
     assert all(r["saved_bytes"] < r["eager_bytes"] for r in results)
-    # trained: LoRA B has left zero, so the gradients differ from the initialisation's and so does their fidelity
+    # trained: the adapters moved, so the gradients differ from the initial weights' and so does their fidelity
     assert all(r["steps"] == 2 and r["trained_fidelity"]["min_cosine"] != r["fidelity"]["min_cosine"]
                for r in results)
