@@ -28,7 +28,8 @@ def assert_same(reference, candidate, rtol=1e-5, atol=1e-7):
 @pytest.mark.parametrize("family", ["llama", "bert", "gpt2"])
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_exact_matches_torch_compile(family, lora):
-    model, batch = tiny_model(family, lora=lora)
+    # one block: a second repeats the first's ops (inductor's compile time grows with the graph)
+    model, batch = tiny_model(family, lora=lora, layers=1)
     reference = loss_and_grads(torch.compile(model), model, batch)
     torch._dynamo.reset()
     backend = fxmem.backend()
@@ -132,7 +133,7 @@ def test_a_graph_break_gives_two_regions_each_reported():
 
 
 def test_varying_sequence_length_compiles_at_most_twice():
-    model, _ = tiny_model("llama", lora=True)
+    model, _ = tiny_model("llama", lora=True, layers=1)
     backend = fxmem.backend()
     compiled = torch.compile(model, backend=backend)
     for length in (8, 12, 20, 28):

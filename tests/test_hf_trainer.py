@@ -32,7 +32,7 @@ def _token_rows(examples: int = 8, length: int = 16) -> list[dict[str, torch.Ten
 
 def _trainer_losses(tmp_path, with_fxmem: bool) -> tuple[list[float], fxmem.Backend | None]:
     from transformers import Trainer, TrainingArguments
-    model, _ = tiny_model("llama", lora=True)
+    model, _ = tiny_model("llama", lora=True, layers=1)  # one block: the trainers' wiring is tested, not the depth
     backend = fxmem.compile_(model, preset="exact") if with_fxmem else None
     args = TrainingArguments(output_dir=str(tmp_path / str(with_fxmem)), torch_compile=not with_fxmem, **TRAINING)
     return _losses(Trainer(model=model, args=args, train_dataset=_token_rows())), backend
@@ -62,7 +62,7 @@ def _sft_losses(tmp_path, with_fxmem: bool) -> tuple[list[float], fxmem.Backend 
     generator = torch.Generator().manual_seed(0)
     text = Dataset.from_list([{"text": " ".join(f"w{int(i)}" for i in torch.randint(0, 250, (15,), generator=generator))}
                               for _ in range(8)])
-    model, _ = tiny_model("llama", lora=True)
+    model, _ = tiny_model("llama", lora=True, layers=1)
     backend = fxmem.compile_(model, preset="exact") if with_fxmem else None
     args = SFTConfig(output_dir=str(tmp_path / f"sft-{with_fxmem}"), torch_compile=not with_fxmem, max_length=32,
                      **TRAINING)

@@ -44,17 +44,17 @@ def hyclora_settings(bits: Sequence[int] = DEFAULT_BITS) -> list[Setting]:
     settings = [Setting("eager PEFT", "eager"), Setting("torch.compile", "compile")]
     for b in bits:
         # as the presets run them (lora_half_products: a bf16 model's LoRA products in bf16 on tensor cores)
-        paper = Config(bits=b, attn_sparsity=0.05, lora_reorder=True, lora_half_products="auto")
+        paper = Config(bits=b, lora_reorder=True, lora_half_products="auto")
         intra = paper.replace(lora_reorder=False)
         settings += [Setting(f"{b}-bit intra + inter", "fxmem", paper),
                      Setting(f"{b}-bit intra", "fxmem", intra),
                      Setting(f"{b}-bit intra, no outliers", "fxmem",
                              intra.replace(outlier_ratio=0.0, outlier_values=0.0)),
-                     Setting(f"{b}-bit inter", "fxmem", paper.replace(attn_sparsity=None, intra=False)),
+                     Setting(f"{b}-bit inter", "fxmem", paper.replace(intra=False)),
                      Setting(f"{b}-bit intra + inter, rotated", "fxmem", paper.replace(rotation=ROTATION)),
                      Setting(f"{b}-bit intra + inter, stochastic", "fxmem", paper.replace(stochastic_rounding=True)),
                      Setting(f"{b}-bit intra + inter, rebuilt from x", "fxmem", paper.replace(rebuild_from_x=True))]
-    first = Config(bits=bits[0], attn_sparsity=0.05, lora_reorder=True, lora_half_products="auto")
+    first = Config(bits=bits[0], lora_reorder=True, lora_half_products="auto")
     settings.append(Setting(f"{bits[0]}-bit intra + inter, q/k/v {bits[0]}-bit", "fxmem",
                             first.replace(qkv_bits=None)))
     settings.append(Setting(f"{bits[0]}-bit intra + inter, static", "fxmem", first.replace(calibration="static")))

@@ -4,7 +4,7 @@ import pytest
 
 from fxmem.bench.ablation import ablate, hyclora_settings, loract_settings, probe_steps, select_settings
 from fxmem.config import Config
-from tests.conftest import TINY_LLAMA
+from tests.conftest import ONE_LAYER_LLAMA
 
 
 def test_settings_cover_bits_intra_inter_outliers_and_the_papers_static_calibration():
@@ -66,7 +66,8 @@ def test_select_settings_keeps_the_baselines_and_names_the_valid_choices():
 
 def test_ablate_trains_every_setting_on_the_same_batches_and_probes_the_compressed_ones():
     settings = [s for s in hyclora_settings([4]) if s.name in ("eager PEFT", "4-bit intra + inter")]
-    eager, four = ablate(TINY_LLAMA, settings, steps=3, lora_rank=4)
+    # one block: each setting compiles with inductor, and what is tested is the bookkeeping across settings
+    eager, four = ablate(ONE_LAYER_LLAMA, settings, steps=3, lora_rank=4)
     assert eager.losses[0] == pytest.approx(four.losses[0], rel=1e-5)  # the same weights and first batch
     assert four.losses[1:] != eager.losses[1:]  # then each trains with its own gradients
     assert four.saved_bytes * 3 < eager.saved_bytes

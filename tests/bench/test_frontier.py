@@ -3,8 +3,9 @@ import json
 from fxmem import cli
 
 
-def test_frontier_runs_every_point_in_one_process_and_says_which_budget_points_fxmem_beats(tiny_workloads, tmp_path,
-                                                                                         capsys):
+def test_frontier_runs_every_point_in_one_process_and_says_which_budget_points_fxmem_beats(one_layer_workloads,
+                                                                                         tmp_path, capsys):
+    # one block: the command's points, verdicts, JSON and plot are what is tested; each point compiles with inductor
     out, plot = tmp_path / "frontier.json", tmp_path / "frontier.png"
     assert cli.main(["bench", "--frontier", "--workloads", "llama-tiny", "--targets", "0.5", "--steps", "3",
                      "--json", str(out), "--plot", str(plot)]) == 0

@@ -7,7 +7,7 @@ from fxmem import cli
 from fxmem.bench.gpu_check import POINT_KEYS, check_points
 
 
-def test_the_check_runs_its_points_and_writes_the_table_targets_and_profiles(tiny_workloads, tmp_path, capsys):
+def test_the_check_runs_its_points_and_writes_the_table_targets_and_profiles(one_layer_workloads, tmp_path, capsys):
     # on the CPU, for its mechanics: three points, the profiled one among them
     out = tmp_path / "gpu-check.json"
     assert cli.main(["bench", "gpu-check", "--workload", "llama-tiny", "--device", "cpu", "--points", "eager",
@@ -40,7 +40,7 @@ def test_bad_points_are_refused_naming_the_valid_ones(keys, message):
         check_points(keys)
 
 
-def test_a_failing_point_is_reported_and_the_others_still_run(tiny_workloads, monkeypatch):
+def test_a_failing_point_is_reported_and_the_others_still_run(one_layer_workloads, monkeypatch):
     from fxmem.bench import gpu_check
     from fxmem.bench.workloads import get_workload
 

@@ -7,7 +7,8 @@ from fxmem import cli
 from fxmem.bench.profile import launched_kernels
 
 
-def test_profile_times_the_plan_with_and_without_compression_and_lists_its_kernels(tiny_workloads, tmp_path, capsys):
+def test_profile_times_the_plan_with_and_without_compression_and_lists_its_kernels(one_layer_workloads, tmp_path,
+                                                                                    capsys):
     out = tmp_path / "profile.json"
     assert cli.main(["bench", "profile", "--preset", "hyclora-4bit", "--steps", "1", "--top", "500", "--drop-logits",
                      "--json", str(out)]) == 0

@@ -5,7 +5,7 @@ import pytest
 
 from fxmem import cli
 from fxmem.bench.finetune import finetune
-from tests.conftest import TINY_LLAMA
+from tests.conftest import ONE_LAYER_LLAMA
 
 
 def test_inspect_a_config_json(tmp_path, capsys):
@@ -98,7 +98,7 @@ def test_inspect_names_a_missing_model(tmp_path):
 
 
 def test_finetune_command_learns_prints_the_side_by_side_table_and_exact_fxmem_matches_compile(
-        tiny_workloads, monkeypatch, capfd):
+        one_layer_workloads, monkeypatch, capfd):
     from fxmem.bench import finetune as finetune_module
     returned = []
 
@@ -118,12 +118,12 @@ def test_finetune_command_learns_prints_the_side_by_side_table_and_exact_fxmem_m
     assert ours.losses == pytest.approx(compiled.losses, rel=1e-5)
     assert checkpointed.losses == pytest.approx(eager.losses, rel=1e-5)
     # torch.compile saves HF's attention mask as a float32 (batch, 1, seq, seq) tensor; fxmem never builds it
-    mask = TINY_LLAMA.batch * TINY_LLAMA.seq**2 * 4
+    mask = ONE_LAYER_LLAMA.batch * ONE_LAYER_LLAMA.seq**2 * 4
     assert ours.saved_bytes == compiled.saved_bytes - mask and checkpointed.saved_bytes > 0
     assert ours.final_loss < 0.95 * ours.losses[0]  # it really trains
 
 
-def test_bench_runs_every_baseline_and_writes_json_and_markdown(tiny_workloads, tmp_path, capsys):
+def test_bench_runs_every_baseline_and_writes_json_and_markdown(one_layer_workloads, tmp_path, capsys):
     json_path, markdown_path = tmp_path / "bench.json", tmp_path / "bench.md"
     # compile-budget and the compiled checkpointing baselines are tested apart (tests/bench/test_compare.py):
     # compiling them costs a minute each
@@ -138,7 +138,7 @@ def test_bench_runs_every_baseline_and_writes_json_and_markdown(tiny_workloads, 
     assert set(results) == {"eager", "compile", "hf-checkpointing", "fxmem"}
     assert results["eager"]["fidelity"] is None  # the reference
     assert results["fxmem"]["fidelity"]["min_cosine"] > 0.99999
-    mask = TINY_LLAMA.batch * TINY_LLAMA.seq**2 * 4  # saved by torch.compile, never built by fxmem (causal_mask)
+    mask = ONE_LAYER_LLAMA.batch * ONE_LAYER_LLAMA.seq**2 * 4  # saved by torch.compile, never built by fxmem (causal_mask)
     assert results["fxmem"]["saved_bytes"] == results["compile"]["saved_bytes"] - mask
     assert results["hf-checkpointing"]["saved_bytes"] < results["eager"]["saved_bytes"]
     assert all(len(r["step_samples"]) == 3 and r["static_bytes"] > 0 and r["peak_bytes"] > 0

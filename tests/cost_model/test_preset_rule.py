@@ -15,11 +15,14 @@ from tests.conftest import tiny_model
 planner = importlib.import_module("fxmem.cost_model.planner")
 
 
-def _plans(family, config):
+def _per_head_copies(config):
+    """GPT-2's q, k and v copied per head (a view or permute of c_attn's output) and not kept: rebuilt in backward
+    from the projection's output, which is kept exact, or stored as codes."""
     torch._dynamo.reset()
-    model, batch = tiny_model(family, lora=True)
+    model, batch = tiny_model("gpt2", lora=True)
     report = fxmem.inspect(model, **batch, config=config)
-    return {s.name: p for _, s, p in report.rows()}
+    return {s.name: p for _, s, p in report.rows() if s.role is Role.ATTN_QKV and p.action != "keep"
+            and s.name.startswith(("permute", "view"))}
 
 
 @pytest.fixture
@@ -28,26 +31,21 @@ def dear_recompute(monkeypatch):
     monkeypatch.setattr(planner, "recompute_seconds", lambda read, device="cpu": 1.0)
 
 
-def _per_head_copies(plans):
-    # GPT-2's q, k and v copied per head: rebuilt in backward from the projection's output, which is kept exact
-    return {name: p for name, p in plans.items() if name.startswith("permute") and p.action != "keep"}
-
-
 def test_within_a_tier_the_fewest_seconds_per_byte_wins(dear_recompute):
     # q, k and v at qkv_bits=8: their codes and their recomputation are one tier, so the price decides
-    priced = _per_head_copies(_plans("gpt2", fxmem.Config(bits=4)))
+    priced = _per_head_copies(fxmem.Config(bits=4))
     assert len(priced) == 6 and all(p.action == "quantize" and p.bits == 8 for p in priced.values())
 
 
 def test_the_cheaper_exact_option_is_taken():
-    recomputed = _per_head_copies(_plans("gpt2", fxmem.Config(bits=4)))
+    recomputed = _per_head_copies(fxmem.Config(bits=4))
     assert len(recomputed) == 6 and all(p.action == "recompute" and p.nbytes == 0 for p in recomputed.values())
     assert all("against" in p.reason and "ms for its 8-bit codes" in p.reason for p in recomputed.values())
 
 
 def test_an_exact_option_beats_coarser_codes_whatever_it_costs(dear_recompute):
     # at 4 bits the codes are a coarser tier than recomputing them exactly, dear as that is
-    recomputed = _per_head_copies(_plans("gpt2", fxmem.Config(bits=4, qkv_bits=None)))
+    recomputed = _per_head_copies(fxmem.Config(bits=4, qkv_bits=None))
     assert len(recomputed) == 6 and all(p.action == "recompute" and p.seconds == 1.0 for p in recomputed.values())
 
 
