@@ -5,7 +5,8 @@ following linears save anyway, and rebuilds what the norm's backward needs
 from it. Two forms are matched:
 
 - RMSNorm as HF's Llama family writes it (the backward saves the input x and
-  rstd): output = gamma * (x * rstd), so x = output / gamma / rstd.
+  rstd): output = gamma * (x * rstd), so x = output / gamma / rstd; gamma a
+  weight, or a weight plus a constant (Gemma's 1 + weight).
 - LayerNorm decomposed by AOTAutograd (the backward saves x_hat = (x - mean)
   * rstd and rstd): output = x_hat * gamma (+ beta), so x_hat = (output -
   beta) / gamma.
@@ -31,7 +32,7 @@ class NormUnit:
     x: Node  # what the norm's backward saves: RMSNorm's input, or LayerNorm's x_hat
     normalized: Node  # the normalized value that gamma scales, in the compute dtype
     rstd: Node | None  # RMSNorm: 1 / sqrt(mean(x**2, -1) + eps), one per row; None when x is already normalized
-    gamma: Node  # the weight, a graph input of shape (hidden,)
+    gamma: Node  # the scale, of shape (hidden,): a graph input, or one plus a constant
     beta: Node | None  # LayerNorm's bias, a graph input of shape (hidden,)
     output: Node  # normalized * gamma (+ beta): what the following linears read
 
@@ -61,9 +62,26 @@ def _is_rstd_of(stat: Node, x_forms: list[Node]) -> bool:
     return False
 
 
+def scale_source(scale: Node) -> tuple[Node, list[Node]] | None:
+    """(weight, ops) where ``scale`` is a graph input ``weight``, or made from it alone by ``ops`` (first to last):
+    casts and adding a constant (Gemma's RMSNorm scales by 1 + weight). Backward replays ``ops`` on the weight, a
+    parameter it keeps for free. None if ``scale`` is made otherwise."""
+    ops = []
+    while scale.op == "call_function" and (scale.target in DTYPE_CASTS or _adds_a_constant(scale)):
+        ops.append(scale)
+        scale = tensor_args(scale)[0]
+    return (scale, ops[::-1]) if scale.op == "placeholder" else None
+
+
+def _adds_a_constant(node: Node) -> bool:
+    return (node.target in (aten.add.Tensor, aten.add.Scalar) and not node.kwargs and len(tensor_args(node)) == 1
+            and isinstance(node.args[1 if node.args[0] is tensor_args(node)[0] else 0], int | float))
+
+
 def _is_weight(node: Node, width: int) -> bool:
+    """``node`` is a (width,) scale made from a graph input alone (``scale_source``)."""
     val = tensor_val(node)
-    return node.op == "placeholder" and val is not None and val.dim() == 1 and val.shape[0] == width
+    return val is not None and val.dim() == 1 and val.shape[0] == width and scale_source(node) is not None
 
 
 def _scaled_output(normalized: Node, x: Node) -> tuple[Node, Node, Node | None] | None:

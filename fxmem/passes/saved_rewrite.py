@@ -18,8 +18,9 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxmem.analysis.graph import storage_base, view_chain
+from fxmem.analysis.graph import storage_base, tensor_args, view_chain
 from fxmem.analysis.meta import VALUE
+from fxmem.analysis.norm import scale_source
 from fxmem.analysis.rope import Replay
 from fxmem.analysis.saved import SYMBOLIC, saved_placeholders, stashed_unchecked
 from fxmem.cost_model.plan import Plan
@@ -280,7 +281,7 @@ def rebuild_norm_input(editor: SavedTensorEditor, members: list[Node], plan: Pla
     leading = [None] * (unit.x.meta["val"].dim() - 1)
 
     def compress(graph: torch.fx.Graph, x: Node) -> list[Node]:
-        magnitude = call(graph, aten.abs.default, (unit.gamma,))
+        magnitude = call(graph, aten.abs.default, (_replayed_scale(graph, unit.gamma, scale_source(unit.gamma)[0]),))
         _, ids = call(graph, aten.topk.default, (magnitude, plan.exact_channels, -1, False), outputs=2)
         return [call(graph, aten.index.Tensor, (x, [*leading, ids])), ids]
 
@@ -291,7 +292,8 @@ def rebuild_norm_input(editor: SavedTensorEditor, members: list[Node], plan: Pla
         output = _cast(graph, output_nodes[-1], compute_dtype)
         if unit.beta is not None:
             output = call(graph, aten.sub.Tensor, (output, _cast(graph, editor.save(unit.beta), compute_dtype)))
-        weight = _cast(graph, editor.save(unit.gamma), compute_dtype)
+        weight = _cast(graph, _replayed_scale(graph, unit.gamma, editor.save(scale_source(unit.gamma)[0])),
+                       compute_dtype)
         # gamma == 0 divides by 1 instead: those channels are written back from the exact copy below
         nonzero = call(graph, aten.add.Tensor, (weight, call(graph, aten.eq.Scalar, (weight, 0))))
         x = call(graph, aten.div.Tensor, (output, nonzero))
@@ -302,6 +304,17 @@ def rebuild_norm_input(editor: SavedTensorEditor, members: list[Node], plan: Pla
 
     compress_storage(editor, members, compress, restore)
     return unit.x
+
+
+def _replayed_scale(graph: torch.fx.Graph, scale: Node, weight: Node) -> Node:
+    """A norm's scale made again in ``graph`` from ``weight`` (its weight there) by the ops that make it (Gemma's
+    1 + weight): backward keeps the weight, a parameter, for free, and forward may need the scale before it is
+    made."""
+    value = weight
+    for op in scale_source(scale)[1]:
+        source = tensor_args(op)[0]
+        value = call(graph, op.target, tuple(value if a is source else a for a in op.args), kwargs=dict(op.kwargs))
+    return value
 
 
 def _cast(graph: torch.fx.Graph, node: Node, dtype: torch.dtype) -> Node:

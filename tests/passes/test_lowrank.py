@@ -201,6 +201,25 @@ def test_full_rank_rebuild_and_pre_norm_sharing_give_the_exact_gradients(zero_ga
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
+def test_gemma_norm_inputs_scaled_by_one_plus_weight_are_rebuilt_to_torch_gradients(monkeypatch):
+    """Gemma's RMSNorm scales by 1 + weight, a scale the graph computes (not a graph input): at full rank its inputs
+    rebuilt as output / (1 + weight) / rstd, with a channel where 1 + weight == 0, give torch's gradients."""
+    _no_byte_limit(monkeypatch)
+    model, batch = tiny_model("gemma", lora=True)
+    randomize_lora_b(model)
+    with torch.no_grad():
+        for layer in model.base_model.model.model.layers:
+            layer.input_layernorm.weight[3] = -1
+    _, _, exact_grads = _exact(model, batch)
+    torch._dynamo.reset()
+    backend = fxmem.Backend(fxmem.Config(lowrank=10_000), lowering="eager")
+    _, _, grads = compiled_step(model, batch, backend)
+    shared = [p for _, s, p in backend.report().rows() if p.action == "prenorm" and s.nbytes > 0]
+    assert len(shared) == 3 and all(p.reason.startswith("rebuilt as output / gamma / rstd") for p in shared)
+    for name, grad in exact_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
+
+
 def test_layer_norm_x_hat_is_rebuilt_from_the_output_minus_beta_over_gamma(monkeypatch):
     """GPT-2's decomposed LayerNorm saves x_hat; at full rank, rebuilt as (output - beta) / gamma with a gamma == 0
     channel, the gradients are torch's. Dropout off: the decomposition draws random rows, which would shift the
