@@ -80,6 +80,13 @@ def tiny_model(family: str, *, lora: bool, attn: str = "sdpa", seed: int = 0, lo
             num_key_value_heads=kv_heads, head_dim=16, vocab_size=256, attn_implementation=attn, use_cache=False))
         batch, targets = {"input_ids": ids, "labels": ids}, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj"]
+    elif family == "qwen3":  # an RMSNorm over each head of q and k, before RoPE
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        model = Qwen3ForCausalLM(Qwen3Config(
+            hidden_size=64, intermediate_size=172, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=kv_heads, head_dim=16, vocab_size=256, attn_implementation=attn, use_cache=False))
+        batch, targets = {"input_ids": ids, "labels": ids}, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj"]
     elif family == "bert":
         model = BertForSequenceClassification(BertConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, vocab_size=256))

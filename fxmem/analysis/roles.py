@@ -21,6 +21,7 @@ from fxmem.analysis.graph import (
     aten,
     is_floating,
     is_reduced_shape,
+    is_view,
     module_path,
     numel_hint,
     original_op,
@@ -249,6 +250,34 @@ def eager_attention_operand(matmul: Node, storage: Node) -> str | None:
     return None
 
 
+# What lies between a per-head norm's input and attention's operand: the norm (its products with rstd and the
+# weight), RoPE (products, sums, negation, concatenation), casts and copies. A matmul ends the search.
+_NORM_TO_ATTENTION = frozenset({"mul", "add", "neg", "cat", "clone", "expand", "_to_copy", "convert_element_type"})
+
+
+def normalized_into_attention(base: Node, depth: int = 12) -> str | None:
+    """'q', 'k' or 'v' where ``base``, a norm's input, reaches attention as that operand through its norm and RoPE
+    alone (Qwen3's, OLMo-2's and Gemma-3's q/k norms); else None."""
+    frontier, seen = [base], {base}
+    for _ in range(depth):
+        next_frontier = []
+        for current in frontier:
+            storage = storage_base(current)
+            for user in users_through_views(current):
+                operands = forward_attention_operands(user)
+                for position, arg in enumerate(operands[:3]):
+                    if isinstance(arg, Node) and storage_base(arg) is storage:
+                        return "qkv"[position]
+                operand = eager_attention_operand(user, storage)
+                if operand is not None:
+                    return operand
+                if original_op(user) in _NORM_TO_ATTENTION and user not in seen:
+                    seen.add(user)
+                    next_frontier.append(user)
+        frontier = next_frontier
+    return None
+
+
 def _lora_base_output(f: TensorFacts) -> Match | None:
     consumer = f.base.meta.get(LORA_REORDERED)
     if consumer is not None:
@@ -462,10 +491,16 @@ def _from_softmax(node: object) -> bool:
 
 
 def _is_rms_input(node: object) -> bool:
-    """x in x * rsqrt(mean(x**2, -1) + eps), possibly through a dtype cast."""
+    """x in x * rsqrt(mean(x**2, -1) + eps), possibly through a view (a norm over each head: Qwen3's and Gemma-3's
+    q/k norms) and a dtype cast."""
     if not isinstance(node, Node):
         return False
-    candidates = [node] + [u for u in node.users if u.target in DTYPE_CASTS]
+    forms, stack = [node], [node]
+    while stack:
+        views = [u for u in stack.pop().users if is_view(u)]
+        forms += views
+        stack += views
+    candidates = forms + [u for x in forms for u in x.users if u.target in DTYPE_CASTS]
     for x in candidates:
         for square in x.users:
             is_square = (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2) or \

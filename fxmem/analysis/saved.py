@@ -25,7 +25,14 @@ from fxmem.analysis.lora import LoraLinear, find_lora_linears
 from fxmem.analysis.meta import BLOCK_SOURCE, LORA_REORDERED
 from fxmem.analysis.norm import NormUnit, norm_unit
 from fxmem.analysis.recompute import pointwise_rebuild, product_rebuild
-from fxmem.analysis.roles import FREES_NOTHING, Role, TensorFacts, classify, reads_as_rebuild_input
+from fxmem.analysis.roles import (
+    FREES_NOTHING,
+    Role,
+    TensorFacts,
+    classify,
+    normalized_into_attention,
+    reads_as_rebuild_input,
+)
 from fxmem.analysis.rope import Replay, attention_input_replay
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)  # the values of a graph's symbolic (non-tensor) nodes
@@ -56,7 +63,8 @@ class SavedRecord:
     storage: str  # node that allocated its storage
     shares_storage_with: str | None
     rebuilt_for: str | None = None  # lora_reorder's consumer ('silu', 'q', ...) when backward rebuilds from it
-    feeds_attention: str | None = None  # 'q', 'k' or 'v': attention's input, saved as it is or rebuilt from it
+    # 'q', 'k' or 'v': attention's input, saved as it is, rebuilt from it, or normalized into it (a q/k norm's input)
+    feeds_attention: str | None = None
 
     @property
     def frees_memory(self) -> bool:
@@ -183,7 +191,8 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             norm=norm_unit(base) if role is Role.NORM_INPUT else None, rebuilt_for=rebuilt_for,
             recompute=pointwise_rebuild(base, saved_bases) if frees else None,
             rebuild_product=product_rebuild(base, saved_bases) if frees and role is Role.LORA_BASE_OUTPUT else None,
-            feeds_attention=_attention_operand(role, detail, rebuilt_for)))
+            feeds_attention=_attention_operand(role, detail, rebuilt_for) or (
+                normalized_into_attention(base) if role is Role.NORM_INPUT else None)))
     outputs = fw.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]
     output_storages = frozenset(storage_base(n).name for n in outputs if isinstance(n, Node))
     # the chunked MLP's backward replays its gate and up products from its input, the chunked norm is recomputed

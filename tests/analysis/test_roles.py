@@ -69,6 +69,21 @@ def test_llama_eager_attention_roles():
     assert details(report, Role.ATTN_QKV) == {"q": LAYERS, "k": LAYERS, "v": LAYERS}
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_norm_over_each_head_of_q_and_k_is_a_norm_input_that_feeds_attention(attn):
+    # Qwen3's q/k norms normalize a per-head view of the projection's output (they were of unknown role, kept whole);
+    # their input reaches attention through the norm and RoPE alone, so it is held at qkv_bits as q and k are
+    report, saved, _ = inspect_tiny("qwen3", lora=True, attn=attn)
+    per_head = [s for s in saved if s.role is Role.NORM_INPUT and s.feeds_attention]
+    assert sorted(s.feeds_attention for s in per_head) == ["k"] * LAYERS + ["q"] * LAYERS
+    assert {s.module.rsplit(".", 1)[-1] for s in per_head} == {"q_proj", "k_proj"}
+    torch._dynamo.reset()
+    model, batch = tiny_model("qwen3", lora=True, attn=attn)
+    plans = {s.name: p for _, s, p in fxmem.inspect(model, **batch, config=fxmem.Config.from_preset(
+        "hyclora-2bit")).rows()}
+    assert all(plans[s.name].action == "quantize" and plans[s.name].bits == 8 for s in per_head)
+
+
 def test_bert_roles_with_dropout_and_layer_norm():
     report, _, roles = inspect_tiny("bert", lora=True)
     assert roles[Role.DROPOUT_MASK] >= 3 * LAYERS  # attention probs, attention output, FFN output
