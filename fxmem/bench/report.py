@@ -1,7 +1,7 @@
-"""`fxmem bench report`: docs/benchmarks.md written from the result files of one commit, and a history apart.
+"""`fxmem bench report`: docs/benchmarks.md written from the result files of chosen commits, and a history apart.
 
-The page holds every result file (benchmarks/results/*.json, as `--json` writes them) whose fxmem commit is the
-chosen one, each as its table with the command that makes it, the machine and the date; the README's figures are
+The page holds every result file (benchmarks/results/*.json, as `--json` writes them) whose fxmem commit is one of
+the chosen ones, each as its table with the command that makes it, the machine and the date; the README's figures are
 the page's summary, written between two markers. Every other result file goes to the history, newest first. A
 file whose commit carries a '+' ran with uncommitted changes: it is history whatever its commit.
 """
@@ -88,25 +88,29 @@ class Report:
     summary: str  # the README's block, between README_START and README_END
 
 
-def build(files: Sequence[ResultFile], commit: str, *, links_from: pathlib.Path, history_path: pathlib.Path,
-          command: str) -> Report:
-    """The page of ``commit``'s result files (links relative to ``links_from``, the page's folder), the history
-    of the others, and the README's summary.
+def build(files: Sequence[ResultFile], commits: Sequence[str], *, links_from: pathlib.Path,
+          history_path: pathlib.Path, command: str) -> Report:
+    """The page of the result files of ``commits`` (links relative to ``links_from``, the page's folder), the
+    history of the others, and the README's summary. Each section says its commit: an experiment rerun at a later
+    commit (a change that moves only its figures) joins the page without rerunning the others.
 
-    Raises ValueError when no renderable result file has that commit, naming the commits that have one."""
-    on_page = [f for f in files if _same_commit(f.commit, commit) and f.kind in RENDERERS]
-    if not on_page:
-        commits = sorted({f.commit for f in files if f.kind in RENDERERS and not f.commit.endswith("+")})
-        raise ValueError(f"no result file of a kind the page shows ({', '.join(RENDERERS)}) was measured at "
-                         f"commit {commit!r}; commits with one: {', '.join(commits) or 'none'}")
+    Raises ValueError when no renderable result file has one of those commits, naming the commits that have one."""
+    on_page = []
+    for asked in commits:
+        found = [f for f in files if _same_commit(f.commit, asked) and f.kind in RENDERERS]
+        if not found:
+            known = sorted({f.commit for f in files if f.kind in RENDERERS and not f.commit.endswith("+")})
+            raise ValueError(f"no result file of a kind the page shows ({', '.join(RENDERERS)}) was measured at "
+                             f"commit {asked!r}; commits with one: {', '.join(known) or 'none'}")
+        on_page += [f for f in found if f not in on_page]
     on_page.sort(key=lambda f: (list(RENDERERS).index(f.kind), f.path.name))
-    commit = on_page[0].commit
+    commit = ", ".join(dict.fromkeys(f.commit for f in on_page))
     sections = [_rendered(f) for f in on_page]
     summary = _summary(on_page)
     machines = sorted({f.machine for f in on_page})
     lines = ["# Benchmarks", "",
-             (f"Written by `{command}` from the result files in benchmarks/results/ measured at fxmem commit "
-             f"{commit} (do not edit by hand: rerun the commands below, then the report). Older results: "
+             (f"Written by `{command}` from the result files in benchmarks/results/ measured at fxmem "
+             f"commit{'s' if ',' in commit else ''} {commit} (do not edit by hand: rerun the commands below, then the report). Older results: "
              f"[{history_path.name}]({_relative(history_path, links_from)})."), "",
              f"Machine{'s' if len(machines) > 1 else ''}: {'; '.join(machines)}.", "", *_HOW_TO_READ, "",
              "## Summary", "", *summary, ""]
@@ -117,7 +121,7 @@ def build(files: Sequence[ResultFile], commit: str, *, links_from: pathlib.Path,
                   *section, ""]
     history = ["# Benchmark history", "",
                (f"Every result file in benchmarks/results/ not on the current page ([benchmarks.md]"
-               f"({_relative(links_from / 'benchmarks.md', history_path.parent)}), commit {commit}), newest first, "
+               f"({_relative(links_from / 'benchmarks.md', history_path.parent)}), {commit}), newest first, "
                "with the command that wrote it and where and when it ran. A commit with '+' ran with uncommitted "
                "changes. The pages written by hand before the report, with the tables of these runs and what each "
                "change was for, are beside this file."), "",
@@ -289,6 +293,8 @@ def _summary(files: Sequence[ResultFile]) -> list[str]:
                                "published bound", "gradients compared"), fidelity)]
     if context := _context_summary(files):
         lines += ["", *context]
+    if families := _coverage_summary(files):
+        lines += ["", *families]
     return lines
 
 
@@ -422,6 +428,71 @@ def _context_summary(files: Sequence[ResultFile]) -> list[str]:
                    "tokens vs it", "time per token vs it", "min grad cos (published bound)"), rows) if rows else []
 
 
+# coverage -----------------------------------------------------------------------------------------------------
+
+COVERAGE_REFERENCE = "llama"  # each family's reduction is also given as a share of this one's
+LOSSY_PRESETS = ("hyclora-4bit", "hyclora-2bit")
+
+
+def _coverage_title(file: ResultFile) -> str:
+    return "Model families: saved bytes and gradients"
+
+
+def _coverage_cell(result: dict[str, Any] | None, reference: float | None = None) -> str:
+    """A preset's worst cosine and reduction on a family (with the reduction's share of the reference family's),
+    its published bound marked where missed."""
+    if result is None:
+        return "—"
+    cosine = result["fidelity"]["min_cosine"]
+    _count(result["fidelity"])
+    bound = PUBLISHED_MIN_COSINE.get(result["preset"])
+    if result["preset"] in ROUNDING_ONLY:  # held to rounding; in bf16 no fp32 eager was run to measure it by
+        bound = bound if result["dtype"] == "fp32" else None
+    missed = " (missed)" if bound is not None and cosine < bound else ""
+    share = f" ({result['reduction'] / reference:.0%} of llama's)" if reference else ""
+    return f"{cosine:.4f}{missed}, {result['reduction']:.2f}x{share}"
+
+
+def _coverage_grid(file: ResultFile) -> tuple[list[str], dict[tuple[str, str], dict[str, dict[str, Any]]]]:
+    """The presets measured, and each (family, dtype)'s results by preset, in the order they ran."""
+    grid: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for r in file.results:
+        grid.setdefault((r["family"], r["dtype"]), {})[r["preset"]] = r
+    return list(dict.fromkeys(r["preset"] for r in file.results)), grid
+
+
+def _coverage(file: ResultFile) -> list[str]:
+    presets, grid = _coverage_grid(file)
+    rows = []
+    for (family, dtype), by_preset in grid.items():
+        reference = grid.get((COVERAGE_REFERENCE, dtype), {})
+        eager = next(iter(by_preset.values()))["eager_bytes"]
+        rows.append([family, dtype, format_bytes(eager), *(_coverage_cell(
+            by_preset.get(p), None if family == COVERAGE_REFERENCE else reference.get(p, {}).get("reduction"))
+            for p in presets)])
+    compared = sorted({_count(r["fidelity"]) for r in file.results})
+    return [*_table(("family", "dtype", "eager saved", *presets), rows), "",
+            (f"Each cell: the worst LoRA-gradient cosine against eager PEFT in the same dtype (every one of "
+             f"{', '.join(map(str, compared))} gradients compared, B past init), then eager's saved bytes over "
+             "fxmem's, and that reduction as a share of the Llama family's at the same preset; (missed): below the "
+             "preset's published bound (exact in bf16 is held to no fp32 bound).")]
+
+
+def _coverage_summary(files: Sequence[ResultFile]) -> list[str]:
+    """The lossy presets on every family: worst cosine and fewer saved bytes, per dtype."""
+    lines = []
+    for file in (f for f in files if f.kind == "coverage"):
+        _, grid = _coverage_grid(file)
+        dtypes = list(dict.fromkeys(dtype for _, dtype in grid))
+        columns = [(p, d) for d in dtypes for p in LOSSY_PRESETS if any(p in v for (_, dt), v in grid.items()
+                                                                       if dt == d)]
+        families = list(dict.fromkeys(family for family, _ in grid))
+        rows = [[family, *(_coverage_cell(grid.get((family, d), {}).get(p)) for p, d in columns)]
+                for family in families]
+        lines += _table(("family", *(f"{p}, {d}" for p, d in columns)), rows)
+    return lines
+
+
 @dataclass(frozen=True)
 class Renderer:
     title: Callable[[ResultFile], str]
@@ -430,4 +501,5 @@ class Renderer:
 
 # what the page shows, in its order
 RENDERERS = {"compare": Renderer(_compare_title, _compare), "context": Renderer(_context_title, _context),
-             "frontier": Renderer(_frontier_title, _frontier), "fidelity": Renderer(_fidelity_title, _fidelity)}
+             "frontier": Renderer(_frontier_title, _frontier), "fidelity": Renderer(_fidelity_title, _fidelity),
+             "coverage": Renderer(_coverage_title, _coverage)}

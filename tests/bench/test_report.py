@@ -31,9 +31,9 @@ def result_file(tmp_path: pathlib.Path, name: str, command: str, commit: str, re
 
 def test_the_page_history_and_readme_summary_are_what_the_results_at_the_pages_commit_make(monkeypatch):
     page = (ROOT / "docs/benchmarks.md").read_text()
-    commit = re.search(r"measured at fxmem commit (\S+) ", page).group(1)
+    commits = re.search(r"measured at fxmem commits? (.+?) \(do not edit", page).group(1).split(", ")
     monkeypatch.chdir(ROOT)
-    assert cli.main(["bench", "report", "--commit", commit, "--check"]) == 0
+    assert cli.main(["bench", "report", "--commit", *commits, "--check"]) == 0
     assert page.count("\n") <= PAGE_LIMIT
     readme = (ROOT / "README.md").read_text()
     summary = readme[readme.index(README_START) + len(README_START):readme.index(README_END)].strip()
@@ -66,7 +66,7 @@ def test_the_page_shows_one_commit_and_marks_a_gradient_below_its_bound(tmp_path
     current = result_file(tmp_path, "compare-new.json", command, "abc1234", rows, preset="hyclora-4bit")
     older = result_file(tmp_path, "compare-old.json", command, "0ld0000", rows, preset="hyclora-4bit")
     dirty = result_file(tmp_path, "compare-dirty.json", command, "abc1234+", rows, preset="hyclora-4bit")
-    report = build([current, older, dirty], "abc1234", links_from=tmp_path / "docs",
+    report = build([current, older, dirty], ["abc1234"], links_from=tmp_path / "docs",
                    history_path=tmp_path / "benchmarks/history.md", command="fxmem bench report --commit abc1234")
     assert "compare-new.json" in report.page and "compare-old.json" not in report.page
     assert "compare-old.json" in report.history and "compare-dirty.json" in report.history
@@ -80,15 +80,15 @@ def test_the_page_shows_one_commit_and_marks_a_gradient_below_its_bound(tmp_path
             "0.80x (0.79-0.81), no claim (gradient below its published bound) |") in report.summary
     assert report.summary in report.page
     with pytest.raises(ValueError, match="measured at commit 'fffffff'; commits with one: 0ld0000, abc1234$"):
-        build([current, older, dirty], "fffffff", links_from=tmp_path, history_path=tmp_path / "h.md",
+        build([current, older, dirty], ["fffffff"], links_from=tmp_path, history_path=tmp_path / "h.md",
               command="report")
     # a longer hash names the same commit; a file missing what its table needs is refused by name
-    assert build([current], "abc1234def", links_from=tmp_path, history_path=tmp_path / "h.md",
-                 command="report").page == build([current], "abc1234", links_from=tmp_path,
+    assert build([current], ["abc1234def"], links_from=tmp_path, history_path=tmp_path / "h.md",
+                 command="report").page == build([current], ["abc1234"], links_from=tmp_path,
                                                  history_path=tmp_path / "h.md", command="report").page
     del current.data["results"][0]["step_samples"]
     with pytest.raises(ValueError, match="compare-new.json: not a complete compare result .KeyError"):
-        build([current], "abc1234", links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
+        build([current], ["abc1234"], links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
 
 
 def test_a_cosine_that_did_not_count_its_gradients_is_refused(tmp_path):
@@ -97,7 +97,7 @@ def test_a_cosine_that_did_not_count_its_gradients_is_refused(tmp_path):
     del file.data["results"][1]["fidelity"]["compared"]  # as written before gradient_fidelity counted
     with pytest.raises(ValueError, match="compare-old-format.json: not a complete compare result .KeyError: "
                                          ".compared: the count of gradients compared"):
-        build([file], "abc1234", links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
+        build([file], ["abc1234"], links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
 
 
 def test_the_readme_summary_goes_between_its_markers_only():
@@ -121,7 +121,7 @@ def test_a_context_result_is_tabled_against_the_baseline_that_fits_the_most_toke
     command = "fxmem bench context --workload llama-small --memory-cap 1.5GiB"
     file = result_file(tmp_path, "context.json", command, "abc1234", [], memory_cap=3 << 29)
     file.data["results"] = [r.to_dict() for r in results]
-    report = build([file], "abc1234", links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
+    report = build([file], ["abc1234"], links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
     assert "## Tokens that fit: llama-small under 1.50 GiB" in report.page
     assert "| fxmem hyclora-4bit | 12,288 | 3.00x | 1.50x | 12,416 | 0.999100 | 112 | 0.995 |" in report.page
     assert ("| llama-small | 1.50 GiB | hyclora-4bit | 12,288 | compile-checkpointing-lce 4,096 | 3.00x | 1.50x | "
@@ -141,10 +141,36 @@ def test_exact_in_bf16_is_held_to_bf16_rounding_measured_by_eager_not_to_fp32s_b
                        tokens="random")
     file.data["results"] = [fidelity("eager", 1.0, 0.9998), fidelity("exact", 0.9998, 0.99986),
                             fidelity("runlora", 0.9990, 0.9990), fidelity("hyclora-4bit", 0.9923, 0.9923)]
-    report = build([file], "abc1234", links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
+    report = build([file], ["abc1234"], links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
     # below fp32's 0.9999, yet as close to fp32 eager as eager bf16 itself (0.9998): met
     assert ("| llama3-bf16-small | random token ids | exact | bfloat16 | 0.9998 | bfloat16 rounding: 0.9996 vs fp32 "
             "| 28 |") in report.summary
     assert ("| runlora | bfloat16 | 1.00 MiB | 0.9990 | 28 | lora_A | 0.9990 | bfloat16 rounding: 0.9996 vs fp32 "
             "(missed) |") in report.page
     assert "| hyclora-4bit | bfloat16 | 0.9923 | 0.995 (missed) | 28 |" in report.summary
+
+
+def test_families_are_tabled_per_dtype_against_llamas_reduction_and_join_a_page_of_another_commit(tmp_path):
+    def coverage(family, dtype, preset, cosine, reduction):
+        return {"family": family, "dtype": dtype, "preset": preset, "eager_bytes": 1000,
+                "saved_bytes": int(1000 / reduction), "planned_bytes": int(1000 / reduction), "reduction": reduction,
+                "fidelity": {"min_cosine": cosine, "median_relative_error": 0.01, "worst_parameter": "lora_A",
+                             "compared": 28, "zero_in_reference": 0}, "kept_by_reason": {}, "steps": 0,
+                "trained_fidelity": None}
+
+    results = [coverage("llama", "fp32", "exact", 1.0, 1.5), coverage("llama", "fp32", "hyclora-4bit", 0.997, 8.0),
+               coverage("gemma2", "fp32", "exact", 1.0, 1.2), coverage("gemma2", "fp32", "hyclora-4bit", 0.99, 6.0)]
+    file = result_file(tmp_path, "coverage.json", "fxmem bench coverage --dtypes fp32", "def5678", [])
+    file.data["results"] = results
+    rows = [result("eager", [2.0, 2.0, 2.0]), result("fxmem", [1.0, 1.0, 1.0], cosine=0.999, bound=0.995)]
+    compare = result_file(tmp_path, "compare.json", "fxmem bench --workloads llama-tiny", "abc1234", rows)
+    report = build([compare, file], ["abc1234", "def5678"], links_from=tmp_path, history_path=tmp_path / "h.md",
+                   command="report")
+    assert "measured at fxmem commits abc1234, def5678 (do not edit" in report.page
+    assert "## Model families: saved bytes and gradients" in report.page and "fxmem at def5678" in report.page
+    assert "| gemma2 | fp32 | 1000 B | 1.0000, 1.20x (80% of llama's) | 0.9900 (missed), 6.00x (75% of llama's) |" \
+        in report.page
+    assert "| gemma2 | 0.9900 (missed), 6.00x |" in report.summary  # the lossy presets, in the README
+    with pytest.raises(ValueError, match="measured at commit 'fffffff'"):
+        build([compare, file], ["abc1234", "fffffff"], links_from=tmp_path, history_path=tmp_path / "h.md",
+              command="report")

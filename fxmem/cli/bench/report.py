@@ -1,4 +1,4 @@
-"""`fxmem bench report`: docs/benchmarks.md from the result files of one commit, the history apart, the README's
+"""`fxmem bench report`: docs/benchmarks.md from the result files of chosen commits, the history apart, the README's
 summary."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ NAME = "report"
 
 
 def add_parser(experiments: argparse._SubParsersAction) -> None:
-    parser = experiments.add_parser(NAME, help="write docs/benchmarks.md from benchmarks/results/*.json at one "
-                                               "commit, the history of the others, and the README's summary")
-    parser.add_argument("--commit", required=True,
-                        help="the fxmem commit whose results make the page (as the result files record it)")
+    parser = experiments.add_parser(NAME, help="write docs/benchmarks.md from benchmarks/results/*.json at chosen "
+                                               "commits, the history of the others, and the README's summary")
+    parser.add_argument("--commit", required=True, nargs="+",
+                        help="the fxmem commits whose results make the page (as the result files record them); "
+                             "each section says its own")
     parser.add_argument("--results", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--page", type=pathlib.Path, default=pathlib.Path("docs/benchmarks.md"))
     parser.add_argument("--history", type=pathlib.Path, default=pathlib.Path("docs/history/results.md"))
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         report = build(load_results(args.results), args.commit, links_from=args.page.parent,
-                       history_path=args.history, command=f"fxmem bench report --commit {args.commit}")
+                       history_path=args.history, command=f"fxmem bench report --commit {' '.join(args.commit)}")
         readme = with_summary(args.readme.read_text(), report.summary)
     except (ValueError, OSError) as error:
         console.print(f"[red]{error}[/red]")
@@ -42,13 +43,13 @@ def run(args: argparse.Namespace) -> int:
     lines = report.page.count("\n")
     if lines > PAGE_LIMIT:
         console.print(f"[red]the page would be {lines} lines, over {PAGE_LIMIT}: keep fewer result files at "
-                      f"commit {args.commit}[/red]")
+                      f"commits {', '.join(args.commit)}[/red]")
         return 2
     outputs = {args.page: report.page, args.history: report.history, args.readme: readme}
     if args.check:
         stale = [str(path) for path, text in outputs.items() if not path.exists() or path.read_text() != text]
         for path in stale:
-            console.print(f"{path} differs from what the results at {args.commit} make")
+            console.print(f"{path} differs from what the results at {', '.join(args.commit)} make")
         return 1 if stale else 0
     for path, text in outputs.items():
         path.write_text(text)
