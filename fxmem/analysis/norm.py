@@ -2,7 +2,7 @@
 
 LoRAct's pre-norm sharing (section 3.3) saves only the output, which the
 following linears save anyway, and rebuilds what the norm's backward needs
-from it. Two forms are matched:
+from it. Three forms are matched:
 
 - RMSNorm as HF's Llama family writes it (the backward saves the input x and
   rstd): output = gamma * (x * rstd), so x = output / gamma / rstd; gamma a
@@ -10,6 +10,9 @@ from it. Two forms are matched:
 - LayerNorm decomposed by AOTAutograd (the backward saves x_hat = (x - mean)
   * rstd and rstd): output = x_hat * gamma (+ beta), so x_hat = (output -
   beta) / gamma.
+- LayerNorm over a half-precision x, upcast inside the norm (the backward
+  saves x, mean and rstd; the output cast back to x's dtype): x = (output -
+  beta) / gamma / rstd + mean.
 
 This module finds the pieces; the planner decides and ``passes/lowrank.py``
 rewrites.
@@ -17,6 +20,7 @@ rewrites.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,7 +38,8 @@ class NormUnit:
     rstd: Node | None  # RMSNorm: 1 / sqrt(mean(x**2, -1) + eps), one per row; None when x is already normalized
     gamma: Node  # the scale, of shape (hidden,): a graph input, or one plus a constant
     beta: Node | None  # LayerNorm's bias, a graph input of shape (hidden,)
-    output: Node  # normalized * gamma (+ beta): what the following linears read
+    output: Node  # normalized * gamma (+ beta), or its cast to x's dtype: what the following linears read
+    mean: Node | None = None  # LayerNorm over x itself: each row's mean, added back after dividing by rstd
 
 
 def _casts_of(node: Node) -> list[Node]:
@@ -96,8 +101,47 @@ def _scaled_output(normalized: Node, x: Node) -> tuple[Node, Node, Node | None] 
             other = [a for a in tensor_args(shifts[0]) if a is not scaled]
             if len(other) == 1 and _is_weight(other[0], width):
                 output, beta = shifts[0], other[0]
+        # a norm computed in float32 over a half-precision x: the linears read its output cast back to x's dtype
+        casts = [u for u in output.users if u.target in DTYPE_CASTS and tensor_val(u).dtype == tensor_val(x).dtype]
+        if tensor_val(output).dtype != tensor_val(x).dtype and len(casts) == 1:
+            output = casts[0]
         if tuple(tensor_val(output).shape) == tuple(tensor_val(x).shape):
             return output, gamma, beta
+    return None
+
+
+def _layer_norm_of_x(x_forms: list[Node], x: Node) -> NormUnit | None:
+    """The LayerNorm over ``x`` itself (its forms: x and its casts) as decomposed for a half-precision x:
+    ((x - mean) * rstd) * gamma + beta, mean and rsqrt(var + eps) from one var_mean over the last dimension."""
+    for form in x_forms:
+        for centered in form.users:
+            if centered.target is not aten.sub.Tensor or centered.args[0] is not form:
+                continue
+            stats = _row_var_mean(centered.args[1], form)
+            if stats is None:
+                continue
+            for normalized, rstd in _products([centered]):
+                if rstd.target is not aten.rsqrt.default or not any(
+                        p.target is operator.getitem and p.args == (stats, 0)
+                        for p in walk_back(rstd, through=(aten.rsqrt.default, aten.add.Tensor), depth=3)):
+                    continue
+                found = _scaled_output(normalized, x)
+                if found is not None:
+                    output, gamma, beta = found
+                    return NormUnit(x=x, normalized=normalized, rstd=rstd, gamma=gamma, beta=beta, output=output,
+                                    mean=centered.args[1])
+    return None
+
+
+def _row_var_mean(mean: object, form: Node) -> Node | None:
+    """The var_mean over ``form``'s last dimension whose mean ``mean`` is; None if it is not one."""
+    if not (isinstance(mean, Node) and mean.target is operator.getitem and mean.args[1] == 1):
+        return None
+    stats = mean.args[0]
+    last = (-1, tensor_val(form).dim() - 1)
+    if (stats.target is aten.var_mean.correction and stats.args[0] is form and len(stats.args) > 1
+            and list(stats.args[1]) in ([d] for d in last)):
+        return stats
     return None
 
 
@@ -120,4 +164,4 @@ def norm_unit(x: Node) -> NormUnit | None:
         found = _scaled_output(normalized, x)
         if found is not None and found[2] is None:
             return NormUnit(x=x, normalized=normalized, rstd=rstd, gamma=found[1], beta=None, output=found[0])
-    return None
+    return _layer_norm_of_x(x_forms, x)

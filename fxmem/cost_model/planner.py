@@ -606,11 +606,13 @@ def _prenorm(owner: SavedTensor, analysis: Analysis, output: str, output_plan: P
     val = tensor_val(unit.x)
     width = val.shape[-1]
     exact = max(1, math.ceil(PRENORM_EXACT_SHARE * width))
-    rstd_saved = unit.rstd is None or storage_base(unit.rstd).name in analysis.saved_storages
-    nbytes = prenorm_bytes(numel_hint(val) // width, exact, val.element_size()) + (
-        0 if rstd_saved else storage_bytes(tensor_val(unit.rstd)))
+    # rstd and mean saved for the rebuild where backward does not keep them as they are
+    added = [n for n in (unit.rstd, unit.mean) if n is not None and storage_base(n).name not in analysis.saved_storages]
+    nbytes = prenorm_bytes(numel_hint(val) // width, exact, val.element_size()) + sum(
+        storage_bytes(tensor_val(n)) for n in added)
     formula = "(output - beta) / gamma" if unit.beta is not None else "output / gamma"
     formula += " / rstd" if unit.rstd is not None else ""
+    formula += " + mean" if unit.mean is not None else ""
     # element-wise from the output backward reads anyway: the rebuilt input written and read once
     seconds = recompute_seconds(storage_bytes(val), str(val.device))
     return Plan("prenorm", f"rebuilt as {formula} from {output}'s {_stored_as(output_plan)}; {exact} smallest-|gamma| "

@@ -299,6 +299,8 @@ def rebuild_norm_input(editor: SavedTensorEditor, members: list[Node], plan: Pla
         x = call(graph, aten.div.Tensor, (output, nonzero))
         if unit.rstd is not None:
             x = call(graph, aten.div.Tensor, (x, editor.save(unit.rstd)))
+        if unit.mean is not None:
+            x = call(graph, aten.add.Tensor, (x, editor.save(unit.mean)))
         x = _cast(graph, x, x_dtype)
         return call(graph, aten.index_put.default, (x, [*leading, ids], exact))
 

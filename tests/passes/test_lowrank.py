@@ -244,6 +244,26 @@ def test_layer_norm_x_hat_is_rebuilt_from_the_output_minus_beta_over_gamma(monke
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
+def test_a_half_precision_layer_norms_input_is_rebuilt_from_its_output_adding_back_the_mean():
+    """In bf16 GPT-2's LayerNorms upcast inside the norm and their backward saves x itself, with mean and rstd: at
+    full rank its inputs rebuilt as (output - beta) / gamma / rstd + mean give the gradients of exact fxmem to the
+    rounding of the bf16 output they are rebuilt from."""
+    model, batch = tiny_model("gpt2", lora=True, dtype=torch.bfloat16)
+    randomize_lora_b(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    _, _, exact_grads = _exact(model, batch)
+    torch._dynamo.reset()
+    backend = fxmem.Backend(fxmem.Config(bits=8, lora_reorder=True, rebuild_from_x=True), lowering="eager")
+    saved, _, grads = compiled_step(model, batch, backend)
+    shared = [p for _, s, p in backend.report().rows() if p.action == "prenorm" and s.nbytes > 0]
+    assert len(shared) == 3 and all(p.reason.startswith("rebuilt as (output - beta) / gamma / rstd + mean")
+                                    for p in shared)
+    assert saved == backend.report().planned_bytes
+    assert gradient_fidelity(exact_grads, grads).min_cosine > 0.999
+
+
 def test_with_bits_and_lowrank_each_tensor_gets_the_plan_with_fewer_bytes():
     model, batch = _llama()
     plans = {}
