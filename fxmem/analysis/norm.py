@@ -38,7 +38,7 @@ class NormUnit:
     rstd: Node | None  # RMSNorm: 1 / sqrt(mean(x**2, -1) + eps), one per row; None when x is already normalized
     gamma: Node  # the scale, of shape (hidden,): a graph input, or one plus a constant
     beta: Node | None  # LayerNorm's bias, a graph input of shape (hidden,)
-    output: Node  # normalized * gamma (+ beta), or its cast to x's dtype: what the following linears read
+    output: Node  # normalized * gamma (+ beta), or its one cast: what the following linears read
     mean: Node | None = None  # LayerNorm over x itself: each row's mean, added back after dividing by rstd
 
 
@@ -101,9 +101,10 @@ def _scaled_output(normalized: Node, x: Node) -> tuple[Node, Node, Node | None] 
             other = [a for a in tensor_args(shifts[0]) if a is not scaled]
             if len(other) == 1 and _is_weight(other[0], width):
                 output, beta = shifts[0], other[0]
-        # a norm computed in float32 over a half-precision x: the linears read its output cast back to x's dtype
-        casts = [u for u in output.users if u.target in DTYPE_CASTS and tensor_val(u).dtype == tensor_val(x).dtype]
-        if tensor_val(output).dtype != tensor_val(x).dtype and len(casts) == 1:
+        # the linears read the output through one cast: a norm computed in float32 over a half-precision x, cast
+        # back to x's dtype; or autocast's cast of a float32 model's norm output to its compute dtype
+        casts = [u for u in output.users if u.target in DTYPE_CASTS]
+        if len(casts) == 1 and len(output.users) == 1:
             output = casts[0]
         if tuple(tensor_val(output).shape) == tuple(tensor_val(x).shape):
             return output, gamma, beta

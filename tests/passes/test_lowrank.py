@@ -264,6 +264,29 @@ def test_a_half_precision_layer_norms_input_is_rebuilt_from_its_output_adding_ba
     assert gradient_fidelity(exact_grads, grads).min_cosine > 0.999
 
 
+def test_under_autocast_norm_inputs_are_rebuilt_from_the_cast_their_linears_read():
+    """autocast casts a float32 model's norm output to bf16 before its linears: the norm's input is rebuilt from
+    that cast's codes as in a plain model (it was stored at 4 bits), the gradients within the preset's bound."""
+    model, batch = tiny_model("llama", lora=True)
+    randomize_lora_b(model)
+
+    def gradients(forward):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = forward(**batch).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    reference = gradients(model)
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit"), lowering="eager")
+    grads = gradients(torch.compile(model, backend=backend))
+    norms = [p for _, s, p in backend.report().rows() if s.role is Role.NORM_INPUT and s.nbytes
+             and p.reason != "kept exact: loss_input"]
+    assert len(norms) == 3 and all(p.action == "prenorm" for p in norms)
+    assert gradient_fidelity(reference, grads).min_cosine > 0.995
+
+
 def test_with_bits_and_lowrank_each_tensor_gets_the_plan_with_fewer_bytes():
     model, batch = _llama()
     plans = {}
