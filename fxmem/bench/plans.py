@@ -2,7 +2,7 @@
 benchmarks/plans.json and compared against it, so that a change that moves a plan shows in the diff of its commit.
 
 Each configuration is a tiny model (PEFT LoRA r=8 on every linear of a random-weight transformers model: Llama with
-4, 2 or 1 key/value heads, BERT, GPT-2; hidden 64, 2 layers, dropout off), a Config (a preset and overrides, strict: a fallback
+4, 2 or 1 key/value heads, Qwen3, Gemma, BERT, GPT-2; hidden 64, 2 layers, dropout off), a Config (a preset and overrides, strict: a fallback
 fails the dump instead of dumping the plan that fell back) and a batch of random token ids. ``dump`` traces each with
 ``fxmem.inspect`` (eager lowering: seconds a model) and keeps, per region and per saved tensor that frees memory (the
 tensors inspect's table lists), the plan's structural fields: the tensor's role and bytes, the plan's action and
@@ -50,7 +50,8 @@ WRITE_COMMAND = "fxmem bench plans --write"
 REFERENCE_MACHINE = {"memory_bandwidth": 20e9, "matmul_rate": 100e9, "runlora_time": "runlora='flops' orders"}
 
 # Each family's LoRA targets: every linear of its blocks (GPT-2's Conv1D store W transposed: fan_in_fan_out)
-_LORA_TARGETS = {"llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+_DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LORA_TARGETS = {"llama": _DECODER_LINEARS, "qwen3": _DECODER_LINEARS, "gemma": _DECODER_LINEARS,
                  "bert": ("query", "key", "value", "dense"), "gpt2": ("c_attn", "c_proj", "c_fc")}
 
 
@@ -70,21 +71,29 @@ class TinyModel:
         from transformers import (
             BertConfig,
             BertForSequenceClassification,
+            GemmaConfig,
+            GemmaForCausalLM,
             GPT2Config,
             GPT2LMHeadModel,
             LlamaConfig,
             LlamaForCausalLM,
+            Qwen3Config,
+            Qwen3ForCausalLM,
         )
 
         torch.manual_seed(0)
         generator = torch.Generator().manual_seed(1)
         ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
         batch_inputs = {"input_ids": ids, "labels": ids}
+        decoder = {"hidden_size": HIDDEN, "intermediate_size": 172, "num_hidden_layers": LAYERS,
+                   "num_attention_heads": HEADS, "num_key_value_heads": self.kv_heads, "vocab_size": VOCAB,
+                   "attn_implementation": self.attention, "use_cache": False}
         if self.family == "llama":
-            model = LlamaForCausalLM(LlamaConfig(
-                hidden_size=HIDDEN, intermediate_size=172, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                num_key_value_heads=self.kv_heads, vocab_size=VOCAB, attn_implementation=self.attention,
-                use_cache=False))
+            model = LlamaForCausalLM(LlamaConfig(**decoder))
+        elif self.family == "qwen3":  # an RMSNorm over each head of q and k
+            model = Qwen3ForCausalLM(Qwen3Config(head_dim=HIDDEN // HEADS, **decoder))
+        elif self.family == "gemma":  # RMSNorms scaling by 1 + weight
+            model = GemmaForCausalLM(GemmaConfig(head_dim=HIDDEN // HEADS, **decoder))
         elif self.family == "bert":
             model = BertForSequenceClassification(BertConfig(
                 hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -128,6 +137,7 @@ class PlanConfiguration:
 LLAMA, BERT, GPT2 = TinyModel("llama"), TinyModel("bert"), TinyModel("gpt2")
 GQA2, GQA1 = TinyModel("llama", kv_heads=2), TinyModel("llama", kv_heads=1)
 LLAMA_EAGER, LLAMA_BF16 = TinyModel("llama", attention="eager"), TinyModel("llama", dtype="bfloat16")
+QWEN3, GEMMA, GPT2_BF16 = TinyModel("qwen3", kv_heads=2), TinyModel("gemma"), TinyModel("gpt2", dtype="bfloat16")
 
 CONFIGURATIONS: tuple[PlanConfiguration, ...] = (
     # every preset on Llama
@@ -142,6 +152,8 @@ CONFIGURATIONS: tuple[PlanConfiguration, ...] = (
     PlanConfiguration("gqa2-hyclora-4bit", GQA2, "hyclora-4bit"),
     PlanConfiguration("gqa2-loract", GQA2, "loract", batch=(BATCH, 4 * SEQ)),
     PlanConfiguration("gqa1-hyclora-4bit", GQA1, "hyclora-4bit"),
+    PlanConfiguration("qwen3-hyclora-2bit", QWEN3, "hyclora-2bit"),  # q/k norms: their inputs at qkv_bits
+    PlanConfiguration("gemma-hyclora-4bit", GEMMA, "hyclora-4bit"),  # norm inputs rebuilt through 1 + weight
     PlanConfiguration("bert-exact", BERT),
     PlanConfiguration("bert-hyclora-4bit", BERT, "hyclora-4bit"),
     PlanConfiguration("gpt2-exact", GPT2),
@@ -177,6 +189,7 @@ CONFIGURATIONS: tuple[PlanConfiguration, ...] = (
     PlanConfiguration("eager-attention-hyclora-4bit", LLAMA_EAGER, "hyclora-4bit"),
     PlanConfiguration("bf16-hyclora-4bit", LLAMA_BF16, "hyclora-4bit"),
     PlanConfiguration("bf16-loract", LLAMA_BF16, "loract"),
+    PlanConfiguration("gpt2-bf16-hyclora-4bit", GPT2_BF16, "hyclora-4bit"),  # LayerNorm inputs rebuilt + mean
 )
 CONFIGURATION_NAMES = tuple(c.name for c in CONFIGURATIONS)
 
