@@ -10,12 +10,12 @@ from it. Three forms are matched:
 - LayerNorm decomposed by AOTAutograd (the backward saves x_hat = (x - mean)
   * rstd and rstd): output = x_hat * gamma (+ beta), so x_hat = (output -
   beta) / gamma.
-- LayerNorm over a half-precision x, upcast inside the norm (the backward
-  saves x, mean and rstd; the output cast back to x's dtype): x = (output -
-  beta) / gamma / rstd + mean.
+- LayerNorm over x itself, as decomposed for a half-precision x upcast
+  inside the norm (the backward saves x, mean and rstd; the output cast back
+  to x's dtype): x = (output - beta) / gamma / rstd + mean.
 
-This module finds the pieces; the planner decides and ``passes/lowrank.py``
-rewrites.
+This module finds the pieces; the planner decides and
+``passes/saved_rewrite.rebuild_norm_input`` rewrites.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ LAYER_NORMS = frozenset({"native_layer_norm", "layer_norm"})
 
 @dataclass(frozen=True)
 class NormUnit:
-    x: Node  # what the norm's backward saves: RMSNorm's input, or LayerNorm's x_hat
+    x: Node  # what the norm's backward saves: RMSNorm's input, LayerNorm's x_hat, or LayerNorm's x itself
     normalized: Node  # the normalized value that gamma scales, in the compute dtype
-    rstd: Node | None  # RMSNorm: 1 / sqrt(mean(x**2, -1) + eps), one per row; None when x is already normalized
-    gamma: Node  # the scale, of shape (hidden,): a graph input, or one plus a constant
-    beta: Node | None  # LayerNorm's bias, a graph input of shape (hidden,)
+    rstd: Node | None  # 1 / sqrt(mean(x**2, -1) + eps) or 1 / sqrt(var + eps), one per row; None for x_hat
+    gamma: Node  # the scale, of shape (hidden,): made from a graph input by casts and a constant added
+    beta: Node | None  # LayerNorm's bias, of shape (hidden,): made from a graph input as gamma is
     output: Node  # normalized * gamma (+ beta), or its one cast: what the following linears read
     mean: Node | None = None  # LayerNorm over x itself: each row's mean, added back after dividing by rstd
 
@@ -103,7 +103,7 @@ def _scaled_output(normalized: Node, x: Node) -> tuple[Node, Node, Node | None] 
                 output, beta = shifts[0], other[0]
         # the linears read the output through one cast: a norm computed in float32 over a half-precision x, cast
         # back to x's dtype; or autocast's cast of a float32 model's norm output to its compute dtype
-        casts = [u for u in output.users if u.target in DTYPE_CASTS]
+        casts = [u for u in output.users if _is_dtype_cast(u)]
         if len(casts) == 1 and len(output.users) == 1:
             output = casts[0]
         if tuple(tensor_val(output).shape) == tuple(tensor_val(x).shape):
@@ -111,9 +111,15 @@ def _scaled_output(normalized: Node, x: Node) -> tuple[Node, Node, Node | None] 
     return None
 
 
+def _is_dtype_cast(node: Node) -> bool:
+    """A copy that changes the dtype and nothing else (not the device, not the layout)."""
+    return node.target in DTYPE_CASTS and set(node.kwargs) <= {"dtype"}
+
+
 def _layer_norm_of_x(x_forms: list[Node], x: Node) -> NormUnit | None:
-    """The LayerNorm over ``x`` itself (its forms: x and its casts) as decomposed for a half-precision x:
-    ((x - mean) * rstd) * gamma + beta, mean and rsqrt(var + eps) from one var_mean over the last dimension."""
+    """The LayerNorm over ``x`` itself (its forms: x and its casts), as decomposed where backward saves x (a
+    half-precision x): ((x - mean) * rstd) * gamma + beta, mean and rsqrt(var + eps) from one var_mean over the last
+    dimension."""
     for form in x_forms:
         for centered in form.users:
             if centered.target is not aten.sub.Tensor or centered.args[0] is not form:
@@ -141,7 +147,7 @@ def _row_var_mean(mean: object, form: Node) -> Node | None:
     stats = mean.args[0]
     last = (-1, tensor_val(form).dim() - 1)
     if (stats.target is aten.var_mean.correction and stats.args[0] is form and len(stats.args) > 1
-            and list(stats.args[1]) in ([d] for d in last)):
+            and isinstance(stats.args[1], list | tuple) and list(stats.args[1]) in ([d] for d in last)):
         return stats
     return None
 

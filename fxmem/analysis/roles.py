@@ -256,8 +256,9 @@ _NORM_TO_ATTENTION = frozenset({"mul", "add", "neg", "cat", "clone", "expand", "
 
 
 def normalized_into_attention(base: Node, depth: int = 12) -> str | None:
-    """'q', 'k' or 'v' where ``base``, a norm's input, reaches attention as that operand through its norm and RoPE
-    alone (Qwen3's, OLMo-2's and Gemma-3's q/k norms); else None."""
+    """'q', 'k' or 'v' where ``base``, a norm's input, reaches attention as that operand through element-wise
+    products and sums (its norm, RoPE), negation, concatenation, casts and copies, no matmul between (Qwen3's,
+    OLMo-2's and Gemma-3's q/k norms); else None."""
     frontier, seen = [base], {base}
     for _ in range(depth):
         next_frontier = []

@@ -63,8 +63,10 @@ class SavedRecord:
     storage: str  # node that allocated its storage
     shares_storage_with: str | None
     rebuilt_for: str | None = None  # lora_reorder's consumer ('silu', 'q', ...) when backward rebuilds from it
-    # 'q', 'k' or 'v': attention's input, saved as it is, rebuilt from it, or normalized into it (a q/k norm's input)
-    feeds_attention: str | None = None
+    feeds_attention: str | None = None  # 'q', 'k' or 'v': attention's input, saved as it is or rebuilt from it
+    # 'q' or 'k': a norm input that becomes attention's input through its norm and RoPE (a q/k norm's input); held
+    # at qkv_bits as q and k are, while attention itself reads only the norm's output
+    normalized_into: str | None = None
 
     @property
     def frees_memory(self) -> bool:
@@ -191,8 +193,8 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             norm=norm_unit(base) if role is Role.NORM_INPUT else None, rebuilt_for=rebuilt_for,
             recompute=pointwise_rebuild(base, saved_bases) if frees else None,
             rebuild_product=product_rebuild(base, saved_bases) if frees and role is Role.LORA_BASE_OUTPUT else None,
-            feeds_attention=_attention_operand(role, detail, rebuilt_for) or (
-                normalized_into_attention(base) if role is Role.NORM_INPUT else None)))
+            feeds_attention=_attention_operand(role, detail, rebuilt_for),
+            normalized_into=normalized_into_attention(base) if role is Role.NORM_INPUT else None))
     outputs = fw.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]
     output_storages = frozenset(storage_base(n).name for n in outputs if isinstance(n, Node))
     # the chunked MLP's backward replays its gate and up products from its input, the chunked norm is recomputed

@@ -95,6 +95,8 @@ def build(files: Sequence[ResultFile], commits: Sequence[str], *, links_from: pa
     commit (a change that moves only its figures) joins the page without rerunning the others.
 
     Raises ValueError when no renderable result file has one of those commits, naming the commits that have one."""
+    if isinstance(commits, str):
+        raise TypeError(f"commits: a sequence of commits, not one string ({commits!r}: pass [{commits!r}])")
     on_page = []
     for asked in commits:
         found = [f for f in files if _same_commit(f.commit, asked) and f.kind in RENDERERS]
@@ -121,7 +123,8 @@ def build(files: Sequence[ResultFile], commits: Sequence[str], *, links_from: pa
                   *section, ""]
     history = ["# Benchmark history", "",
                (f"Every result file in benchmarks/results/ not on the current page ([benchmarks.md]"
-               f"({_relative(links_from / 'benchmarks.md', history_path.parent)}), {commit}), newest first, "
+               f"({_relative(links_from / 'benchmarks.md', history_path.parent)}), commit{'s' if ',' in commit else ''} "
+               f"{commit}), newest first, "
                "with the command that wrote it and where and when it ran. A commit with '+' ran with uncommitted "
                "changes. The pages written by hand before the report, with the tables of these runs and what each "
                "change was for, are beside this file."), "",
@@ -443,8 +446,8 @@ def _coverage_cell(result: dict[str, Any] | None, reference: float | None = None
     its published bound marked where missed."""
     if result is None:
         return "—"
+    _count(result["fidelity"])  # refuses a figure that did not count its gradients
     cosine = result["fidelity"]["min_cosine"]
-    _count(result["fidelity"])
     bound = PUBLISHED_MIN_COSINE.get(result["preset"])
     if result["preset"] in ROUNDING_ONLY:  # held to rounding; in bf16 no fp32 eager was run to measure it by
         bound = bound if result["dtype"] == "fp32" else None
@@ -489,7 +492,7 @@ def _coverage_summary(files: Sequence[ResultFile]) -> list[str]:
         families = list(dict.fromkeys(family for family, _ in grid))
         rows = [[family, *(_coverage_cell(grid.get((family, d), {}).get(p)) for p, d in columns)]
                 for family in families]
-        lines += _table(("family", *(f"{p}, {d}" for p, d in columns)), rows)
+        lines += [*([""] if lines else []), *_table(("family", *(f"{p}, {d}" for p, d in columns)), rows)]
     return lines
 
 

@@ -257,7 +257,7 @@ def _quantizable(group: list[SavedTensor], config: Config) -> bool:
 def _configured_bits(owner: SavedTensor, config: Config) -> int:
     if _lowest_bits(owner) > config.bits:
         return _lowest_bits(owner)  # rebuild_refusal's width, unless replayed from x
-    if config.qkv_bits is not None and owner.feeds_attention is not None:
+    if config.qkv_bits is not None and (owner.feeds_attention or owner.normalized_into) is not None:
         return config.qkv_bits
     if config.linear_input_bits is not None and Role.LINEAR_INPUT in (owner.role, *owner.also):
         return max(config.bits, config.linear_input_bits)
@@ -578,7 +578,7 @@ def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], confi
 
 def _prenorm_choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], plans: dict[str, Plan],
                      analysis: Analysis, config: Config, tables_saved: set[str]) -> list[_Choice]:
-    """A norm's saved input (RMSNorm's input, LayerNorm's x_hat) rebuilt from its output: from the output's factors
+    """A norm's saved input (RMSNorm's input, LayerNorm's x_hat or x) rebuilt from its output: from the output's factors
     with ``prenorm_sharing`` (LoRAct's pre-norm sharing); with ``rebuild_from_x`` from the output's codes at
     REBUILD_SOURCE_BITS, the output raised to them where it is a linear's input (as rebuild_from_x holds every x)."""
     unit = owner.norm
@@ -999,7 +999,7 @@ def _lowest_bits(owner: SavedTensor) -> int:
 
 
 def _sensitivity(owner: SavedTensor) -> int:
-    if owner.feeds_attention is not None:
+    if (owner.feeds_attention or owner.normalized_into) is not None:
         return 3
     if Role.LINEAR_INPUT in (owner.role, *owner.also):
         return 2

@@ -262,7 +262,7 @@ def trace_into(graph: Graph, function: Callable[..., Any], inputs: Sequence[Node
 def rebuild_norm_input(editor: SavedTensorEditor, members: list[Node], plan: Plan,
                        rebuilt: dict[Node, list[Node]]) -> Node:
     """A ``prenorm`` plan: save only the norm input's exact channels (the smallest |gamma|) and their ids, plus
-    rstd if backward did not keep it, and rebuild the input in backward from its output as restored there
+    rstd (and a LayerNorm's mean) if backward did not keep them, and rebuild the input in backward from its output as restored there
     (``rebuilt``: forward storage -> the backward nodes that restore it, which read only saved tensors)."""
     unit = plan.norm
     if unit.output not in rebuilt:
@@ -288,10 +288,11 @@ def rebuild_norm_input(editor: SavedTensorEditor, members: list[Node], plan: Pla
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
         exact, ids = parts
         # Saved only now, once compress_storage has checked that backward can rebuild the members: parameters
-        # cost nothing to keep, and rstd only what the plan priced.
+        # cost nothing to keep, and rstd and mean only what the plan priced.
         output = _cast(graph, output_nodes[-1], compute_dtype)
         if unit.beta is not None:
-            output = call(graph, aten.sub.Tensor, (output, _cast(graph, editor.save(unit.beta), compute_dtype)))
+            beta = _replayed_scale(graph, unit.beta, editor.save(scale_source(unit.beta)[0]))
+            output = call(graph, aten.sub.Tensor, (output, _cast(graph, beta, compute_dtype)))
         weight = _cast(graph, _replayed_scale(graph, unit.gamma, editor.save(scale_source(unit.gamma)[0])),
                        compute_dtype)
         # gamma == 0 divides by 1 instead: those channels are written back from the exact copy below
@@ -309,9 +310,9 @@ def rebuild_norm_input(editor: SavedTensorEditor, members: list[Node], plan: Pla
 
 
 def _replayed_scale(graph: torch.fx.Graph, scale: Node, weight: Node) -> Node:
-    """A norm's scale made again in ``graph`` from ``weight`` (its weight there) by the ops that make it (Gemma's
-    1 + weight): backward keeps the weight, a parameter, for free, and forward may need the scale before it is
-    made."""
+    """A norm's scale or bias made again in ``graph`` from ``weight`` (its parameter there) by the ops that make it
+    (Gemma's 1 + weight, a cast): backward keeps the parameter for free, and forward may need the scale before it
+    is made."""
     value = weight
     for op in scale_source(scale)[1]:
         source = tensor_args(op)[0]

@@ -73,9 +73,10 @@ def test_llama_eager_attention_roles():
 def test_a_norm_over_each_head_of_q_and_k_is_a_norm_input_that_feeds_attention(attn):
     # Qwen3's q/k norms normalize a per-head view of the projection's output (they were of unknown role, kept whole);
     # their input reaches attention through the norm and RoPE alone, so it is held at qkv_bits as q and k are
-    report, saved, _ = inspect_tiny("qwen3", lora=True, attn=attn)
-    per_head = [s for s in saved if s.role is Role.NORM_INPUT and s.feeds_attention]
-    assert sorted(s.feeds_attention for s in per_head) == ["k"] * LAYERS + ["q"] * LAYERS
+    _, saved, _ = inspect_tiny("qwen3", lora=True, attn=attn)
+    per_head = [s for s in saved if s.role is Role.NORM_INPUT and s.normalized_into]
+    assert sorted(s.normalized_into for s in per_head) == ["k"] * LAYERS + ["q"] * LAYERS
+    assert not [s for s in per_head if s.feeds_attention]  # attention reads the norm's output, not them
     assert {s.module.rsplit(".", 1)[-1] for s in per_head} == {"q_proj", "k_proj"}
     torch._dynamo.reset()
     model, batch = tiny_model("qwen3", lora=True, attn=attn)

@@ -28,6 +28,19 @@ def _exact(model, batch):
     return compiled_step(model, batch, fxmem.Backend(lowering="eager"))
 
 
+def _rebuilt_at_full_rank_as_exact(model, batch, formula: str, count: int = 3) -> None:
+    """At full rank (the factors hold every tensor whole), ``count`` norm inputs rebuilt by ``formula`` give exact
+    fxmem's gradients."""
+    _, _, exact_grads = _exact(model, batch)
+    torch._dynamo.reset()
+    backend = fxmem.Backend(fxmem.Config(lowrank=10_000), lowering="eager")  # clamped to the full width
+    _, _, grads = compiled_step(model, batch, backend)
+    shared = [p for _, s, p in backend.report().rows() if p.action == "prenorm" and s.nbytes > 0]
+    assert len(shared) == count and all(p.reason.startswith(f"rebuilt as {formula}") for p in shared)
+    for name, grad in exact_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
+
+
 def _passes(backend):
     records = [p for r in backend.regions for p in r.passes]
     assert not [p for p in records if p.error], "a pass failed and was rolled back"
@@ -210,14 +223,7 @@ def test_gemma_norm_inputs_scaled_by_one_plus_weight_are_rebuilt_to_torch_gradie
     with torch.no_grad():
         for layer in model.base_model.model.model.layers:
             layer.input_layernorm.weight[3] = -1
-    _, _, exact_grads = _exact(model, batch)
-    torch._dynamo.reset()
-    backend = fxmem.Backend(fxmem.Config(lowrank=10_000), lowering="eager")
-    _, _, grads = compiled_step(model, batch, backend)
-    shared = [p for _, s, p in backend.report().rows() if p.action == "prenorm" and s.nbytes > 0]
-    assert len(shared) == 3 and all(p.reason.startswith("rebuilt as output / gamma / rstd") for p in shared)
-    for name, grad in exact_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
+    _rebuilt_at_full_rank_as_exact(model, batch, "output / gamma / rstd")
 
 
 def test_layer_norm_x_hat_is_rebuilt_from_the_output_minus_beta_over_gamma(monkeypatch):
@@ -234,14 +240,7 @@ def test_layer_norm_x_hat_is_rebuilt_from_the_output_minus_beta_over_gamma(monke
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    _, _, exact_grads = _exact(model, batch)
-    torch._dynamo.reset()
-    backend = fxmem.Backend(fxmem.Config(lowrank=10_000), lowering="eager")
-    _, _, grads = compiled_step(model, batch, backend)
-    shared = [p for _, s, p in backend.report().rows() if p.action == "prenorm" and s.nbytes > 0]
-    assert len(shared) == 3 and all(p.reason.startswith("rebuilt as (output - beta) / gamma") for p in shared)
-    for name, grad in exact_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
+    _rebuilt_at_full_rank_as_exact(model, batch, "(output - beta) / gamma")
 
 
 def test_a_half_precision_layer_norms_input_is_rebuilt_from_its_output_adding_back_the_mean():
