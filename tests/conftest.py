@@ -87,6 +87,12 @@ def tiny_model(family: str, *, lora: bool, attn: str = "sdpa", seed: int = 0, lo
             num_key_value_heads=kv_heads, head_dim=16, vocab_size=256, attn_implementation=attn, use_cache=False))
         batch, targets = {"input_ids": ids, "labels": ids}, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj"]
+    elif family == "opt":  # LayerNorms over the residual flattened to rows before the MLP, learned positions
+        from transformers import OPTConfig, OPTForCausalLM
+        model = OPTForCausalLM(OPTConfig(
+            hidden_size=64, ffn_dim=128, num_hidden_layers=layers, num_attention_heads=4, word_embed_proj_dim=64,
+            vocab_size=256, max_position_embeddings=64, dropout=0.0, attn_implementation=attn, use_cache=False))
+        batch, targets = {"input_ids": ids, "labels": ids}, ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
     elif family == "bert":
         model = BertForSequenceClassification(BertConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, vocab_size=256))

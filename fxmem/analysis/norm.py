@@ -29,6 +29,7 @@ from torch.fx import Node
 from fxmem.analysis.graph import DTYPE_CASTS, aten, original_op, tensor_args, tensor_val, walk_back
 
 LAYER_NORMS = frozenset({"native_layer_norm", "layer_norm"})
+RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,24 @@ class NormUnit:
     rstd: Node | None  # 1 / sqrt(mean(x**2, -1) + eps) or 1 / sqrt(var + eps), one per row; None for x_hat
     gamma: Node  # the scale, of shape (hidden,): made from a graph input by casts and a constant added
     beta: Node | None  # LayerNorm's bias, of shape (hidden,): made from a graph input as gamma is
-    output: Node  # normalized * gamma (+ beta), or its one cast: what the following linears read
+    output: Node  # normalized * gamma (+ beta), or its one cast: what the following linears read; x's shape or a
+    # reshape of it (the rows flattened), which the rebuild reshapes back
     mean: Node | None = None  # LayerNorm over x itself: each row's mean, added back after dividing by rstd
 
 
 def _casts_of(node: Node) -> list[Node]:
     return [node] + [u for u in node.users if u.target in DTYPE_CASTS]
+
+
+def _forms_of(x: Node) -> list[Node]:
+    """``x``, its reshapes that keep the last dimension (OPT flattens the residual to rows before a norm), and the
+    casts of each: what a norm over ``x`` may read."""
+    width = tensor_val(x).shape[-1]
+    # a static shape only: the rebuild reshapes back to it, and a symbolic size has no value in backward's graph
+    static = all(isinstance(size, int) for size in tensor_val(x).shape)
+    reshapes = [u for u in x.users if static and u.target in RESHAPES and tensor_val(u) is not None
+                and tensor_val(u).shape[-1] == width and tensor_val(u).numel() == tensor_val(x).numel()]
+    return [form for node in (x, *reshapes) for form in _casts_of(node)]
 
 
 def _products(factors: list[Node]) -> Iterator[tuple[Node, Node]]:
@@ -106,7 +119,8 @@ def _scaled_output(normalized: Node, x: Node) -> tuple[Node, Node, Node | None] 
         casts = [u for u in output.users if _is_dtype_cast(u)]
         if len(casts) == 1 and len(output.users) == 1:
             output = casts[0]
-        if tuple(tensor_val(output).shape) == tuple(tensor_val(x).shape):
+        out_val, x_val = tensor_val(output), tensor_val(x)
+        if out_val.shape[-1] == width and out_val.numel() == x_val.numel():  # x's shape, or a reshape of it
             return output, gamma, beta
     return None
 
@@ -164,7 +178,7 @@ def norm_unit(x: Node) -> NormUnit | None:
             output, gamma, beta = found
             return NormUnit(x=x, normalized=x, rstd=None, gamma=gamma, beta=beta, output=output)
         return None
-    x_forms = _casts_of(x)
+    x_forms = _forms_of(x)
     for normalized, rstd in _products(x_forms):
         if not _is_rstd_of(rstd, x_forms):
             continue

@@ -303,6 +303,9 @@ def rebuild_norm_input(editor: SavedTensorEditor, members: list[Node], plan: Pla
         if unit.mean is not None:
             x = call(graph, aten.add.Tensor, (x, editor.save(unit.mean)))
         x = _cast(graph, x, x_dtype)
+        x_shape = list(unit.x.meta["val"].shape)
+        if list(x.meta["val"].shape) != x_shape:  # the norm read a reshape of x (norm_unit: a static shape)
+            x = call(graph, aten.view.default, (x, x_shape))
         return call(graph, aten.index_put.default, (x, [*leading, ids], exact))
 
     compress_storage(editor, members, compress, restore)

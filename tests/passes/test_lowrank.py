@@ -263,6 +263,24 @@ def test_a_half_precision_layer_norms_input_is_rebuilt_from_its_output_adding_ba
     assert gradient_fidelity(exact_grads, grads).min_cosine > 0.999
 
 
+def test_a_layer_norm_over_rows_flattened_from_the_residual_has_its_input_rebuilt():
+    """OPT flattens the residual to rows before its MLP's LayerNorm, which then reads a reshape of the saved storage:
+    in bf16 that input (x itself) is rebuilt from the output and reshaped back (it was stored at 4 bits), within
+    0.999 of exact fxmem's gradients and with the bytes planned."""
+    model, batch = tiny_model("opt", lora=True, dtype=torch.bfloat16)
+    randomize_lora_b(model)
+    _, _, exact_grads = _exact(model, batch)
+    torch._dynamo.reset()
+    backend = fxmem.Backend(fxmem.Config(bits=8, lora_reorder=True, rebuild_from_x=True), lowering="eager")
+    saved, _, grads = compiled_step(model, batch, backend)
+    norms = [(s, p) for _, s, p in backend.report().rows() if s.role is Role.NORM_INPUT and s.nbytes
+             and p.reason != "kept exact: loss_input"]
+    assert len(norms) == 3 and all(s.name != s.storage for s, _ in norms)  # each a view of its storage
+    assert all(p.action == "prenorm" for _, p in norms)
+    assert saved == backend.report().planned_bytes
+    assert gradient_fidelity(exact_grads, grads).min_cosine > 0.999
+
+
 def test_under_autocast_norm_inputs_are_rebuilt_from_the_cast_their_linears_read():
     """autocast casts a float32 model's norm output to bf16 before its linears: the norm's input is rebuilt from
     that cast's codes as in a plain model (it was stored at 4 bits), the gradients within the preset's bound."""
