@@ -20,7 +20,9 @@ class Config:
 
     bits: quantize saved activations to 1, 2, 4 or 8 bits; None keeps them as they are.
     qkv_bits: bits for attention's q, k and v when ``bits`` is set (default 8: the softmax amplifies their
-        error; see docs/quantization.md); None quantizes them to ``bits`` like the rest (the paper).
+        error; see docs/quantization.md), and for what reaches them through element-wise ops alone: a q/k norm's
+        input, the q/k/v projections' input (docs/analysis.md); None quantizes them to ``bits`` like the rest (the
+        paper).
     linear_input_bits: the fewest bits for a linear's input when ``bits`` is set: linear inputs are quantized at
         max(bits, linear_input_bits). Default 4: the LoRA A's gradient reads its input with no operator between,
         so the input's error reaches it whole; at 2 bits it was the worst gradient (see docs/quantization.md).

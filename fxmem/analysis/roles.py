@@ -255,10 +255,10 @@ def eager_attention_operand(matmul: Node, storage: Node) -> str | None:
 _NORM_TO_ATTENTION = frozenset({"mul", "add", "neg", "cat", "clone", "expand", "_to_copy", "convert_element_type"})
 
 
-def normalized_into_attention(base: Node, depth: int = 12) -> str | None:
-    """'q', 'k' or 'v' where ``base``, a norm's input, reaches attention as that operand through element-wise
-    products and sums (its norm, RoPE), negation, concatenation, casts and copies, no matmul between (Qwen3's,
-    OLMo-2's and Gemma-3's q/k norms); else None."""
+def reaches_attention(base: Node, depth: int = 12) -> str | None:
+    """'q', 'k' or 'v' where ``base`` reaches attention as that operand through element-wise products and sums (a
+    norm, RoPE, a scaling), negation, concatenation, casts and copies, no matmul between (the input of Qwen3's,
+    OLMo-2's and Gemma-3's q/k norms; a q/k/v projection's output); else None."""
     frontier, seen = [base], {base}
     for _ in range(depth):
         next_frontier = []
@@ -276,6 +276,17 @@ def normalized_into_attention(base: Node, depth: int = 12) -> str | None:
                     seen.add(user)
                     next_frontier.append(user)
         frontier = next_frontier
+    return None
+
+
+def projected_into_attention(base: Node, loras: list[LoraLinear]) -> str | None:
+    """'q', 'k' or 'v' where ``base`` is the input of a LoRA linear whose output reaches attention as that operand
+    (``reaches_attention``): the q/k/v projections' input, whose LoRA A gradients read it; else None."""
+    for lora in loras:
+        if storage_base(lora.x) is base:
+            operand = reaches_attention(lora.output)
+            if operand is not None:
+                return operand
     return None
 
 

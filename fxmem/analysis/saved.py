@@ -30,7 +30,8 @@ from fxmem.analysis.roles import (
     Role,
     TensorFacts,
     classify,
-    normalized_into_attention,
+    projected_into_attention,
+    reaches_attention,
     reads_as_rebuild_input,
 )
 from fxmem.analysis.rope import Replay, attention_input_replay
@@ -64,9 +65,10 @@ class SavedRecord:
     shares_storage_with: str | None
     rebuilt_for: str | None = None  # lora_reorder's consumer ('silu', 'q', ...) when backward rebuilds from it
     feeds_attention: str | None = None  # 'q', 'k' or 'v': attention's input, saved as it is or rebuilt from it
-    # 'q' or 'k': a norm input that becomes attention's input through its norm and RoPE (a q/k norm's input); held
-    # at qkv_bits as q and k are, while attention itself reads only the norm's output
-    normalized_into: str | None = None
+    # 'q', 'k' or 'v' for a tensor that becomes attention's input through a norm and RoPE (a q/k norm's input) or
+    # through a LoRA projection (the q/k/v projections' input); held at qkv_bits as q, k and v are, while attention
+    # itself reads something else
+    reaches_attention: str | None = None
 
     @property
     def frees_memory(self) -> bool:
@@ -194,7 +196,8 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             recompute=pointwise_rebuild(base, saved_bases) if frees else None,
             rebuild_product=product_rebuild(base, saved_bases) if frees and role is Role.LORA_BASE_OUTPUT else None,
             feeds_attention=_attention_operand(role, detail, rebuilt_for),
-            normalized_into=normalized_into_attention(base) if role is Role.NORM_INPUT else None))
+            reaches_attention=(reaches_attention(base) if role is Role.NORM_INPUT else projected_into_attention(
+                base, loras) if Role.LINEAR_INPUT in (role, *(r for r, _ in roles[1:])) else None)))
     outputs = fw.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]
     output_storages = frozenset(storage_base(n).name for n in outputs if isinstance(n, Node))
     # the chunked MLP's backward replays its gate and up products from its input, the chunked norm is recomputed

@@ -257,7 +257,7 @@ def _quantizable(group: list[SavedTensor], config: Config) -> bool:
 def _configured_bits(owner: SavedTensor, config: Config) -> int:
     if _lowest_bits(owner) > config.bits:
         return _lowest_bits(owner)  # rebuild_refusal's width, unless replayed from x
-    if config.qkv_bits is not None and (owner.feeds_attention or owner.normalized_into) is not None:
+    if config.qkv_bits is not None and (owner.feeds_attention or owner.reaches_attention) is not None:
         return config.qkv_bits
     if config.linear_input_bits is not None and Role.LINEAR_INPUT in (owner.role, *owner.also):
         return max(config.bits, config.linear_input_bits)
@@ -999,7 +999,7 @@ def _lowest_bits(owner: SavedTensor) -> int:
 
 
 def _sensitivity(owner: SavedTensor) -> int:
-    if (owner.feeds_attention or owner.normalized_into) is not None:
+    if (owner.feeds_attention or owner.reaches_attention) is not None:
         return 3
     if Role.LINEAR_INPUT in (owner.role, *owner.also):
         return 2

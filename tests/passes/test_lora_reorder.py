@@ -188,13 +188,18 @@ def test_rebuild_from_x_replays_x_w_below_8_bits_and_norm_inputs_from_x_at_8_bit
     for layer in "01":
         assert inputs[f"{layer}.post_attention_layernorm"].bits == 8
         assert inputs[f"{layer}.post_attention_layernorm"].reason.endswith("; an X W rebuilt from it in backward")
-    # layer 1's attention input: no X W replayed from it, but its norm's input is rebuilt from it; layer 0's norm
-    # input (the embedding's output) is not saved: nothing to rebuild, and linear_input_bits holds
-    assert inputs["1.input_layernorm"].bits == 8
-    assert inputs["1.input_layernorm"].reason.endswith("; its norm's input rebuilt from it in backward")
-    assert inputs["0.input_layernorm"].bits == 4
+    # the attention inputs, which the q/k/v projections read, are at qkv_bits
+    assert inputs["1.input_layernorm"].bits == inputs["0.input_layernorm"].bits == 8
     # the final norm's input stays exact: it is the logits' (loss input)
     norms = [p for s, p in rows if s.role is Role.NORM_INPUT]
     assert [p.action for p in norms] == ["prenorm"] * 3 + ["keep"]
     assert all(p.bits == 8 and "8-bit codes" in p.reason and p.nbytes < 200 for p in norms[:3])
     assert results[True][0] < results[False][0] and results[True][1] > results[False][1] + 0.01, results
+    # with qkv_bits=None, the attention inputs are raised to 8 bits as rebuild sources: q, k and v's X W, at 2
+    # bits, are replayed from them
+    torch._dynamo.reset()
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", qkv_bits=None), lowering="eager")
+    compiled_step(model, batch, backend)
+    inputs = {s.module.split("layers.")[1]: p for s, p in _saved_rows(backend) if s.role is Role.LINEAR_INPUT}
+    assert all(inputs[f"{layer}.input_layernorm"].bits == 8 and inputs[f"{layer}.input_layernorm"].reason.endswith(
+        "; an X W rebuilt from it in backward") for layer in "01")

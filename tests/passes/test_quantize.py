@@ -38,12 +38,15 @@ def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
     quantized = {s.role for s, p in rows if p.action == "quantize"}
     assert quantized == {Role.LINEAR_INPUT, Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV}
-    # q, k and v at qkv_bits (8 by default): the softmax amplifies their error; linear inputs at no fewer than
-    # linear_input_bits (4 by default): a LoRA A's gradient reads them directly.
+    # q, k and v at qkv_bits (8 by default): the softmax amplifies their error, and so is the q/k/v projections'
+    # input; other linear inputs at no fewer than linear_input_bits (4 by default): a LoRA A's gradient reads them
+    # directly.
     expected_bits = {Role.ATTN_QKV: 8, Role.LINEAR_INPUT: 4}
-    assert all(p.bits == expected_bits.get(s.role, 2) for s, p in rows if p.action == "quantize")
-    paper = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", lora_reorder=False, linear_input_bits=None),
-                          lowering="eager")
+    assert all(p.bits == (8 if s.reaches_attention else expected_bits.get(s.role, 2)) for s, p in rows
+               if p.action == "quantize")
+    assert len([s for s, _ in rows if s.reaches_attention]) == 2  # one a layer
+    paper = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", lora_reorder=False, linear_input_bits=None,
+                                                   qkv_bits=None), lowering="eager")
     compiled_step(model, batch, paper)
     assert {p.bits for _, s, p in paper.report().rows() if s.role is Role.LINEAR_INPUT and s.nbytes} == {2}
     for saved, plan in rows:
