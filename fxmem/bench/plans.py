@@ -182,6 +182,8 @@ CONFIGURATIONS: tuple[PlanConfiguration, ...] = (
     # memory budgets
     PlanConfiguration("budget-0.6", LLAMA, "exact", (("memory_budget", 0.6),)),
     PlanConfiguration("budget-0.3", LLAMA, "exact", (("memory_budget", 0.3),)),
+    # two layers' equal moves: taken in graph order, whatever PYTHONHASHSEED is
+    PlanConfiguration("qwen3-budget-0.3", QWEN3, "exact", (("memory_budget", 0.3),)),
     PlanConfiguration("budget-0.2", LLAMA, "exact", (("memory_budget", 0.2),)),
     PlanConfiguration("budget-0.3-blocks", LLAMA, "exact", (("memory_budget", 0.3), ("block_checkpoint", True),
                                                             ("block_offload", True))),

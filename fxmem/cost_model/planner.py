@@ -709,6 +709,8 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
             holding.setdefault(storage, set()).add(parts.block.name)
     heap: list[tuple[tuple[int, float, int], int, Option | BlockOption]] = []
     counter = 0
+    # pushed in graph order, blocks last: equal keys then pop by that order, not by a set's (hash-seeded) order
+    position = {unit: index for index, unit in enumerate([*free, *blocks])}
 
     def move(unit: str) -> tuple[tuple[int, float, int], Option | BlockOption] | None:
         if unit in blocks:
@@ -717,7 +719,7 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
 
     def push(units: set[str] | list[str]) -> None:
         nonlocal counter
-        for unit in units:
+        for unit in sorted(units, key=position.__getitem__):
             found = move(unit)
             if found is not None:
                 heapq.heappush(heap, (found[0], counter, found[1]))
