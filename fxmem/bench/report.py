@@ -106,9 +106,11 @@ def build(files: Sequence[ResultFile], commits: Sequence[str], *, links_from: pa
                              f"commit {asked!r}; commits with one: {', '.join(known) or 'none'}")
         on_page += [f for f in found if f not in on_page]
     on_page.sort(key=lambda f: (list(RENDERERS).index(f.kind), f.path.name))
-    commit = ", ".join(dict.fromkeys(f.commit for f in on_page))
+    rank = {f.path: i for i, asked in enumerate(commits) for f in on_page if _same_commit(f.commit, asked)}
+    # in the order asked, oldest first: a later commit's figures supersede an earlier one's in the summary
+    commit = ", ".join(dict.fromkeys(f.commit for f in sorted(on_page, key=lambda f: rank[f.path])))
     sections = [_rendered(f) for f in on_page]
-    summary = _summary(on_page)
+    summary = _summary(sorted(on_page, key=lambda f: -rank[f.path]))
     machines = sorted({f.machine for f in on_page})
     lines = ["# Benchmarks", "",
              (f"Written by `{command}` from the result files in benchmarks/results/ measured at fxmem "
@@ -272,13 +274,16 @@ def _compare(file: ResultFile) -> list[str]:
 
 def _summary(files: Sequence[ResultFile]) -> list[str]:
     """fxmem against each baseline of each compare table, and each preset's gradient fidelity: the README's
-    figures."""
+    figures. ``files`` newest commit first: a workload (and a fidelity batch) measured at several commits is
+    summarized from the newest; the page keeps each file's section."""
     rows = []
+    summarized: set[tuple[str, ...]] = set()
     for file in (f for f in files if f.kind == "compare"):
         for workload, results in _by_workload(_method_results(file)).items():
             ours = next((r for r in results if r.method == "fxmem"), None)
-            if ours is None:
+            if ours is None or ("compare", workload, file.data.get("preset", "exact")) in summarized:
                 continue
+            summarized.add(("compare", workload, file.data.get("preset", "exact")))
             time = claim if ours.meets_fidelity_bound else _no_claim
             rows += [[workload, file.data.get("preset", "exact"),
                       f"{_cosine(ours)} ({_bound(ours)}), {_compared(ours)} gradients", _label(theirs),
@@ -287,10 +292,15 @@ def _summary(files: Sequence[ResultFile]) -> list[str]:
     lines = _table(("workload", "fxmem preset", "fxmem's min grad cos (published bound)", "against",
                     "step peak: fxmem / theirs", "step time: fxmem / theirs"), rows) if rows else [
         "(no compare table at this commit)"]
-    fidelity = [[f.data.get("workload", ""), "random token ids" if f.data.get("tokens") == "random" else "real text",
-                 r["method"], r.get("dtype", ""), *_cosine_and_bound(r, f),
-                 str(_count(r["comparisons"][0]["same_dtype"]))]
-                for f in files if f.kind == "fidelity" for r in f.results if r["method"] in PUBLISHED_MIN_COSINE]
+    fidelity = []
+    for file in (f for f in files if f.kind == "fidelity"):
+        batch = (file.data.get("workload", ""), file.data.get("tokens", ""))
+        if ("fidelity", *batch) in summarized:
+            continue
+        summarized.add(("fidelity", *batch))
+        fidelity += [[batch[0], "random token ids" if batch[1] == "random" else "real text", r["method"],
+                      r.get("dtype", ""), *_cosine_and_bound(r, file), str(_count(r["comparisons"][0]["same_dtype"]))]
+                     for r in file.results if r["method"] in PUBLISHED_MIN_COSINE]
     if fidelity:
         lines += ["", *_table(("workload", "batch", "fxmem preset", "dtype", "min grad cos vs eager, same dtype",
                                "published bound", "gradients compared"), fidelity)]

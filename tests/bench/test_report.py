@@ -91,6 +91,17 @@ def test_the_page_shows_one_commit_and_marks_a_gradient_below_its_bound(tmp_path
         build([current], ["abc1234"], links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
 
 
+def test_a_workload_measured_at_two_commits_is_summarized_from_the_later_one(tmp_path):
+    command = "fxmem bench compare --workloads llama-tiny --preset hyclora-4bit"
+    files = [result_file(tmp_path, f"compare-{commit}.json", command, commit,
+                         [result("eager", [2.0, 2.0, 2.0]), result("fxmem", [1.0, 1.0, 1.0], cosine=cosine, bound=0.995)],
+                         preset="hyclora-4bit") for commit, cosine in (("aaaaaaa", 0.996), ("bbbbbbb", 0.9999))]
+    for commits, shown in ((["aaaaaaa", "bbbbbbb"], "0.999900"), (["bbbbbbb", "aaaaaaa"], "0.996000")):
+        report = build(files, commits, links_from=tmp_path, history_path=tmp_path / "h.md", command="report")
+        assert report.summary.count("| llama-tiny |") == 1 and f"| {shown} (0.995)" in report.summary
+        assert "compare-aaaaaaa.json" in report.page and "compare-bbbbbbb.json" in report.page  # both sections
+
+
 def test_a_cosine_that_did_not_count_its_gradients_is_refused(tmp_path):
     rows = [result("eager", [2.0, 2.0, 2.0]), result("fxmem", [1.0, 1.0, 1.0], cosine=0.99999, bound=0.995)]
     file = result_file(tmp_path, "compare-old-format.json", "fxmem bench --workloads llama-tiny", "abc1234", rows)

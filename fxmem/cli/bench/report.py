@@ -15,8 +15,9 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser = experiments.add_parser(NAME, help="write docs/benchmarks.md from benchmarks/results/*.json at chosen "
                                                "commits, the history of the others, and the README's summary")
     parser.add_argument("--commit", required=True, nargs="+",
-                        help="the fxmem commits whose results make the page (as the result files record them); "
-                             "each section says its own")
+                        help="the fxmem commits whose results make the page (as the result files record them), "
+                             "oldest first: each section says its own, and the summary takes a workload from the "
+                             "latest commit that measured it")
     parser.add_argument("--results", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--page", type=pathlib.Path, default=pathlib.Path("docs/benchmarks.md"))
     parser.add_argument("--history", type=pathlib.Path, default=pathlib.Path("docs/history/results.md"))
