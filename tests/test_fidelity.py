@@ -27,8 +27,9 @@ def test_every_parameter_is_compared_and_every_compressed_tensor_probed(bf16_mod
     assert report.tensors and [t.min_cosine for t in report.tensors] == sorted(t.min_cosine for t in report.tensors)
     assert {t.plan.split(",")[0] for t in report.tensors} <= {"4-bit codes", "8-bit codes",
                                                              "rebuilt from its norm output's 8-bit codes"}
-    # the worst alone is a linear input at 4 bits: the one tensor whose error reaches LoRA A's gradient whole
-    assert (report.tensors[0].role, report.tensors[0].plan) == ("linear_input", "4-bit codes")
+    # each compressed tensor probed once, the worst alone naming the gradient it bends most
+    assert len({(t.region, t.tensor) for t in report.tensors}) == len(report.tensors)
+    assert report.tensors[0].worst_parameter in trainable
     assert report.tensors[0].min_cosine < report.tensors[-1].min_cosine
     assert set(probe.COMPRESSED) == before  # the check's probes are released
     assert all(p.grad is None for p in model.parameters())

@@ -41,7 +41,7 @@ def test_inspect_fidelity_ranks_the_gradients_and_each_compressed_tensor(monkeyp
     assert "Gradients under hyclora-4bit against eager" in printed and "Each compressed tensor alone" in printed
     fidelity = json.loads(out.read_text())["fidelity"]
     assert fidelity["preset"] == "hyclora-4bit" and 0.98 < fidelity["min_cosine"] < 1
-    assert fidelity["tensors"][0]["plan"] == "4-bit codes"
+    assert fidelity["tensors"][0]["plan"] in ("4-bit codes", "8-bit codes")
     assert cli.main(["inspect", "llama3-bf16-small", "--fidelity"]) == 0  # exact: nothing to probe, and it says so
     assert "preset exact compresses nothing; name a lossy one (hyclora-4bit, hyclora-2bit, loract)" in \
         capsys.readouterr().out
