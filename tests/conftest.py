@@ -93,6 +93,13 @@ def tiny_model(family: str, *, lora: bool, attn: str = "sdpa", seed: int = 0, lo
             hidden_size=64, ffn_dim=128, num_hidden_layers=layers, num_attention_heads=4, word_embed_proj_dim=64,
             vocab_size=256, max_position_embeddings=64, dropout=0.0, attn_implementation=attn, use_cache=False))
         batch, targets = {"input_ids": ids, "labels": ids}, ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+    elif family == "mixtral":  # a top-2 router over 4 experts; PEFT's "all-linear" adapts the router and experts
+        from transformers import MixtralConfig, MixtralForCausalLM
+        model = MixtralForCausalLM(MixtralConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=kv_heads, num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
+            attn_implementation=attn, use_cache=False))
+        batch, targets = {"input_ids": ids, "labels": ids}, "all-linear"
     elif family == "bert":
         model = BertForSequenceClassification(BertConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, vocab_size=256))

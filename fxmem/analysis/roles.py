@@ -46,6 +46,7 @@ class Role(str, Enum):
     PRODUCT_INPUT = "product_input"
     ATTN_QKV = "attn_qkv"
     ATTN_PROBS = "attn_probs"
+    ROUTER = "router"
     ATTN_OUT = "attn_out"
     ATTN_MASK = "attn_mask"
     ROPE_TABLE = "rope_table"
@@ -71,6 +72,8 @@ ROLE_DESCRIPTIONS = {
     Role.PRODUCT_INPUT: "operand of an elementwise product of two activations (SwiGLU's up * act(gate))",
     Role.ATTN_QKV: "query, key or value of attention",
     Role.ATTN_PROBS: "attention scores or probabilities (eager attention)",
+    Role.ROUTER: "a mixture-of-experts router's logits, probabilities or chosen weights: a top-k or sort picks from "
+                 "them, so backward must see forward's values",
     Role.ATTN_OUT: "fused attention's output or log-sum-exp",
     Role.ATTN_MASK: "mask or bias added to attention scores",
     Role.ROPE_TABLE: "rotary-embedding cos/sin table",
@@ -220,6 +223,45 @@ def _attention_operands(node: Node) -> tuple[list, bool]:
     if "scaled_dot_product" in name and "backward" in name:
         return list(node.args[1:4]), False  # (grad_out, q, k, v, out, ...)
     return [], False
+
+
+# The discrete choices of a mixture-of-experts router: which experts a token goes to.
+ROUTING_CHOICES = frozenset({"topk", "sort", "argsort", "argmax"})
+
+
+def _router(f: TensorFacts) -> Match | None:
+    """A router's scores, values a top-k (or sort, argmax) chooses from through casts, views and element-wise ops
+    (its softmax or sigmoid, a bias), or the chosen values themselves (renormalized). Before attention's rules: a
+    router's softmax is no attention's."""
+    if not f.val.dtype.is_floating_point:
+        return None
+    if _routes(f.base):
+        return Role.ROUTER, "scores a top-k chooses from"
+    if any(p.target is operator.getitem and isinstance(p.args[0], Node) and original_op(p.args[0]) in
+           ROUTING_CHOICES for p in walk_back(f.base, through=("div", "mul", "sum", "add"), depth=4)):
+        return Role.ROUTER, "the chosen experts' weights"
+    return None
+
+
+# What lies between a router's logits and its top-k: scale, bias, softmax or sigmoid (decomposed or not), casts.
+_TO_ROUTING = frozenset({"add", "sub", "mul", "div", "sigmoid", "exp", "sum", "amax"}) | SOFTMAXES
+
+
+def _routes(node: Node, depth: int = 12) -> bool:
+    """Does ``node``'s value reach a routing choice (ROUTING_CHOICES) through the ops a router applies?"""
+    frontier, seen = [node], {node}
+    for _ in range(depth):
+        next_frontier = []
+        for current in frontier:
+            for user in users_through_views(current):
+                name = original_op(user)
+                if name in ROUTING_CHOICES:
+                    return True
+                if (user.target in DTYPE_CASTS or name in _TO_ROUTING) and user not in seen:
+                    seen.add(user)
+                    next_frontier.append(user)
+        frontier = next_frontier
+    return False
 
 
 def _eager_attention(f: TensorFacts) -> Match | None:
@@ -460,7 +502,8 @@ def _small_or_index(f: TensorFacts) -> Match | None:
 
 
 RULES: tuple[Callable[[TensorFacts], Match | None], ...] = (
-    _parameter, _loss_gradient, _lora_base_output, _dropout_mask, _fused_attention, _lora_intermediate, _eager_attention, _norm,
+    _parameter, _loss_gradient, _lora_base_output, _dropout_mask, _fused_attention, _lora_intermediate, _router,
+    _eager_attention, _norm,
     _activation, _loss_input, _rope_table, _product, _linear_input, _small_or_index, _recompute_source,
 )
 

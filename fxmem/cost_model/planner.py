@@ -55,7 +55,7 @@ QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT
 # Kept exact even when the tensor also serves a quantized role: x @ A carries what LoRA learns, the logits'
 # error would reach every gradient through the loss, and the chunked loss's gradients are gradients. (Fused attention's output, ATTN_OUT, is not in
 # QUANTIZED_ROLES: its backward needs it consistent with q, k, v; see passes/recompute_attention.py.)
-EXACT_ROLES = frozenset({Role.LORA_INTERMEDIATE, Role.LOSS_INPUT, Role.LOSS_GRADIENT})
+EXACT_ROLES = frozenset({Role.LORA_INTERMEDIATE, Role.LOSS_INPUT, Role.LOSS_GRADIENT, Role.ROUTER})
 # Roles LoRAct stores as low-rank factors: their backward needs only the value. Attention's q, k, v too: fused
 # attention is then recomputed in backward from the rebuilt values (passes/recompute_attention.py), q and k
 # factored before RoPE, as (rows, hidden) matrices. Scores, probabilities and eager attention's output are left to
