@@ -227,6 +227,8 @@ def _attention_operands(node: Node) -> tuple[list, bool]:
 
 # The discrete choices of a mixture-of-experts router: which experts a token goes to.
 ROUTING_CHOICES = frozenset({"topk", "sort", "argsort", "argmax"})
+# What lies between a router's logits and its top-k: scale, bias, softmax or sigmoid (decomposed or not), casts.
+_TO_ROUTING = frozenset({"add", "sub", "mul", "div", "sigmoid", "exp", "sum", "amax"}) | SOFTMAXES
 
 
 def _router(f: TensorFacts) -> Match | None:
@@ -235,33 +237,12 @@ def _router(f: TensorFacts) -> Match | None:
     router's softmax is no attention's."""
     if not f.val.dtype.is_floating_point:
         return None
-    if _routes(f.base):
+    if _feeds(f.base, ROUTING_CHOICES, through=_TO_ROUTING, depth=12):
         return Role.ROUTER, "scores a top-k chooses from"
     if any(p.target is operator.getitem and isinstance(p.args[0], Node) and original_op(p.args[0]) in
            ROUTING_CHOICES for p in walk_back(f.base, through=("div", "mul", "sum", "add"), depth=4)):
         return Role.ROUTER, "the chosen experts' weights"
     return None
-
-
-# What lies between a router's logits and its top-k: scale, bias, softmax or sigmoid (decomposed or not), casts.
-_TO_ROUTING = frozenset({"add", "sub", "mul", "div", "sigmoid", "exp", "sum", "amax"}) | SOFTMAXES
-
-
-def _routes(node: Node, depth: int = 12) -> bool:
-    """Does ``node``'s value reach a routing choice (ROUTING_CHOICES) through the ops a router applies?"""
-    frontier, seen = [node], {node}
-    for _ in range(depth):
-        next_frontier = []
-        for current in frontier:
-            for user in users_through_views(current):
-                name = original_op(user)
-                if name in ROUTING_CHOICES:
-                    return True
-                if (user.target in DTYPE_CASTS or name in _TO_ROUTING) and user not in seen:
-                    seen.add(user)
-                    next_frontier.append(user)
-        frontier = next_frontier
-    return False
 
 
 def _eager_attention(f: TensorFacts) -> Match | None:
@@ -523,9 +504,10 @@ def classify(facts: TensorFacts) -> list[Match]:
 _SCORE_PASSTHROUGH = frozenset({"add", "sub", "mul", "div", "where", "masked_fill", "tanh"})
 
 
-def _feeds(node: Node, ops: frozenset[str], depth: int = 8) -> bool:
-    """Does ``node``'s value reach an op in ``ops`` through views, casts and scale/mask pointwise ops?"""
-    frontier = [node]
+def _feeds(node: Node, ops: frozenset[str], depth: int = 8, through: frozenset[str] = _SCORE_PASSTHROUGH) -> bool:
+    """Does ``node``'s value reach an op in ``ops`` through views, casts and the pointwise ops ``through`` (scale and
+    mask by default)?"""
+    frontier, seen = [node], {node}
     for _ in range(depth):
         next_frontier = []
         for current in frontier:
@@ -533,7 +515,8 @@ def _feeds(node: Node, ops: frozenset[str], depth: int = 8) -> bool:
                 name = original_op(user)
                 if name in ops:
                     return True
-                if user.target in DTYPE_CASTS or name in _SCORE_PASSTHROUGH:
+                if (user.target in DTYPE_CASTS or name in through) and user not in seen:
+                    seen.add(user)
                     next_frontier.append(user)
         frontier = next_frontier
     return False
