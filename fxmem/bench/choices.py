@@ -30,7 +30,8 @@ CONTEXT_PRESETS = ("exact", "hyclora-4bit")
 
 # bench/coverage.py's families (transformers' model_type of each)
 COVERAGE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "gemma", "gemma2", "gemma3_text", "granite",
-                     "starcoder2", "phi3", "phi", "gpt_neox", "gpt2", "opt", "bert")
+                     "starcoder2", "phi3", "phi", "gpt_neox", "gpt2", "opt", "bert", "mixtral", "qwen3_moe", "gpt_oss",
+                     "deepseek_v3")
 COVERAGE_DTYPES = ("fp32", "bf16")
 
 # bench/recipes.py: issue 46's recipe matrix

@@ -5,7 +5,8 @@ patterns a rule can miss: separate or fused q/k/v, q/k norms, norms after a
 sublayer, a fused gate+up, partial rotary, a parallel attention+MLP residual,
 scalar multipliers, eager attention with soft-capped scores and a sliding
 window, Conv1D (transposed) weights, GELU, tanh-GELU and ReLU MLPs, LayerNorm
-and learned positions. Each is 2 layers, hidden 128, 4 heads (2 key/value heads
+and learned positions; and four mixtures of experts (a router, stacked experts:
+4 experts, top 2). Each is 2 layers, hidden 128, 4 heads (2 key/value heads
 where the family has grouped-query attention), LoRA r=8 on every linear (PEFT's
 "all-linear"), dropout off, ``use_cache=False``, LoRA B drawn past its zero
 init, one batch of real text (the standard library's source as byte ids), in
@@ -76,6 +77,19 @@ FAMILIES = (
            {"ffn_dim": INTERMEDIATE, "word_embed_proj_dim": HIDDEN}),
     Family("bert", "encoder: separate q/k/v, GELU, LayerNorm, learned positions, masked-LM head with a bias", {},
            masked_lm=True),
+    # mixtures of experts: 4 experts, top 2; PEFT's "all-linear" adapts the router and the experts too
+    Family("mixtral", "MoE: a softmax router, then top-k; experts as stacked weights", {"num_local_experts": 4,
+                                                                                       "num_experts_per_tok": 2}),
+    Family("qwen3_moe", "MoE: q/k norms, top-k probabilities renormalized",
+           {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": INTERMEDIATE, "head_dim": HEAD_DIM,
+            "norm_topk_prob": True}),
+    Family("gpt_oss", "MoE: attention sinks, top-k before the softmax, clamped SwiGLU experts with biases",
+           {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": HEAD_DIM, "sliding_window": WINDOW},
+           attention="eager"),
+    Family("deepseek_v3", "MoE: latent attention (MLA), a sigmoid router with a bias, a shared expert",
+           {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": INTERMEDIATE,
+            "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "q_lora_rank": 64,
+            "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": HEAD_DIM}),
 )
 
 
