@@ -89,7 +89,8 @@ FAMILIES = (
     Family("deepseek_v3", "MoE: latent attention (MLA), a sigmoid router with a bias, a shared expert",
            {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": INTERMEDIATE,
             "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "q_lora_rank": 64,
-            "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": HEAD_DIM}),
+            "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": HEAD_DIM,
+            "num_key_value_heads": HEADS}),  # latent attention makes k and v per head
 )
 
 
@@ -134,10 +135,10 @@ def build(family: Family, dtype: str = "fp32") -> tuple[torch.nn.Module, dict[st
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid dtypes: {', '.join(DTYPES)}")
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family.name, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                                  intermediate_size=INTERMEDIATE, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                                  use_cache=False, **family.settings)
+    shape = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+             "num_key_value_heads": KV_HEADS, "intermediate_size": INTERMEDIATE, "vocab_size": VOCAB,
+             "max_position_embeddings": SEQ, "use_cache": False}
+    config = AutoConfig.for_model(family.name, **{**shape, **family.settings})  # a family's settings win
     for key, value in config.to_dict().items():  # dropout off, whatever the family calls it
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
