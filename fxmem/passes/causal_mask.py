@@ -9,7 +9,7 @@ summary says why.
 from __future__ import annotations
 
 from fxmem.analysis.mask import SDPA_PARAMETERS, CausalMask, find_attention_masks, sdpa_arguments
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code
 
 
 class CausalMaskAttention(GraphPass):
@@ -31,5 +31,5 @@ class CausalMaskAttention(GraphPass):
             lines.append(f"mask {found.mask.name} {' x '.join(map(str, found.shape))} proven causal: "
                          f"{len(found.attention)} attention call(s) run with is_causal=True, the mask never built")
         if rewritten:
-            state.dynamo.graph.eliminate_dead_code()
+            eliminate_dead_code(state.dynamo.graph)
         return "; ".join(lines)

@@ -19,7 +19,7 @@ from fxmem.analysis.loss import example_tensor
 from fxmem.analysis.meta import EXAMPLE_VALUE, MODULE_STACK
 from fxmem.cost_model.auto import chunk_rows
 from fxmem.kernels.chunked_lora_linear import LoraLinear, chunked_lora_linears, workspace_bytes
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code
 
 
 class ChunkLinears(GraphPass):
@@ -54,7 +54,7 @@ class ChunkLinears(GraphPass):
         if not groups:
             return ("no PEFT LoRA linear (no dropout) on a frozen weight (float, or bitsandbytes 4-bit: "
                     f"dequantize_bases), outside a chunked MLP{left}")
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         counts = ", ".join(str(len(group.linears)) for group in groups)
         chunks = "/".join(map(str, sorted(set(sizes))))
         return (f"{sum(len(g.linears) for g in groups)} LoRA linear(s) in {len(groups)} op(s) of one input each "

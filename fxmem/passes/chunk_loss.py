@@ -17,7 +17,7 @@ from torch.fx import GraphModule
 from fxmem.analysis.loss import HeadLoss, UnchunkedLoss, find_head_losses
 from fxmem.cost_model.loss import LossChunks, logits_bytes, loss_chunks
 from fxmem.kernels.linear_cross_entropy import linear_cross_entropy
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code
 
 LOGITS_RETURNED = ("the logits are also a forward output (the model returns them); return_logits=False returns "
                    "an empty tensor in their place and chunks the loss")
@@ -45,7 +45,7 @@ class ChunkLoss(GraphPass):
                          f"{chunks.describe(found.tokens, found.vocab)}; "
                          f"{logits_bytes(found.tokens, found.vocab) / 2**20:.1f} MiB of float32 logits never whole")
         if chunked:  # the head's matmul and the logits' reshapes, now unused
-            state.dynamo.graph.eliminate_dead_code()
+            eliminate_dead_code(state.dynamo.graph)
         return "; ".join(lines)
 
 

@@ -13,7 +13,7 @@ from fxmem.analysis.mlp import LoraLinearNodes, find_swiglu_mlps
 from fxmem.cost_model.auto import chunk_rows
 from fxmem.kernels.chunked_lora_linear import LoraLinear
 from fxmem.kernels.chunked_mlp import chunked_swiglu_mlp, workspace_bytes
-from fxmem.passes.manager import GraphPass, PipelineState, replace_with_call
+from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code, replace_with_call
 
 
 class ChunkMlp(GraphPass):
@@ -33,7 +33,7 @@ class ChunkMlp(GraphPass):
         for each in found:
             replace_with_call(graph, each.output, chunked_swiglu_mlp,
                               (each.x, _linear(each.gate), _linear(each.up), _linear(each.down), rows))
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         wide = mlp.tokens * mlp.width * mlp.element_size
         return (f"{len(found)} SwiGLU MLP(s) of {mlp.tokens} tokens x {mlp.width} in chunks of {rows} tokens: "
                 f"{wide / 2**20:.1f} MiB per MLP-wide tensor never whole, its input the only tensor saved")

@@ -13,7 +13,7 @@ from fxmem.analysis.meta import EXAMPLE_VALUE, RECOMPUTE
 from fxmem.analysis.rms_norm import find_rms_norms
 from fxmem.cost_model.auto import chunk_rows
 from fxmem.kernels.chunked_rms_norm import chunked_rms_norm, workspace_bytes
-from fxmem.passes.manager import GraphPass, PipelineState, replace_with_call
+from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code, replace_with_call
 
 
 class ChunkNorm(GraphPass):
@@ -37,7 +37,7 @@ class ChunkNorm(GraphPass):
             # output would add a tensor of the hidden width where torch's norm saves one value per row (AOTAutograd
             # copies the tag onto the op's joint node)
             chunked.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         wide = norm.tokens * norm.hidden * 4
         return (f"{len(found)} RMSNorm(s) of {norm.tokens} tokens x {norm.hidden} in chunks of {rows} tokens: "
                 f"{wide / 2**20:.1f} MiB per float32 tensor never whole, its input the only tensor saved")

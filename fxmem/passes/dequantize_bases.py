@@ -16,7 +16,7 @@ from torch.fx import Graph, Node
 
 from fxmem.analysis.meta import EXAMPLE_VALUE, MODULE_STACK
 from fxmem.analysis.nf4_bases import Nf4Base, find_nf4_bases
-from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
+from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code, tag_must_recompute
 
 # bitsandbytes' nested quantization scales blocks of 256 absmax values (its gemm_4bit refuses any other)
 _NESTED_BLOCKSIZE = 256
@@ -41,7 +41,7 @@ class DequantizeBases(GraphPass):
                      "dropout)") if left else ""
         if not found:
             return f"no bitsandbytes 4-bit product (gemm_4bit){left_note}"
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         return (f"{len(found)} bitsandbytes 4-bit product(s) as a linear on the weight dequantized by bitsandbytes, "
                 f"recomputed in backward, for the chunked ops to read{left_note}")
 

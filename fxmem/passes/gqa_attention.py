@@ -21,7 +21,7 @@ from fxmem.analysis.gqa import RepeatedHeadsAttention, find_repeated_heads_atten
 from fxmem.analysis.graph import hint
 from fxmem.analysis.loss import example_tensor
 from fxmem.analysis.mask import SDPA_PARAMETERS, sdpa_arguments
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code
 
 
 class GqaAttention(GraphPass):
@@ -41,7 +41,7 @@ class GqaAttention(GraphPass):
             match.attention.kwargs = arguments
         lines = []
         if rewritten:
-            state.dynamo.graph.eliminate_dead_code()
+            eliminate_dead_code(state.dynamo.graph)
             names = ", ".join(sorted({backends[m.attention] for m in rewritten}))
             lines.append(f"{len(rewritten)} attention call(s) read each key and value head once with enable_gqa "
                          f"({names}), not {rewritten[0].repeats} copies of it")

@@ -11,6 +11,7 @@ as inductor would have compiled it: a bug in a pass never breaks a training run.
 from __future__ import annotations
 
 import copy
+import operator
 import time
 import warnings
 from abc import ABC, abstractmethod
@@ -115,6 +116,23 @@ def replace_with_call(graph: Graph, old: Node, function: Any, args: tuple) -> No
     new.meta[MODULE_STACK] = dict(old.meta.get(MODULE_STACK, {}))
     old.replace_all_uses_with(new)
     return new
+
+
+def eliminate_dead_code(graph: Graph) -> None:
+    """fx's dead-code elimination, for a graph dynamo captured: a call of an in-place tensor method or function
+    (``k[..., :r].copy_(x)``, ``mask.scatter_(...)``, named with a trailing underscore) is kept, though nothing
+    reads its result; fx's own test knows aten's schemas, not these calls, and drops them."""
+    graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or _in_place_call(node))
+
+
+def _in_place_call(node: Node) -> bool:
+    if node.op == "call_method":
+        name = node.target
+    elif node.op == "call_function" and getattr(operator, str(getattr(node.target, "__name__", "")), None) is None:
+        name = node.target.__name__  # a torch function (operator's and_, or_ are not in place)
+    else:
+        return False
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
 def joint_primals(graph: Graph) -> frozenset[Node]:

@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import warnings
 
@@ -240,3 +241,34 @@ def test_a_strict_setting_other_than_0_or_1_is_refused(monkeypatch):
         strict(Config())
     with pytest.raises(ValueError, match="strict must be True or False; got 'yes'"):
         Config(strict="yes")
+
+
+def test_dead_code_elimination_keeps_in_place_calls_nothing_reads():
+    # DeepSeek-V3's attention writes its rotary half in place (k[..., :r].copy_(...)), its group routing
+    # scatter_s a mask: fx's own elimination dropped both once a dynamo-stage pass changed the graph (the causal
+    # mask), and the model's loss changed.
+    from fxmem.passes.manager import eliminate_dead_code
+
+    def f(x):
+        y = x.clone()
+        y[:, :2].copy_(x[:, 2:4])
+        y.scatter_(1, torch.zeros(2, 1, dtype=torch.long), 5.0)
+        return y
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(f, backend=capture)(torch.randn(2, 4))
+    fx_only = copy.deepcopy(graphs[0])
+    fx_only.graph.eliminate_dead_code()
+    assert not [n for n in fx_only.graph.nodes if n.target in ("copy_", "scatter_")]  # what went wrong
+    eliminate_dead_code(graphs[0].graph)
+    graphs[0].recompile()
+    assert [n.target for n in graphs[0].graph.nodes if n.op == "call_method"] == ["clone", "copy_", "scatter_"]
+    x = torch.randn(2, 4)
+    (out,) = graphs[0](x)
+    torch.testing.assert_close(out, f(x))
