@@ -108,6 +108,9 @@ LOSS_OPS = LOG_SOFTMAXES | {"linear_cross_entropy"}  # the chunked loss: fxmem.k
 # Pointwise ops that make a hand-written activation (GPT-2's tanh GELU, x * sigmoid(x)).
 NONLINEAR_POINTWISE = frozenset({"tanh", "exp", "sigmoid", "erf", "log1p", "expm1", "sin", "cos"})
 BATCHED_MATMULS = frozenset({aten.bmm.default, aten.baddbmm.default})
+# Matmuls of rows sorted by expert with stacked expert weights (torch's, transformers' fallback, fxmem's LoRA on
+# experts: fxmem/kernels/grouped_lora.py): their first input is the experts' input
+GROUPED_MATMULS = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback", "fxmem::grouped_lora"})
 
 
 def op_argument(node: Node, name: str, default: object = None) -> object:
@@ -450,12 +453,25 @@ def _linear_input(f: TensorFacts) -> Match | None:
             others = len(user.args[1]) - 1
             readers.append(f"chunked LoRA linears: {_short_module(module_path(user))}"
                            + (f" and {others} more" if others else ""))
+        elif schema_name(user.target) in GROUPED_MATMULS and storage_base(user.args[0]) is f.base:
+            readers.append(_short_module(module_path(user)) or "experts")
         elif user.target in MATMULS or user.target in BATCHED_MATMULS:
-            if any(strip(o) in f.params for o in matmul_operands(user) if storage_base(o) is not f.base):
+            if any(_from_parameters(o, f.params) for o in matmul_operands(user) if storage_base(o) is not f.base):
                 readers.append(_short_module(module_path(user)))
     if readers:
         return Role.LINEAR_INPUT, ", ".join(dict.fromkeys(r for r in readers if r))
     return None
+
+
+def _from_parameters(node: object, params: frozenset[Node], depth: int = 6) -> bool:
+    """``node`` is a parameter, or computed from parameters alone (PEFT's merged router weight, W + B A)."""
+    node = strip(node)
+    if node in params:
+        return True
+    if depth == 0 or not isinstance(node, Node) or node.op != "call_function":
+        return False
+    operands = [a for a in node.args if isinstance(a, Node)]
+    return bool(operands) and all(_from_parameters(a, params, depth - 1) for a in operands)
 
 
 def _recompute_source(f: TensorFacts) -> Match | None:

@@ -26,3 +26,13 @@ def test_a_routers_scores_are_kept_exact_where_attention_probabilities_would_be_
     router_grads = [name for name in exact if ".mlp.gate." in name]
     assert len(router_grads) == 2  # the router's LoRA A and B
     assert gradient_fidelity({n: exact[n] for n in router_grads}, {n: grads[n] for n in router_grads}).min_cosine > 0.999
+
+
+def test_the_experts_input_is_a_linear_input():
+    # The experts read their routed rows through a grouped matmul: role unknown before, kept whole by every preset.
+    model, batch = tiny_model("mixtral", lora=True, layers=1)
+    backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit"), lowering="eager")
+    compiled_step(model, batch, backend)
+    inputs = {(s.detail, s.shape, p.action) for _, s, p in backend.report().rows()
+              if s.nbytes and s.role is Role.LINEAR_INPUT}
+    assert ("experts", (64, 64), "quantize") in inputs  # 2 x 16 tokens, each routed to 2 experts
