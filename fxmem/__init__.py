@@ -5,6 +5,7 @@
     fxmem.compile_(model, preset="hyclora-4bit")                      # in place: HF Trainer, TRL
     report = fxmem.inspect(model, **batch)                            # what is saved, and why
     fxmem.check_fidelity(model, batch, preset="hyclora-4bit")         # how far it bends the gradients, and why
+    fxmem.prepare_peft(model)     # PEFT's LoRA on routers and experts: compiled once, experts' LoRA unmerged
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from fxmem.backend import Backend, backend, compile_
     from fxmem.fidelity import FidelityReport, check_fidelity
     from fxmem.inspection import inspect
+    from fxmem.peft_lora import prepare_peft
     from fxmem.report import Report
 
 # The rest of the API imports torch and the compile stack: it loads on first use (PEP 562), so that `fxmem --help`
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 # before anything of theirs can use the ops.
 _LAZY = {"Backend": "fxmem.backend", "backend": "fxmem.backend", "compile_": "fxmem.backend",
          "FidelityReport": "fxmem.fidelity", "check_fidelity": "fxmem.fidelity", "inspect": "fxmem.inspection",
-         "Report": "fxmem.report"}
+         "prepare_peft": "fxmem.peft_lora", "Report": "fxmem.report"}
 
 
 def __getattr__(name: str) -> Any:
@@ -64,4 +66,4 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 __all__ = ["PRESETS", "Backend", "Config", "FallbackError", "FallbackWarning", "FidelityReport", "Report",
-           "__version__", "backend", "check_fidelity", "compile_", "inspect", "measure"]
+           "__version__", "backend", "check_fidelity", "compile_", "inspect", "measure", "prepare_peft"]

@@ -46,6 +46,7 @@ from fxmem.measure import format_bytes
 from fxmem.passes import PassManager, PassRecord, PipelineState
 from fxmem.passes.manager import copy_graph_module, tag_must_recompute
 from fxmem.passes.replay_dropout import SEEDED_DRAW
+from fxmem.peft_lora import prepare_peft
 from fxmem.region import Region
 from fxmem.report import Report
 from fxmem.techniques import default_passes, enabled_techniques
@@ -553,7 +554,9 @@ def compile_(model: torch.nn.Module, preset: str = "exact", **overrides: Any) ->
     """Compile ``model`` in place with fxmem (``nn.Module.compile``) and return the backend, whose ``report()``
     says what it saved. The model keeps its class, attributes and ``forward``'s signature, so HF's Trainer and
     TRL's trainers keep the batch columns ``forward`` names (``torch.compile(model)`` returns a wrapper whose
-    signature is ``*args, **kwargs``: Trainer then drops every column)."""
+    signature is ``*args, **kwargs``: Trainer then drops every column). PEFT's LoRA on routers and experts is
+    prepared first (``fxmem.prepare_peft``)."""
+    prepare_peft(model)
     compiled = backend(preset, **overrides)
     model.compile(backend=compiled)
     return compiled

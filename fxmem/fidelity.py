@@ -24,6 +24,7 @@ from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.kernels import probe as probe_kernel
 from fxmem.measure import cosine_and_error, gradient_fidelity, trainable_gradients
+from fxmem.peft_lora import prepare_peft
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,9 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
     kernels of ``fused_epilogue`` run only then). ``model`` is the plain module, not one already compiled. The
     model's gradients are left cleared; dynamo's caches are reset, before and after; the global RNG is seeded
     (``torch.manual_seed(0)``) before each run, so that random low-rank sketches draw the same in each.
-    Parameters whose exact gradient is zero are listed apart (``zero_gradients``), not compared.
+    Parameters whose exact gradient is zero are listed apart (``zero_gradients``), not compared. The reference is
+    the model as given; PEFT's LoRA on routers and experts is then prepared as ``fxmem.compile_`` prepares it
+    (``fxmem.prepare_peft``, in place), so its rounding is part of what is compared.
     """
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or model._compiled_call_impl is not None:
         raise ValueError("check_fidelity needs the model itself, not a compiled one (torch.compile(model) or "
@@ -120,6 +123,7 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
     loss = loss or _output_loss
     torch._dynamo.reset()
     reference = _gradients(model, lambda: loss(model(**batch)))
+    prepare_peft(model)
     zero = [name for name, gradient in reference.items() if not gradient.any()]
     compared = {name: gradient for name, gradient in reference.items() if name not in zero}
     backend = Backend(config, lowering=lowering, fidelity_probes=per_tensor)

@@ -9,6 +9,7 @@ import torch
 from fxmem.backend import Backend
 from fxmem.config import Config
 from fxmem.passes import PassManager
+from fxmem.peft_lora import prepare_peft
 from fxmem.report import Report
 from fxmem.techniques import default_passes
 
@@ -20,9 +21,11 @@ def inspect(model: torch.nn.Module, *example_args: Any, config: Config | None = 
     The graphs go through the same dynamo, AOTAutograd, decomposition and
     partition steps as a real compile, but run as plain aten graphs instead of
     generated code, so this takes seconds. One forward runs (with grad enabled);
-    no backward and no optimizer step. The model's train/eval mode is respected. Passes that only pick
+    no backward and no optimizer step. The model's train/eval mode is respected; PEFT's LoRA on routers and
+    experts is prepared as ``fxmem.compile_`` prepares it (``fxmem.prepare_peft``, in place). Passes that only pick
     which kernel runs a product (and would time candidates to do it) are left out: they save nothing.
     """
+    prepare_peft(model)
     passes = PassManager([p for p in default_passes() if not p.speed_only])
     backend = Backend(config or Config(), lowering="eager", passes=passes)
     compiled = torch.compile(model, backend=backend)

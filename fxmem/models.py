@@ -46,9 +46,12 @@ def is_causal_lm(config: Any) -> bool:
 def build_lora_model(config: Any, rank: int, dtype: torch.dtype, device: torch.device | str = "meta"
                      ) -> torch.nn.Module:
     """The model of ``config`` (random weights, SDPA attention, no KV cache) in training mode, with LoRA (alpha =
-    rank, dropout 0) on every linear of every block; rank 0: no LoRA (full fine-tuning)."""
+    rank, dropout 0) on every linear of every block, prepared as ``fxmem.compile_`` prepares it
+    (``fxmem.prepare_peft``); rank 0: no LoRA (full fine-tuning)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModel, AutoModelForCausalLM
+
+    from fxmem.peft_lora import prepare_peft
 
     config.use_cache = False
     config._attn_implementation = "sdpa"
@@ -58,6 +61,7 @@ def build_lora_model(config: Any, rank: int, dtype: torch.dtype, device: torch.d
         family = _TARGET_FAMILY.get(config.model_type)
         targets = LORA_TARGETS[family] if family else "all-linear"
         model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=targets))
+        prepare_peft(model)
     model.train()
     return model
 

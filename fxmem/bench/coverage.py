@@ -32,6 +32,7 @@ from fxmem.bench.data import byte_windows, stdlib_bytes
 from fxmem.bench.workloads import draw_lora_b
 from fxmem.config import Config
 from fxmem.measure import Fidelity, gradient_fidelity, model_tensors, saved_bytes_and_gradients
+from fxmem.peft_lora import prepare_peft
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE, VOCAB = 128, 2, 4, 2, 256, 256
 BATCH, SEQ, LORA_RANK = 2, 128, 8
@@ -161,7 +162,8 @@ def batch_of(index: int) -> dict[str, torch.Tensor]:
 
 def measure(family: Family, presets: Sequence[str], *, lowering: str = "eager", steps: int = 0,
             dtype: str = "fp32") -> list[CoverageResult]:
-    """Eager PEFT's bytes and gradients on the family's batch, then fxmem's under each preset, compiled afresh;
+    """Eager PEFT's bytes and gradients on the family's batch, then fxmem's under each preset, compiled afresh
+    (the model prepared as ``fxmem.compile_`` prepares it);
     with ``steps``, each preset then trains its own copy that many steps and is compared again."""
     model, batch = build(family, dtype)
     exclude = model_tensors(model) + list(batch.values())
@@ -170,6 +172,7 @@ def measure(family: Family, presets: Sequence[str], *, lowering: str = "eager", 
         return saved_bytes_and_gradients(model, lambda: forward(**batch).loss, exclude)
 
     eager_bytes, reference = run(model)
+    prepare_peft(model)  # as fxmem.compile_ does: PEFT's parametrized LoRA (routers, experts) made compilable
     results = []
     for preset in presets:
         torch._dynamo.reset()
@@ -189,6 +192,7 @@ def _trained_fidelity(family: Family, preset: str, lowering: str, steps: int, dt
     first batch against eager's at the same weights."""
     torch._dynamo.reset()
     model, first = build(family, dtype)
+    prepare_peft(model)
     compiled = torch.compile(model, backend=Backend(Config.from_preset(preset), lowering=lowering))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
     for step in range(steps):

@@ -1,0 +1,178 @@
+"""PEFT's LoRA on parameters (a router's weight, the experts' stacked weights), made compilable and unmerged.
+
+PEFT adapts a parameter that is not an ``nn.Linear`` (``target_parameters``, or ``"all-linear"`` on a mixture of
+experts) with ``ParamWrapper``: at every forward it registers a ``torch.nn.utils.parametrize`` parametrization that
+adds the adapter to the weight, and removes it after. Registering one makes a new class each time, so dynamo
+recompiles that module at every step (its guards check the module's type) and breaks the graph around it; and the
+experts' weights are merged, ``W + s * lhs @ rhs`` per expert, so autograd keeps a copy of every expert's weight for
+the input's gradient.
+
+``prepare_peft`` gives every outermost ``ParamWrapper`` a forward of its own that registers nothing (its class
+becomes a subclass with that forward):
+- transformers' experts (the modules of ``use_experts_implementation``) run grouped by expert with each adapter
+  applied as its two small products (``fxmem.kernels.grouped_lora``) beside the frozen grouped matmul, so
+  neither the merged weights nor the deltas exist in forward or backward;
+- any other parameter (a router's weight) is merged as PEFT merges it and passed in by ``functional_call``.
+PEFT's own forward runs where these do not apply (adapters disabled or merged, ``adapter_names``, expert
+parallelism), so that the result is PEFT's in every case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fxmem.kernels.grouped_lora import grouped_lora
+
+# The weights transformers' experts read, by the gate they have: ``has_gate`` (a fused gate and up projection) or
+# not; ``down_proj`` in both.
+_EXPERT_WEIGHTS = ({"gate_up_proj", "down_proj"}, {"up_proj", "down_proj"})
+
+
+def prepare_peft(model: torch.nn.Module) -> list[str]:
+    """Give each outermost PEFT ``ParamWrapper`` of ``model`` fxmem's forward (see the module's docstring), in
+    place; return the names of the modules changed (none without PEFT or without parameter LoRA). Calling it again
+    changes nothing. ``fxmem.compile_``, ``fxmem.inspect`` and ``fxmem.check_fidelity`` call it; call it yourself
+    before ``torch.compile(model, backend=...)``."""
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:
+        return []
+    wrappers = {name: module for name, module in model.named_modules() if isinstance(module, ParamWrapper)}
+    inner = {id(module.base_layer) for module in wrappers.values()}
+    changed = []
+    for name, module in wrappers.items():
+        if id(module) in inner or type(module) in _PREPARED.values():
+            continue
+        module.__class__ = _prepared_class(type(module))
+        changed.append(name)
+    return changed
+
+
+_PREPARED: dict[type, type] = {}
+
+
+def _prepared_class(cls: type) -> type:
+    """``cls`` with fxmem's forward: a subclass (PEFT's isinstance checks hold), one per class, so that dynamo's
+    guards on the module's type hold from step to step."""
+    if cls not in _PREPARED:
+        _PREPARED[cls] = type(f"Prepared{cls.__name__}", (cls,), {"forward": _wrapper_forward,
+                                                                   "__module__": __name__})
+    return _PREPARED[cls]
+
+
+def _chain(wrapper: torch.nn.Module) -> list[torch.nn.Module]:
+    """The nested ParamWrappers from ``wrapper`` inward, one per adapted parameter of the same base module."""
+    from peft.tuners.lora.layer import ParamWrapper
+    chain = [wrapper]
+    while isinstance(chain[-1].base_layer, ParamWrapper):
+        chain.append(chain[-1].base_layer)
+    return chain
+
+
+def _wrapper_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    from peft.tuners.lora.layer import ParamWrapper
+    chain = _chain(self)
+    base = chain[-1].base_layer
+    if "adapter_names" in kwargs or any(w.disable_adapters or w.merged for w in chain):
+        return ParamWrapper.forward(self, x, *args, **kwargs)
+    adapted = [w for w in chain if _active(w)]
+    factors = {w.parameter_name: _factors(w) for w in adapted}
+    if _unmerged_experts(base, factors):
+        return _experts_forward(base, factors, x, *args, **kwargs)
+    merged = {w.parameter_name: _merged_weight(w) for w in adapted}
+    return torch.func.functional_call(base, merged, (x, *args), kwargs)
+
+
+def _active(wrapper: torch.nn.Module) -> list[str]:
+    return [name for name in wrapper.active_adapters if name in wrapper.lora_A]
+
+
+def _factors(wrapper: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """``(lhs, rhs, scaling)``, the delta being ``scaling * lhs @ rhs`` in the parameter's layout, (E, p1, r) and
+    (E, r, p2), where PEFT folds the adapter by its factors (one adapter, several experts, a float weight); else
+    None. PEFT's ``get_delta_factors`` without its cast to the weight's dtype: these are views of the adapter's
+    parameters."""
+    adapters = _active(wrapper)
+    if len(adapters) != 1 or wrapper.num_experts == 1 or not wrapper.get_param().dtype.is_floating_point:
+        return None
+    from peft.utils.constants import UPCAST_DTYPES
+    if any(getattr(torch, name, None) == wrapper.get_param().dtype for name in UPCAST_DTYPES):
+        return None
+    adapter = adapters[0]
+    experts = wrapper.num_experts
+    lora_a = wrapper.lora_A[adapter].weight
+    lora_a = lora_a.reshape(experts, -1, lora_a.shape[-1])  # (E, r, in)
+    lora_b = wrapper.lora_B[adapter].weight
+    lora_b = lora_b.reshape(lora_b.shape[0], -1, experts).permute(2, 0, 1)  # (E, out, r)
+    if wrapper._did_swap_in_out_features:
+        return lora_b, lora_a, wrapper.scaling[adapter]
+    return lora_a.transpose(-2, -1), lora_b.transpose(-2, -1), wrapper.scaling[adapter]
+
+
+def _merged_weight(wrapper: torch.nn.Module) -> torch.Tensor:
+    """The parameter with its active adapters added, by PEFT's own proxies (the math of its parametrization)."""
+    from peft.tuners.lora.layer import _LoraFactorsProxy, _LoraParameterProxy
+    weight = wrapper.get_param()
+    factors = _factors(wrapper)
+    if factors is not None:
+        lhs, rhs, scaling = factors
+        return _LoraFactorsProxy(lhs.to(weight.dtype), rhs.to(weight.dtype), scaling)(weight)
+    deltas = [wrapper.get_delta_weight(name) for name in _active(wrapper)]
+    return _LoraParameterProxy(sum(deltas[1:], deltas[0]))(weight)
+
+
+def _unmerged_experts(base: torch.nn.Module, factors: dict[str, Any]) -> bool:
+    """transformers' experts (``use_experts_implementation``), not expert-parallel, with every adapted weight
+    given by its factors (``factors``: None for a weight PEFT merges whole)."""
+    if not hasattr(base, "is_transposed") or getattr(base, "_is_expert_parallel", True) or not factors:
+        return False
+    weights = _EXPERT_WEIGHTS[0] if getattr(base, "has_gate", True) else _EXPERT_WEIGHTS[1]
+    return (set(factors) <= weights and all(value is not None for value in factors.values())
+            and all(hasattr(base, name) for name in weights))
+
+
+def _experts_forward(experts: torch.nn.Module, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+                     hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                     ) -> torch.Tensor:
+    """transformers' grouped experts forward (``grouped_mm_experts_forward``: tokens sorted by expert, one grouped
+    matmul per projection), each adapted projection's LoRA as its two small grouped products."""
+    tokens, hidden = hidden_states.shape
+    top_k = top_k_index.size(-1)
+    expert_ids, order = torch.sort(top_k_index.reshape(-1))
+    routed = hidden_states[order // top_k]
+    routing_weights = top_k_weights.reshape(-1)[order]
+    # histc rather than bincount (no CUDA sync); on CPU and MPS it takes floats only
+    counted = expert_ids.float() if hidden_states.device.type in ("cpu", "mps") else expert_ids.int()
+    per_expert = torch.histc(counted, bins=experts.num_experts, min=0, max=experts.num_experts - 1)
+    offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
+
+    up = "gate_up_proj" if experts.has_gate else "up_proj"
+    out = _lora_grouped_linear(experts, up, routed, offsets, expert_ids, factors.get(up))
+    out = experts._apply_gate(out) if experts.has_gate else experts.act_fn(out)
+    out = _lora_grouped_linear(experts, "down_proj", out, offsets, expert_ids, factors.get("down_proj"))
+    if experts.has_post_expert_norm:
+        out = experts.post_expert_norm(out)
+    out = out * routing_weights.unsqueeze(-1)
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(order.numel(), device=order.device)
+    return out[restore].view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+def _lora_grouped_linear(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch.Tensor,
+                         expert_ids: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor, float] | None
+                         ) -> torch.Tensor:
+    """One grouped projection of the frozen weight ``name``, plus its adapter ``scaling * lhs @ rhs`` (in the
+    weight's layout) as ``(x a) b`` per expert: x times the weight's transpose unless the weights are stored
+    transposed, (in, out) per expert."""
+    from transformers.integrations.moe import _grouped_linear
+    bias = getattr(experts, f"{name}_bias")[expert_ids] if experts.has_bias else None
+    out = _grouped_linear(x, getattr(experts, name), offsets, bias=bias, is_transposed=experts.is_transposed)
+    if factors is None:
+        return out
+    lhs, rhs, scaling = factors
+    a, b = (lhs, rhs) if experts.is_transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
+    lora = grouped_lora(x, a, b, offsets)
+    # the sum in the adapters' dtype, rounded once to the weights': PEFT's order for a dense LoRA linear
+    return (out.to(lora.dtype) + scaling * lora).to(out.dtype)

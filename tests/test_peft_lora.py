@@ -1,0 +1,114 @@
+"""PEFT's LoRA on routers and experts (fxmem.prepare_peft): PEFT's gradients, one compiled frame, no merged
+expert weight saved; and the grouped LoRA op against a per-expert reference."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fxmem
+from fxmem.analysis import Role
+from fxmem.kernels.grouped_lora import grouped_lora
+from fxmem.peft_lora import _factors
+from tests.conftest import randomize_lora_b, tiny_model
+
+
+def _gradients(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _wrappers(model):
+    from peft.tuners.lora.layer import ParamWrapper
+    return [m for m in model.modules() if isinstance(m, ParamWrapper)]
+
+
+def test_prepared_experts_and_router_give_pefts_gradients():
+    model, batch = tiny_model("mixtral", lora=True, layers=1)
+    randomize_lora_b(model)
+    loss, peft = _gradients(model, batch)
+    prepared = fxmem.prepare_peft(model)
+    assert prepared == ["base_model.model.model.layers.0.mlp.gate", "base_model.model.model.layers.0.mlp.experts"]
+    assert fxmem.prepare_peft(model) == []  # once is enough
+    prepared_loss, grads = _gradients(model, batch)
+    assert torch.allclose(prepared_loss, loss, rtol=1e-6)
+    assert len(grads) == len(peft) == 14  # attention's 4 LoRA linears, the router's and 2 expert weights' A and B
+    for name, grad in grads.items():
+        assert (grad - peft[name]).abs().max() <= 1e-5 * peft[name].abs().max(), name
+
+
+def test_peft_runs_its_own_forward_where_the_adapters_are_disabled():
+    model, batch = tiny_model("mixtral", lora=True, layers=1)
+    randomize_lora_b(model)
+    with model.disable_adapter():
+        base = model(**batch).loss
+    fxmem.prepare_peft(model)
+    with model.disable_adapter():
+        assert torch.equal(model(**batch).loss, base)
+    assert not torch.equal(model(**batch).loss, base)  # B past init: the adapters change the loss
+
+
+def test_the_factors_are_pefts_without_a_copy():
+    model, _ = tiny_model("mixtral", lora=True, layers=1)
+    experts = [w for w in _wrappers(model) if w.num_experts > 1]
+    assert len(experts) == 2
+    for wrapper in experts:
+        lhs, rhs, scaling = _factors(wrapper)
+        peft_lhs, peft_rhs, peft_scaling = wrapper.get_delta_factors("default")
+        assert torch.equal(lhs, peft_lhs) and torch.equal(rhs, peft_rhs) and scaling == peft_scaling
+        assert lhs.untyped_storage().data_ptr() in {p.untyped_storage().data_ptr() for p in wrapper.parameters()}
+
+
+def test_a_prepared_mixture_of_experts_compiles_once_and_saves_no_merged_expert_weight():
+    # PEFT registers a parametrization at every forward: a new module class each time, so dynamo recompiled the
+    # experts and router at every step, and autograd kept every expert's merged weight W + s lhs rhs.
+    model, batch = tiny_model("mixtral", lora=True, layers=1)
+    fxmem.prepare_peft(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    for _ in range(3):
+        compiled(**batch).loss.backward()
+    assert counters["frames"]["total"] == 1
+    assert not counters["graph_break"]
+    torch._dynamo.reset()
+    report = fxmem.inspect(model, **batch, config=fxmem.Config.from_preset("hyclora-4bit"))
+    rows = [(s, p) for _, s, p in report.rows() if s.nbytes]
+    experts = model.base_model.model.model.layers[0].mlp.experts.get_base_layer()
+    weight_sizes = {experts.gate_up_proj.numel(), experts.down_proj.numel()}
+    assert not [s for s, _ in rows if torch.Size(s.shape).numel() in weight_sizes]
+    inputs = {(s.detail, s.shape, p.action) for s, p in rows if s.role is Role.LINEAR_INPUT}
+    # The router's input, multiplied by PEFT's merged router weight (no parameter itself), and the experts' up and
+    # down projections' inputs: 2 x 16 tokens, each routed to 2 experts
+    assert {("gate", (32, 64), "quantize"), ("experts", (64, 64), "quantize"),
+            ("experts", (64, 128), "recompute")} <= inputs
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_grouped_lora_matches_a_per_expert_reference(dtypes):
+    x_dtype, factor_dtype = dtypes
+    generator = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 2]  # an expert with no rows
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    x = torch.randn(sum(counts), 6, generator=generator).to(x_dtype).requires_grad_()
+    a = torch.randn(4, 6, 2, generator=generator).to(factor_dtype).requires_grad_()
+    b = torch.randn(2, 5, 4, generator=generator).to(factor_dtype).permute(2, 0, 1).detach().requires_grad_()
+    grad = torch.randn(sum(counts), 5, generator=generator)
+
+    out = grouped_lora(x, a, b, offsets)
+    assert out.dtype == factor_dtype
+    out.backward(grad.to(out.dtype))
+    got = (out.detach(), x.grad, a.grad, b.grad)
+    for tensor in (x, a, b):
+        tensor.grad = None
+    starts = [0, *offsets.tolist()[:-1]]
+    reference = torch.cat([x[s:s + n].to(factor_dtype) @ a[e] @ b[e] for e, (s, n) in enumerate(zip(starts, counts))])
+    reference.backward(grad.to(reference.dtype))
+    tolerance = 1e-5 if x_dtype == torch.float32 else 1e-2
+    for mine, theirs in zip(got, (reference.detach(), x.grad, a.grad, b.grad), strict=True):
+        assert mine.dtype == theirs.dtype
+        torch.testing.assert_close(mine, theirs, rtol=tolerance, atol=tolerance)
+    assert not a.grad[1].any()  # the expert with no rows
