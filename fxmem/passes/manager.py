@@ -141,9 +141,14 @@ def joint_primals(graph: Graph) -> frozenset[Node]:
 
 
 def tag_must_recompute(nodes: Iterable[Node]) -> None:
-    """Make torch's min-cut partitioner recompute these joint-graph nodes in backward instead of saving them."""
+    """Make torch's min-cut partitioner recompute these joint-graph nodes in backward instead of saving them. An
+    output of a multi-output op (a getitem of split_with_sizes) takes its op along: the partitioner can neither
+    save a tuple nor recompute the op untagged, and fails to partition."""
     for node in nodes:
         node.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+        parent = node.args[0] if node.target is operator.getitem and node.args else None
+        if isinstance(parent, Node) and isinstance(parent.meta.get("val"), (tuple, list)):
+            parent.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
 
 
 class PassManager:

@@ -272,3 +272,40 @@ def test_dead_code_elimination_keeps_in_place_calls_nothing_reads():
     x = torch.randn(2, 4)
     (out,) = graphs[0](x)
     torch.testing.assert_close(out, f(x))
+
+
+@pytest.mark.parametrize("with_parent", [True, False])
+def test_recomputing_an_output_of_a_split_recomputes_the_split(with_parent, tmp_path, monkeypatch):
+    # DeepSeek-V3's latent attention splits q into its rotary and plain halves; rebuilding one half in backward
+    # tagged the getitem alone, and torch's min-cut could neither save the split's tuple nor recompute it.
+    import operator
+
+    from functorch.compile import aot_function, min_cut_rematerialization_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from fxmem.analysis.meta import RECOMPUTE
+    from fxmem.passes.manager import tag_must_recompute
+
+    def partition(joint, inputs, **kwargs):
+        halves = [n for n in joint.graph.nodes if n.target is operator.getitem
+                  and getattr(n.args[0], "target", None) is torch.ops.aten.split_with_sizes.default]
+        if with_parent:
+            tag_must_recompute(halves[:1])
+        else:
+            halves[0].meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    def f(x):
+        first, second = (x * 2).split([2, 2], dim=-1)
+        return (first.sin() * second).sum()
+
+    monkeypatch.chdir(tmp_path)  # torch dumps the graph it failed to partition there
+    compiled = aot_function(f, fw_compiler=lambda gm, _: gm, partition_fn=partition)
+    x = torch.randn(3, 4, requires_grad=True)
+    if not with_parent:
+        with pytest.raises(RuntimeError, match="failed to partition"):
+            compiled(x)
+        return
+    compiled(x).backward()
+    expected = torch.func.grad(f)(x.detach())
+    torch.testing.assert_close(x.grad, expected)
