@@ -7,6 +7,7 @@ from torch._dynamo.utils import counters
 
 import fxmem
 from fxmem.analysis import Role
+from fxmem.kernels import grouped_lora as kernel
 from fxmem.kernels.grouped_lora import grouped_lora
 from fxmem.peft_lora import _factors
 from tests.conftest import randomize_lora_b, tiny_model
@@ -112,3 +113,23 @@ def test_grouped_lora_matches_a_per_expert_reference(dtypes):
         assert mine.dtype == theirs.dtype
         torch.testing.assert_close(mine, theirs, rtol=tolerance, atol=tolerance)
     assert not a.grad[1].any()  # the expert with no rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_lora_fast_path_matches_the_reference(dtype):
+    generator = torch.Generator().manual_seed(1)
+    offsets = torch.tensor([5, 5, 12, 20], dtype=torch.int32)  # expert 1 has no rows
+    x, grad = torch.randn(20, 32, generator=generator).to(dtype), torch.randn(20, 16, generator=generator).to(dtype)
+    a = torch.randn(4, 32, 8, generator=generator).to(dtype)
+    b = torch.randn(8, 16, 4, generator=generator).to(dtype).permute(2, 0, 1)  # PEFT's layout: a strided view
+    assert kernel.grouped_mm_applies(x, a, b, offsets)
+    assert not kernel.grouped_mm_applies(x, a[:, :, :3], b[:, :3], offsets)  # rows of 3 values: not aligned
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    torch.testing.assert_close(torch.ops.fxmem.grouped_lora(x, a, b, offsets),
+                               kernel.grouped_lora_reference(x, a, b, offsets), **tolerance)
+    fast = torch.ops.fxmem.grouped_lora_backward(x, a, b, offsets, grad)
+    reference = kernel.grouped_lora_backward_reference(x, a, b, offsets, grad)
+    for mine, theirs in zip(fast, reference, strict=True):
+        assert mine.shape == theirs.shape and mine.dtype == theirs.dtype and mine.is_contiguous()
+        torch.testing.assert_close(mine, theirs, **tolerance)
+    assert not fast[1][1].any() and not fast[2][1].any()  # no rows, no gradient

@@ -4,8 +4,11 @@
 cumulative ends, as transformers' grouped matmuls take them. The adapter is never merged into the experts' weights
 nor formed beside them. Autograd keeps x and the factors (views of the adapter's parameters: no copy, even where
 the adapters are in another dtype than x, since the casts happen inside); backward recomputes ``x_e a_e`` (n x r).
-The products run in the factors' dtype, as PEFT runs a LoRA branch in its adapters' dtype. A fast path on CUDA
-(``torch._grouped_mm``) is not written yet: the loop over experts is transformers' own fallback's.
+The products run in the factors' dtype, as PEFT runs a LoRA branch in its adapters' dtype.
+
+Two paths, tested against each other: ``torch._grouped_mm`` (one call per product over every expert, no device
+sync), where it takes the shapes (rows 16-byte aligned; on CUDA, bf16 only); else the reference, a loop over the
+experts (transformers' own fallback's).
 """
 
 from __future__ import annotations
@@ -18,10 +21,31 @@ def _segments(offsets: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
-@torch.library.custom_op("fxmem::grouped_lora", mutates_args=())
-def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """(S, in) rows sorted by expert, a (E, in, r), b (E, r, out), offsets (E,) -> (S, out) in a's dtype; rows
-    past the last offset are zero."""
+def grouped_mm_applies(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` takes these operands: int32 offsets, every matrix's rows 16-byte aligned, and on CUDA
+    bf16 on compute capability 8.0 or newer."""
+    if not hasattr(torch, "_grouped_mm") or offsets.dtype != torch.int32:
+        return False
+    if x.is_cuda and (a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0)):
+        return False
+    return all(size * a.element_size() % 16 == 0 for size in (a.size(1), a.size(2), b.size(2)))
+
+
+def _grouped(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(rows.contiguous(), weights.contiguous(), offs=offsets)
+
+
+def _per_expert_sum(left: torch.Tensor, right: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(E, k, n): left_e^T right_e over each expert's rows of left (S, k) and right (S, n). The rows are padded
+    to a multiple of 8 with zero rows past the last offset, which no expert reads: left^T's rows must be 16-byte
+    aligned too."""
+    pad = -left.size(0) % 8
+    left, right = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (left, right))
+    return torch._grouped_mm(left.t().contiguous(), right.contiguous(), offs=offsets)
+
+
+def grouped_lora_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor
+                           ) -> torch.Tensor:
     out = x.new_zeros(x.size(0), b.size(-1), dtype=a.dtype)
     for expert, (start, end) in enumerate(_segments(offsets)):
         if start < end:
@@ -29,17 +53,24 @@ def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: tor
     return out
 
 
+@torch.library.custom_op("fxmem::grouped_lora", mutates_args=())
+def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(S, in) rows sorted by expert, a (E, in, r), b (E, r, out), offsets (E,) -> (S, out) in a's dtype. Every row
+    belongs to an expert (offsets[-1] == S): no expert-parallel sentinel rows."""
+    if not grouped_mm_applies(x, a, b, offsets):
+        return grouped_lora_reference(x, a, b, offsets)
+    return _grouped(_grouped(x.to(a.dtype), a, offsets), b, offsets)
+
+
 @grouped_lora.register_fake
 def _(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.size(0), b.size(-1), dtype=a.dtype)
 
 
-@torch.library.custom_op("fxmem::grouped_lora_backward", mutates_args=())
-def grouped_lora_backward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                          grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, da, db) of ``grouped_lora``: u = dy_e b_e^T, then da_e = x_e^T u, db_e = (x_e a_e)^T dy_e,
-    dx_e = u a_e^T."""
-    grad_x, grad_a, grad_b = torch.zeros_like(x), torch.zeros_like(a), torch.zeros_like(b)
+def grouped_lora_backward_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                                    grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # contiguous, as the fast path's and the fake's
+    grad_x, grad_a, grad_b = (t.new_zeros(t.shape) for t in (x, a, b))
     for expert, (start, end) in enumerate(_segments(offsets)):
         if start < end:
             rows, dy = x[start:end].to(a.dtype), grad[start:end].to(a.dtype)
@@ -50,10 +81,23 @@ def grouped_lora_backward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, off
     return grad_x, grad_a, grad_b
 
 
+@torch.library.custom_op("fxmem::grouped_lora_backward", mutates_args=())
+def grouped_lora_backward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                          grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, da, db) of ``grouped_lora``: u = dy_e b_e^T, then da_e = x_e^T u, db_e = (x_e a_e)^T dy_e,
+    dx_e = u a_e^T."""
+    if not grouped_mm_applies(x, a, b, offsets):
+        return grouped_lora_backward_reference(x, a, b, offsets, grad)
+    rows, dy = x.to(a.dtype), grad.to(a.dtype)
+    u = _grouped(dy, b.transpose(1, 2), offsets)
+    grad_x = _grouped(u, a.transpose(1, 2), offsets).to(x.dtype)
+    return grad_x, _per_expert_sum(rows, u, offsets), _per_expert_sum(_grouped(rows, a, offsets), dy, offsets)
+
+
 @grouped_lora_backward.register_fake
 def _(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x), torch.empty_like(a), torch.empty_like(b)
+    return x.new_empty(x.shape), a.new_empty(a.shape), b.new_empty(b.shape)
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[torch.Tensor, ...],
