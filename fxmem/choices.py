@@ -54,6 +54,17 @@ NAMED_SHAPES: dict[str, dict[str, Any]] = {
                      "num_hidden_layers": 12, "num_attention_heads": 12, "vocab_size": 50265,
                      "max_position_embeddings": 514, "type_vocab_size": 1, "hidden_dropout_prob": 0.0,
                      "attention_probs_dropout_prob": 0.0},
+    # mixtures of experts, from their published config.json (architectures: built as causal LMs)
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 40960,
+                      "rope_theta": 1000000.0},
+    "mixtral-8x7b": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 4096,
+                     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+                     "vocab_size": 32000, "sliding_window": None, "max_position_embeddings": 32768},
 }
 
 HIFT_ORDERS = ("bottom2up", "top2down", "random")  # the order HiFT walks the layer groups in (train/hift.py)

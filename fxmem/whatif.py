@@ -76,6 +76,24 @@ class PresetCost:
         return {**asdict(self), "total": self.total}
 
 
+@dataclass(frozen=True)
+class LoraOrder:
+    """A row of the LoRA order table: a LoRA problem, how many layers have it, and the order the FLOPs chooser picks.
+
+    ``experts`` > 1: each of those layers is a mixture of experts' stacked weight, which PEFT adapts with one LoRA
+    of rank r per expert (``ParamWrapper``); ``shape`` is one expert's LoRA at its share of the tokens."""
+
+    shape: LoraShape
+    layers: int  # layers (modules) with this shape
+    choice: OrderChoice
+    experts: int = 1  # LoRAs per layer
+
+    @property
+    def loras(self) -> int:
+        """How many LoRAs of this shape the model has."""
+        return self.layers * self.experts
+
+
 @dataclass
 class WhatIf:
     model: str
@@ -86,7 +104,7 @@ class WhatIf:
     optimizer: str
     adapter_dtype: torch.dtype  # PEFT keeps a bf16/fp16 model's adapters in fp32 (autocast_adapter_dtype)
     costs: list[PresetCost] = field(default_factory=list)
-    lora_orders: list[tuple[LoraShape, int, OrderChoice]] = field(default_factory=list)  # (shape, layers, choice)
+    lora_orders: list[LoraOrder] = field(default_factory=list)
     loss: LossCost | None = None  # a causal LM's loss; None for an encoder
 
     @property
@@ -213,16 +231,40 @@ def _activation_rows(report: Any) -> list[tuple[Any, Any, int]]:
     return [(r, s, planned_bytes(s, p)) for r, s, p in report.rows() if s.frees_memory]
 
 
-def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype
-                     ) -> list[tuple[LoraShape, int, OrderChoice]]:
-    """Every LoRA layer shape of ``model``, how many layers have it, and the order the FLOPs chooser picks."""
-    counts: Counter[LoraShape] = Counter()
+def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype,
+                     experts_per_token: int | None = None) -> list[LoraOrder]:
+    """Every LoRA layer shape of ``model`` at ``tokens`` tokens, how many layers have it, and the order the FLOPs
+    chooser picks.
+
+    PEFT's LoRA on a mixture of experts' stacked weights (``ParamWrapper`` with ``num_experts`` > 1) stacks the
+    experts' adapters, A as (experts x r, in) and B as (out, r x experts): read here as one LoRA of rank r per
+    expert, each at ``tokens`` x top-k / experts tokens (rounded up), top-k being ``experts_per_token`` (default:
+    the model's config's ``num_experts_per_tok``). That is the average: routing is assumed balanced, where a real
+    router sends some experts more tokens than others. A ``ParamWrapper`` on a 2-D weight (a router's) is one
+    LoRA of rank r at every token, as an adapted linear is."""
+    counts: Counter[tuple[LoraShape, int]] = Counter()
     for module in model.modules():
         lora_a = getattr(module, "lora_A", None)
-        if isinstance(lora_a, torch.nn.ModuleDict) and "default" in lora_a:
-            counts[LoraShape(tokens, module.in_features, module.out_features, lora_a["default"].out_features,
-                             dtype, adapter_dtype=lora_a["default"].weight.dtype)] += 1
-    return [(shape, count, choose_by_flops(shape)) for shape, count in counts.items()]
+        if not (isinstance(lora_a, torch.nn.ModuleDict) and "default" in lora_a):
+            continue
+        experts = getattr(module, "num_experts", 1)  # ParamWrapper's; a LoRA linear has none
+        per_expert = tokens
+        if experts > 1:
+            experts_per_token = experts_per_token or _experts_per_token(model)
+            per_expert = -(-tokens * experts_per_token // experts)
+        weight = lora_a["default"].weight
+        counts[LoraShape(per_expert, module.in_features, module.out_features, weight.shape[0] // experts, dtype,
+                         adapter_dtype=weight.dtype), experts] += 1
+    return [LoraOrder(shape, count, choose_by_flops(shape), experts) for (shape, experts), count in counts.items()]
+
+
+def _experts_per_token(model: torch.nn.Module) -> int:
+    """How many experts a token is routed to, from the model's config."""
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError("the model has LoRA on stacked experts but its config has no num_experts_per_tok: pass "
+                         "experts_per_token (how many experts each token is routed to)")
+    return top_k
 
 
 def whatif(model: Any, *, batch: int, seq: int, rank: int = 16, dtype: str = "bf16", optimizer: str = "adamw",

@@ -15,6 +15,7 @@ from fxmem.whatif import (
     dequantized_base_bytes,
     hf_config,
     layer_scaled_activation_bytes,
+    lora_order_table,
     max_context,
     measured_saved_bytes,
     traced_activation_bytes,
@@ -56,7 +57,8 @@ def test_whatif_counts_weights_gradients_state_and_lora_orders(tiny_config):
     assert exact.gradients == 4 * lora and exact.optimizer_state == 2 * 4 * lora
     # runlora saves no x A^T: 14 LoRA linears x 32 tokens x rank 8 floats fewer.
     assert exact.saved_activations - runlora.saved_activations == 14 * 32 * 8 * 4
-    assert {count for _, count, _ in result.lora_orders} == {8, 4, 2}  # 64->64, 64->172, 172->64
+    assert {o.layers for o in result.lora_orders} == {8, 4, 2}  # 64->64, 64->172, 172->64
+    assert {o.experts for o in result.lora_orders} == {1}
     assert result.notes == []  # nothing fell back, no region said anything beside its figures
     # 32 tokens x 256 vocabulary: logits, log-probabilities and gradient, all float32. Chunked (a frozen head in
     # float32: online sums): a block of all 32 rows by the whole vocabulary, the block's input, target rows and
@@ -100,6 +102,100 @@ def test_named_shapes_build_on_the_meta_device_with_lora_on_every_block_linear(n
     per_layer = 7 if name != "roberta-base" else 6
     layers = {"llama-7b": 32, "mistral-7b": 32, "roberta-base": 12}[name]
     assert sum(1 for m in model.modules() if hasattr(m, "lora_A")) == per_layer * layers
+
+
+# Mixtures of experts, one block: 4 experts, top 2. PEFT's "all-linear" adapts the attention's linears, the router's
+# weight (a 2-D ParamWrapper) and the experts' stacked weights (3-D ParamWrappers, one LoRA per expert).
+TINY_MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+                "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256, "sliding_window": None}
+TINY_QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+                  "intermediate_size": 172, "moe_intermediate_size": 96, "num_hidden_layers": 1,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+                  "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "vocab_size": 256}
+TINY_MOE = {"mixtral": TINY_MIXTRAL, "qwen3_moe": TINY_QWEN3_MOE}
+# Per family at 2 x 16 = 32 tokens, rank 8: every LoRA as (tokens, in, out, rank, layers, experts per layer). An
+# expert sees 32 x top-2 / 4 experts = 16 tokens; the experts' fused gate and up projection has rank 16 per expert,
+# as PEFT adapts it: the two projections it fuses at rank 8 each (rank_pattern r x 2).
+MOE_LORAS = {
+    "mixtral": {(32, 64, 64, 8, 4, 1),  # q, k, v, o
+                (32, 64, 4, 8, 1, 1),  # the router: one LoRA of rank 8 at every token
+                (16, 128, 64, 8, 1, 4),  # the experts' down projection
+                (16, 64, 256, 16, 1, 4)},  # the experts' gate and up projection
+    "qwen3_moe": {(32, 64, 64, 8, 2, 1),  # q: 4 heads of 16; o: back to 64
+                  (32, 64, 32, 8, 2, 1),  # k, v: 2 heads of 16
+                  (32, 64, 4, 8, 1, 1),
+                  (16, 96, 64, 8, 1, 4),
+                  (16, 64, 192, 16, 1, 4)},
+}
+
+
+def moe_config_file(directory, family: str):
+    path = directory / f"{family}.json"
+    path.write_text(json.dumps(TINY_MOE[family]))
+    return path
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_lora_table_reads_pefts_stacked_expert_lora_as_one_lora_of_rank_r_per_expert(tmp_path, family):
+    model = build_lora_model(hf_config(str(moe_config_file(tmp_path, family))), 8, torch.float32)
+    orders = lora_order_table(model, 32, torch.float32)
+    assert {(o.shape.tokens, o.shape.in_features, o.shape.out_features, o.shape.rank, o.layers, o.experts)
+            for o in orders} == MOE_LORAS[family]
+    assert all(o.loras == o.layers * o.experts for o in orders)
+    # balanced routing, rounded up: 33 tokens x top 2 over 4 experts is 16.5 each; top 1 given: 9 each
+    assert {o.shape.tokens for o in lora_order_table(model, 33, torch.float32) if o.experts > 1} == {17}
+    assert {o.shape.tokens for o in lora_order_table(model, 33, torch.float32, experts_per_token=1)
+            if o.experts > 1} == {9}
+
+
+def test_the_lora_table_asks_for_top_k_where_the_config_has_none(tmp_path):
+    model = build_lora_model(hf_config(str(moe_config_file(tmp_path, "mixtral"))), 8, torch.float32)
+    block = torch.nn.ModuleList([model.get_submodule("base_model.model.model.layers.0.mlp")])  # no config
+    with pytest.raises(ValueError, match="has no num_experts_per_tok: pass experts_per_token"):
+        lora_order_table(block, 32, torch.float32)
+    assert {o.shape.tokens for o in lora_order_table(block, 32, torch.float32, experts_per_token=2)} == {32, 16}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_whatif_prices_a_mixture_of_experts_per_preset_and_prints_its_experts_lora(tmp_path, family, capsys):
+    config, path = moe_config_file(tmp_path, family), tmp_path / "whatif.json"
+    assert cli.main(["whatif", str(config), "--batch", "2", "--seq", "16", "--rank", "8", "--dtype", "fp32",
+                     "--presets", "exact", "hyclora-4bit", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    rows = [" ".join(line.strip("│ ").split()) for line in printed.splitlines() if "->" in line]
+    experts = {"mixtral": ("128 -> 64, r=8 │ 1 │ 4 │ 16", "64 -> 256, r=16 │ 1 │ 4 │ 16"),
+               "qwen3_moe": ("96 -> 64, r=8 │ 1 │ 4 │ 16", "64 -> 192, r=16 │ 1 │ 4 │ 16")}[family]
+    assert {"64 -> 4, r=8 │ 1 │ — │ 32", *experts} <= {row.rsplit(" │ ", 5)[0] for row in rows}
+    assert "experts per layer" in printed and "routing assumed balanced" in " ".join(printed.split())
+    exact, hyclora = json.loads(path.read_text())["results"]
+    # in fp32, every parameter (the LoRA: each expert's A and B of its rank, 4 experts) and the LoRA's gradients
+    hidden, vocab, experts, width = 64, 256, 4, {"mixtral": 128, "qwen3_moe": 96}[family]
+    attention = {"mixtral": [(64, 64)] * 4, "qwen3_moe": [(64, 64), (64, 32), (64, 32), (64, 64)]}[family]
+    base = (sum(i * o for i, o in attention) + experts * hidden  # the router
+            + experts * 3 * hidden * width + 2 * vocab * hidden + 3 * hidden  # gate, up, down; embeddings, head, norms
+            + (2 * 16 if family == "qwen3_moe" else 0))  # q and k norms
+    lora = (sum(8 * (i + o) for i, o in attention) + 8 * (hidden + experts)
+            + experts * (8 * (width + hidden) + 16 * (hidden + 2 * width)))
+    for cost in (exact, hyclora):
+        assert (cost["weights"], cost["gradients"], cost["optimizer_state"]) == (4 * (base + lora), 4 * lora, 8 * lora)
+        assert cost["notes"] == []  # nothing fell back, no region said anything beside its figures
+    assert 0 < hyclora["saved_activations"] < exact["saved_activations"]
+    # a real compiled step (eager lowering) saves as predicted
+    measured = measured_saved_bytes(str(config), batch=2, seq=16, rank=8, dtype="fp32", preset="hyclora-4bit",
+                                    lowering="eager")
+    assert abs(hyclora["saved_activations"] / measured - 1) <= 0.10, (hyclora["saved_activations"], measured)
+
+
+@pytest.mark.parametrize("name, parameters, top_k, experts", [("qwen3-30b-a3b", 30_532_122_624, 8, 128),
+                                                               ("mixtral-8x7b", 46_702_792_704, 2, 8)])
+def test_the_named_mixtures_of_experts_have_their_published_parameter_counts(name, parameters, top_k, experts):
+    config = hf_config(name)
+    assert (config.num_experts_per_tok, config.num_local_experts) == (top_k, experts)
+    model = build_lora_model(config, 0, torch.bfloat16)  # rank 0: the base model alone
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    assert type(model).__name__.endswith("ForCausalLM")
 
 
 def test_whatif_command_prints_presets_and_plots(tiny_config, tmp_path, capsys):
@@ -166,8 +262,8 @@ def test_bf16_model_with_pefts_fp32_adapters_saves_no_x_a_under_runlora(tiny_con
     result = whatif(str(tiny_config), batch=2, seq=16, rank=8, dtype="bf16", presets=["exact", "runlora"])
     exact, runlora = result.costs
     assert result.adapter_dtype == torch.float32 and result.dtype == torch.bfloat16
-    assert all(c.forward == "forward1" and c.backward in ("backward1", "backward2", "backward3", "backward6")
-               for _, _, c in result.lora_orders)
+    assert all(o.choice.forward == "forward1"
+               and o.choice.backward in ("backward1", "backward2", "backward3", "backward6") for o in result.lora_orders)
     # No x A^T (14 linears, 2 x 16 tokens x rank 8, fp32). The LoRA inputs are kept in bf16, not fp32, under both
     # (passes/adapter_cast.py, every preset). A real compiled step saves as predicted.
     assert exact.saved_activations - runlora.saved_activations == 14 * 2 * 16 * 8 * 4

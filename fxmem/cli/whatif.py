@@ -28,7 +28,7 @@ from fxmem.config import PRESETS
 from fxmem.fallback import STRICT_ENV, FallbackError
 
 if TYPE_CHECKING:
-    from fxmem.whatif import ContextFit, TraceNote
+    from fxmem.whatif import ContextFit, TraceNote, WhatIf
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -109,13 +109,7 @@ def run(args: argparse.Namespace) -> int:
                                                       else ""))
     legend += "".join(f"\nsaved activations, {c.preset}: {c.how}" for c in result.costs)
     legend += _notes_text(result.notes)
-    order_columns = ["LoRA shape (in -> out, r)", "layers", "forward", "backward", "GFLOPs fwd+bwd",
-                     "default GFLOPs", "FLOPs saved"]
-    order_rows = [[f"{s.in_features} -> {s.out_features}, r={s.rank}", str(count), c.forward, c.backward,
-                   f"{c.cost.flops / 1e9:.1f}", f"{c.default.flops / 1e9:.1f}", f"{c.flops_saving:+.1%}"]
-                  for s, count, c in result.lora_orders]
-    order_legend = (f"per layer at {args.batch * args.seq} tokens; default: autograd's order, which saves x A^T "
-                    "(RunLoRA's orders recompute it when they need it)")
+    order_columns, order_rows, order_legend = _order_table(result, args.batch * args.seq)
     if result.adapter_dtype != result.dtype:
         order_legend += (f"\nPEFT keeps this {args.dtype} model's adapters in "
                          f"{str(result.adapter_dtype).removeprefix('torch.')} and casts x for them: s B A cannot be "
@@ -134,6 +128,30 @@ def run(args: argparse.Namespace) -> int:
         plot(result, args.plot)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _order_table(result: WhatIf, tokens: int) -> tuple[list[str], list[list[str]], str]:
+    """The LoRA order table's columns, rows and legend; with LoRA on experts, how many experts share each row's
+    shape and at how many tokens each."""
+    columns = ["LoRA shape (in -> out, r)", "layers", "forward", "backward", "GFLOPs fwd+bwd", "default GFLOPs",
+               "FLOPs saved"]
+    rows = [[f"{o.shape.in_features} -> {o.shape.out_features}, r={o.shape.rank}", str(o.layers), o.choice.forward,
+             o.choice.backward, f"{o.choice.cost.flops / 1e9:.1f}", f"{o.choice.default.flops / 1e9:.1f}",
+             f"{o.choice.flops_saving:+.1%}"] for o in result.lora_orders]
+    legend = (f"per layer at {tokens} tokens; default: autograd's order, which saves x A^T (RunLoRA's orders "
+              "recompute it when they need it)")
+    if any(o.experts > 1 for o in result.lora_orders):
+        columns[2:2] = ["experts per layer", "tokens each"]
+        rows = [[*row[:2], str(o.experts) if o.experts > 1 else "—", str(o.shape.tokens), *row[2:]]
+                for row, o in zip(rows, result.lora_orders, strict=True)]
+        legend = (f"per LoRA at its tokens; default: autograd's order, which saves x A^T (RunLoRA's orders "
+                  "recompute it when they need it)\nexperts: PEFT adapts a mixture's stacked expert weights with one "
+                  "LoRA of rank r per expert (ParamWrapper: A and B stacked to rank r x experts); each such row is "
+                  f"one expert's LoRA at tokens x top-k / experts of the {tokens} tokens, routing assumed balanced "
+                  "(a real router sends some experts more), and its GFLOPs are one expert's. The runlora pass "
+                  "reorders the LoRA linears it finds in the graph, not the experts' LoRA: their rows are the "
+                  "chooser's pick for that problem. A router's LoRA is one LoRA of rank r at every token")
+    return columns, rows, legend
 
 
 def _loss_section(result) -> tuple:
