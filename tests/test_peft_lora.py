@@ -81,11 +81,13 @@ def test_a_prepared_mixture_of_experts_compiles_once_and_saves_no_merged_expert_
     experts = model.base_model.model.model.layers[0].mlp.experts.get_base_layer()
     weight_sizes = {experts.gate_up_proj.numel(), experts.down_proj.numel()}
     assert not [s for s, _ in rows if torch.Size(s.shape).numel() in weight_sizes]
-    inputs = {(s.detail, s.shape, p.action) for s, p in rows if s.role is Role.LINEAR_INPUT}
-    # The router's input, multiplied by PEFT's merged router weight (no parameter itself), and the experts' up and
-    # down projections' inputs: 2 x 16 tokens, each routed to 2 experts
-    assert {("gate", (32, 64), "quantize"), ("experts", (64, 64), "quantize"),
-            ("experts", (64, 128), "recompute")} <= inputs
+    inputs = {(s.detail, s.shape): p for s, p in rows if s.role is Role.LINEAR_INPUT}
+    # The router's input (multiplied by PEFT's merged router weight, no parameter itself) at 8 bits, and the experts'
+    # up and down projections' inputs (2 x 16 tokens, each routed to 2 experts) rebuilt in backward: the routed rows
+    # gathered again from the router's input, the down projection's input from the activation's
+    router_input = inputs["gate", (2, 16, 64)]
+    assert (router_input.action, router_input.bits) == ("quantize", 8)
+    assert inputs["experts", (64, 64)].action == inputs["experts", (64, 128)].action == "recompute"
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])

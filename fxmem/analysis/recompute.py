@@ -1,4 +1,4 @@
-"""Saved tensors backward can recompute for free: element by element from what it holds anyway.
+"""Saved tensors backward can recompute for free: element by element (or row by row) from what it holds anyway.
 
 A norm's output is its input (saved for the norm's own backward) times the per-row statistic (saved too) times
 the weight; torch's min-cut still saves it when the next linear's backward reads it. Backward can rebuild such a
@@ -29,7 +29,16 @@ def pointwise_rebuild(base: Node, saved_bases: frozenset[Node]) -> tuple[Node, .
     numbers, a forward value that is not saved) or is itself a graph input."""
     if base.op != "call_function":
         return None
-    return _chain(base, saved_bases, lambda node: is_replayable_pointwise(node) or is_view(node))
+    return _chain(base, saved_bases, lambda node: is_replayable_pointwise(node) or is_view(node) or is_row_gather(node))
+
+
+def is_row_gather(node: Node) -> bool:
+    """``x[indices]``: rows picked by one integer index (the tokens a mixture of experts routes to each expert,
+    each row once per chosen expert); as cheap to replay as a copy of what it writes."""
+    if node.target is not aten.index.Tensor or len(node.args) != 2 or len(node.args[1]) != 1:
+        return False
+    index = node.args[1][0]
+    return isinstance(index, Node) and not tensor_val(index).is_floating_point()
 
 
 def product_rebuild(base: Node, saved_bases: frozenset[Node]) -> tuple[Node, ...] | None:
@@ -88,3 +97,9 @@ def input_derived(nodes: Iterable[Node], primals: frozenset[Node]) -> dict[Node,
         if all(a in primals or a in derived for a in inputs):
             derived[node] = frozenset().union(*({a} if a in primals else derived[a] for a in inputs))
     return derived
+
+
+def copies_values(chain: tuple[Node, ...]) -> bool:
+    """The chain only moves values (row gathers and views): rebuilt from a compressed storage, it carries that
+    storage's error and adds none."""
+    return all(is_row_gather(n) or is_view(n) for n in chain)

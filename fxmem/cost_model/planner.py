@@ -26,7 +26,7 @@ from fxmem.analysis.graph import (
 )
 from fxmem.analysis.lora import matmul_operands
 from fxmem.analysis.meta import BLOCK_SOURCE
-from fxmem.analysis.recompute import rebuild_inputs
+from fxmem.analysis.recompute import copies_values, rebuild_inputs
 from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.memory import (
@@ -564,7 +564,7 @@ def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], confi
         base = _rebuild_source(owner, group, analysis, config, set(tables_saved), purpose)
     choices = [_Choice(base)]
     leaves = [n.name for n in rebuild_inputs(owner.recompute)] if owner.recompute is not None else []
-    if all(configured.get(leaf, Plan("keep", "")).action == "keep" for leaf in leaves):
+    if all(_rebuildable_from(configured.get(leaf, Plan("keep", "")), owner, base) for leaf in leaves):
         recompute = _recompute_plan(owner, by_storage, plans)
         if recompute is not None:
             choices.append(_Choice(dataclasses.replace(
@@ -574,6 +574,15 @@ def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], confi
         choices.append(_Choice(_replayed(owner, source), ((source, _REPLAYED_X_W),)))
     choices.extend(_prenorm_choices(owner, by_storage, plans, analysis, config, tables_saved))
     return choices
+
+
+def _rebuildable_from(leaf: Plan, owner: SavedTensor, owner_plan: Plan) -> bool:
+    """A recomputation may read ``leaf`` as planned: kept, or, where the chain only copies values (the experts'
+    routed rows gathered from the tokens), quantized at no fewer bits than ``owner`` would be."""
+    if leaf.action == "keep":
+        return True
+    return (leaf.action == "quantize" and owner_plan.action == "quantize" and leaf.bits >= owner_plan.bits
+            and copies_values(owner.recompute))
 
 
 def _prenorm_choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], plans: dict[str, Plan],
