@@ -320,11 +320,14 @@ def _lora_targeted(lora_model: torch.nn.Module) -> list[tuple[str, torch.nn.Modu
 def parameter_bytes(lora_model: torch.nn.Module, optimizer: str, base: str, shards: int = 1) -> tuple[int, int, int]:
     """Weights, gradients and optimizer state of ``lora_model`` per rank: every parameter (the LoRA-targeted frozen
     weights in NF4 for ``base`` "nf4"), the trainable ones' gradients in their dtype, and the optimizer's fp32
-    state tensors per trainable parameter; 1/``shards`` of each under FSDP2."""
+    state tensors per trainable parameter; 1/``shards`` of each under FSDP2. bitsandbytes quantizes linear layers
+    only: a LoRA on a parameter (PEFT's ``ParamWrapper``: the experts' stacked weights, a router's) leaves that
+    weight in the model's dtype under "nf4"."""
     params = list(lora_model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     if base == "nf4":
-        frozen = [module.base_layer.weight for _, module in _lora_targeted(lora_model)]
+        frozen = [module.base_layer.weight for _, module in _lora_targeted(lora_model)
+                  if not hasattr(module, "parameter_name")]
         weights += sum(nf4_nbytes(w.numel()) - w.numel() * w.element_size() for w in frozen)
     trainable = [p for p in params if p.requires_grad]
     gradients = sum(p.numel() * p.element_size() for p in trainable)

@@ -150,6 +150,17 @@ def test_the_lora_table_reads_pefts_stacked_expert_lora_as_one_lora_of_rank_r_pe
             if o.experts > 1} == {9}
 
 
+def test_an_nf4_base_leaves_the_experts_and_router_weights_in_the_models_dtype(tmp_path):
+    # bitsandbytes quantizes linear layers only: the experts' stacked weights and the router's stay bf16 (this
+    # raised AttributeError: a ParamWrapper's base has no .weight)
+    config = str(moe_config_file(tmp_path, "mixtral"))
+    float_base, nf4 = (whatif(config, batch=1, seq=16, rank=8, dtype="bf16", presets=["exact"], base=base)
+                       for base in ("float", "nf4"))
+    numel = 64 * 64  # the attention's four linears, the only layers bitsandbytes stores as NF4
+    assert float_base.costs[0].weights - nf4.costs[0].weights == 4 * (2 * numel - (
+        numel // 2 + -(-numel // 64) + 4 * -(-numel // 64 // 256) + 4))
+
+
 def test_the_lora_table_asks_for_top_k_where_the_config_has_none(tmp_path):
     model = build_lora_model(hf_config(str(moe_config_file(tmp_path, "mixtral"))), 8, torch.float32)
     block = torch.nn.ModuleList([model.get_submodule("base_model.model.model.layers.0.mlp")])  # no config
