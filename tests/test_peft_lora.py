@@ -88,6 +88,9 @@ def test_a_prepared_mixture_of_experts_compiles_once_and_saves_no_merged_expert_
     router_input = inputs["gate", (2, 16, 64)]
     assert (router_input.action, router_input.bits) == ("quantize", 8)
     assert inputs["experts", (64, 64)].action == inputs["experts", (64, 128)].action == "recompute"
+    # the experts' output, held only for the routing weights' gradient: 8 bits under a 4-bit preset
+    (scaled,) = [(s, p) for s, p in rows if s.role is Role.ROW_SCALED]
+    assert (scaled[0].shape, scaled[1].action, scaled[1].bits) == ((64, 64), "quantize", 8)
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])

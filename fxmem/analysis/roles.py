@@ -44,6 +44,7 @@ class Role(str, Enum):
     NORM_INPUT = "norm_input"
     ACT_INPUT = "act_input"
     PRODUCT_INPUT = "product_input"
+    ROW_SCALED = "row_scaled"
     ATTN_QKV = "attn_qkv"
     ATTN_PROBS = "attn_probs"
     ROUTER = "router"
@@ -70,6 +71,8 @@ ROLE_DESCRIPTIONS = {
     Role.NORM_INPUT: "input, or normalized input, of a LayerNorm/RMSNorm",
     Role.ACT_INPUT: "input (or precomputed derivative) of an activation function",
     Role.PRODUCT_INPUT: "operand of an elementwise product of two activations (SwiGLU's up * act(gate))",
+    Role.ROW_SCALED: "x in x * s, s one value per row (an expert's output times its routing weight): kept only for "
+                     "s's gradient, a sum over each row",
     Role.ATTN_QKV: "query, key or value of attention",
     Role.ATTN_PROBS: "attention scores or probabilities (eager attention)",
     Role.ROUTER: "a mixture-of-experts router's logits, probabilities or chosen weights: a top-k or sort picks from "
@@ -403,6 +406,23 @@ def _rope_table(f: TensorFacts) -> Match | None:
     return (Role.ROPE_TABLE, trig) if trig else None
 
 
+def _row_scaled(f: TensorFacts) -> Match | None:
+    """x in x * s where s has one value per row of x (broadcast along the last dimension) and is no parameter:
+    backward reads x only for s's gradient."""
+    if len(f.val.shape) < 2:
+        return None
+    for user in f.fw_users:
+        if user.target is not aten.mul.Tensor or len(operands := tensor_args(user)) != 2:
+            continue
+        other = operands[1] if storage_base(operands[0]) is f.base else operands[0]
+        other_val = tensor_val(other)
+        if (other_val is not None and strip(other) not in f.params and other_val.is_floating_point()
+                and other_val.dim() == f.val.dim() and other_val.shape[-1] == 1
+                and 0 < numel_hint(other_val) < numel_hint(f.val)):
+            return Role.ROW_SCALED, "x in x * s, one s per row"
+    return None
+
+
 def _product(f: TensorFacts) -> Match | None:
     for user in f.fw_users:
         if user.target is not aten.mul.Tensor or original_op(user) != "mul":
@@ -455,9 +475,9 @@ def _linear_input(f: TensorFacts) -> Match | None:
                            + (f" and {others} more" if others else ""))
         elif schema_name(user.target) in GROUPED_MATMULS and storage_base(user.args[0]) is f.base:
             readers.append(_short_module(module_path(user)) or "experts")
-        elif user.target in MATMULS or user.target in BATCHED_MATMULS:
-            if any(_from_parameters(o, f.params) for o in matmul_operands(user) if storage_base(o) is not f.base):
-                readers.append(_short_module(module_path(user)))
+        elif (user.target in MATMULS or user.target in BATCHED_MATMULS) and any(
+                _from_parameters(o, f.params) for o in matmul_operands(user) if storage_base(o) is not f.base):
+            readers.append(_short_module(module_path(user)))
     if readers:
         return Role.LINEAR_INPUT, ", ".join(dict.fromkeys(r for r in readers if r))
     return None
@@ -501,7 +521,7 @@ def _small_or_index(f: TensorFacts) -> Match | None:
 RULES: tuple[Callable[[TensorFacts], Match | None], ...] = (
     _parameter, _loss_gradient, _lora_base_output, _dropout_mask, _fused_attention, _lora_intermediate, _router,
     _eager_attention, _norm,
-    _activation, _loss_input, _rope_table, _product, _linear_input, _small_or_index, _recompute_source,
+    _activation, _loss_input, _rope_table, _row_scaled, _product, _linear_input, _small_or_index, _recompute_source,
 )
 
 

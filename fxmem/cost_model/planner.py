@@ -50,7 +50,7 @@ from fxmem.kernels.lowrank import DEFAULT_NITER, resolve_rank
 from fxmem.kernels.quantize import MIN_ROTATION_BLOCK, fits_range, outlier_chunk, rotation_block
 
 # Roles HyC-LoRA stores quantized (section 4.1): the inputs of non-linear operators and of linears.
-QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV,
+QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ROW_SCALED, Role.ATTN_QKV,
                              Role.LINEAR_INPUT, Role.LORA_BASE_OUTPUT})
 # Kept exact even when the tensor also serves a quantized role: x @ A carries what LoRA learns, the logits'
 # error would reach every gradient through the loss, and the chunked loss's gradients are gradients. (Fused attention's output, ATTN_OUT, is not in
@@ -76,6 +76,9 @@ OUTLIER_VALUE_BITS = 2
 # instead, 0.960 and 0.959). SiLU is rebuilt: there torch saves the input, the same value the rebuild rounds.
 DERIVATIVE_SAVED_ACTIVATIONS = frozenset({"gelu", "tanh", "relu"})
 REBUILD_ALL_ACTIVATIONS_BITS = 8
+# x in x * s (one s per row: an expert's output and its routing weight) is read only for s's gradient; at 8 bits
+# that sum over the row stays within rounding of exact's, where the router's gradient follows from it
+ROW_SCALED_BITS = 8
 # Backward ops that read which saved values are positive: ReLU's backward passes the gradient where its saved output
 # is, so a small positive value rounded to zero drops its gradient. OPT with its ReLU output saved: worst
 # LoRA-gradient cosine 0.960 at 4 bits and 0.959 at 2 rounded to nearest, 0.9999 and 0.9986 kept positive
@@ -1006,6 +1009,8 @@ def _lowest_bits(owner: SavedTensor) -> int:
     (rebuild_refusal), unless rebuild_from_x replays it."""
     if owner.role is Role.LORA_BASE_OUTPUT and owner.rebuilt_for in DERIVATIVE_SAVED_ACTIVATIONS:
         return REBUILD_ALL_ACTIVATIONS_BITS
+    if owner.role is Role.ROW_SCALED:
+        return ROW_SCALED_BITS
     return min(BITS_CHOICES)
 
 
