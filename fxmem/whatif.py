@@ -317,17 +317,23 @@ def _lora_targeted(lora_model: torch.nn.Module) -> list[tuple[str, torch.nn.Modu
             if hasattr(module, "lora_A") and hasattr(module, "base_layer")]
 
 
+def _nf4_weights(lora_model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The frozen weights QLoRA stores as NF4, by their LoRA layer's name: bitsandbytes quantizes linear layers
+    only, so a LoRA on a parameter (PEFT's ``ParamWrapper``: the experts' stacked weights, a router's) leaves that
+    weight in the model's dtype."""
+    return [(name, module.base_layer.weight) for name, module in _lora_targeted(lora_model)
+            if not hasattr(module, "parameter_name")]
+
+
 def parameter_bytes(lora_model: torch.nn.Module, optimizer: str, base: str, shards: int = 1) -> tuple[int, int, int]:
     """Weights, gradients and optimizer state of ``lora_model`` per rank: every parameter (the LoRA-targeted frozen
     weights in NF4 for ``base`` "nf4"), the trainable ones' gradients in their dtype, and the optimizer's fp32
-    state tensors per trainable parameter; 1/``shards`` of each under FSDP2. bitsandbytes quantizes linear layers
-    only: a LoRA on a parameter (PEFT's ``ParamWrapper``: the experts' stacked weights, a router's) leaves that
-    weight in the model's dtype under "nf4"."""
+    state tensors per trainable parameter; 1/``shards`` of each under FSDP2 (``_nf4_weights``: which weights
+    "nf4" stores as NF4)."""
     params = list(lora_model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     if base == "nf4":
-        frozen = [module.base_layer.weight for _, module in _lora_targeted(lora_model)
-                  if not hasattr(module, "parameter_name")]
+        frozen = [weight for _, weight in _nf4_weights(lora_model)]
         weights += sum(nf4_nbytes(w.numel()) - w.numel() * w.element_size() for w in frozen)
     trainable = [p for p in params if p.requires_grad]
     gradients = sum(p.numel() * p.element_size() for p in trainable)
@@ -404,8 +410,7 @@ def dequantized_base_bytes(lora_model: torch.nn.Module, options: Mapping[str, An
     projections (for an attention, its o projection too, which is an op of its own: an upper bound; so too under
     "auto", which may leave them whole)."""
     siblings: dict[str, list[int]] = {}
-    for name, module in _lora_targeted(lora_model):
-        weight = module.base_layer.weight
+    for name, weight in _nf4_weights(lora_model):
         siblings.setdefault(name.rpartition(".")[0], []).append(weight.numel() * weight.element_size())
     one = max((size for sizes in siblings.values() for size in sizes), default=0)
     if options.get("mlp_chunk") is None and options.get("linear_chunk") is None:

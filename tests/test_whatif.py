@@ -159,6 +159,9 @@ def test_an_nf4_base_leaves_the_experts_and_router_weights_in_the_models_dtype(t
     numel = 64 * 64  # the attention's four linears, the only layers bitsandbytes stores as NF4
     assert float_base.costs[0].weights - nf4.costs[0].weights == 4 * (2 * numel - (
         numel // 2 + -(-numel // 64) + 4 * -(-numel // 64 // 256) + 4))
+    # --max-context's dequantized weights: one attention projection at a time, the experts' never
+    lora_model = build_lora_model(hf_config(config), 8, torch.bfloat16)
+    assert dequantized_base_bytes(lora_model, {}) == 2 * numel
 
 
 def test_the_lora_table_asks_for_top_k_where_the_config_has_none(tmp_path):
