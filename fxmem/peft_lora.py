@@ -55,10 +55,11 @@ _PREPARED: dict[type, type] = {}
 
 def _prepared_class(cls: type) -> type:
     """``cls`` with fxmem's forward: a subclass (PEFT's isinstance checks hold), one per class, so that dynamo's
-    guards on the module's type hold from step to step."""
+    guards on the module's type hold from step to step; bound to this module's name, so that a prepared model
+    pickles (``torch.save(model)``)."""
     if cls not in _PREPARED:
-        _PREPARED[cls] = type(f"Prepared{cls.__name__}", (cls,), {"forward": _wrapper_forward,
-                                                                   "__module__": __name__})
+        name = f"Prepared{cls.__name__}"
+        _PREPARED[cls] = globals()[name] = type(name, (cls,), {"forward": _wrapper_forward, "__module__": __name__})
     return _PREPARED[cls]
 
 
@@ -113,12 +114,13 @@ def _factors(wrapper: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, floa
 
 def _merged_weight(wrapper: torch.nn.Module) -> torch.Tensor:
     """The parameter with its active adapters added, by PEFT's own proxies (the math of its parametrization)."""
-    from peft.tuners.lora.layer import _LoraFactorsProxy, _LoraParameterProxy
+    from peft.tuners.lora.layer import _LoraParameterProxy
     weight = wrapper.get_param()
     factors = _factors(wrapper)
-    if factors is not None:
+    if factors is not None:  # PEFT's _LoraFactorsProxy (peft >= 0.21): the fold in W's dtype, autocast off
         lhs, rhs, scaling = factors
-        return _LoraFactorsProxy(lhs.to(weight.dtype), rhs.to(weight.dtype), scaling)(weight)
+        with torch.autocast(device_type=weight.device.type, enabled=False):
+            return torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=scaling)
     deltas = [wrapper.get_delta_weight(name) for name in _active(wrapper)]
     return _LoraParameterProxy(sum(deltas[1:], deltas[0]))(weight)
 

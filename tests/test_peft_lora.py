@@ -127,8 +127,9 @@ def test_grouped_lora_fast_path_matches_the_reference(dtype):
     x, grad = torch.randn(20, 32, generator=generator).to(dtype), torch.randn(20, 16, generator=generator).to(dtype)
     a = torch.randn(4, 32, 8, generator=generator).to(dtype)
     b = torch.randn(8, 16, 4, generator=generator).to(dtype).permute(2, 0, 1)  # PEFT's layout: a strided view
-    assert kernel.grouped_mm_applies(x, a, b, offsets)
-    assert not kernel.grouped_mm_applies(x, a[:, :, :3], b[:, :3], offsets)  # rows of 3 values: not aligned
+    assert kernel.grouped_mm_dtype(x, a, b, offsets) == dtype
+    assert kernel.grouped_mm_dtype(x, a[:, :, :3], b[:, :3], offsets) is None  # rows of 3 values: not aligned
+    assert kernel.grouped_mm_dtype(x, a, b, offsets.long()) is None
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
     torch.testing.assert_close(torch.ops.fxmem.grouped_lora(x, a, b, offsets),
                                kernel.grouped_lora_reference(x, a, b, offsets), **tolerance)
@@ -138,3 +139,47 @@ def test_grouped_lora_fast_path_matches_the_reference(dtype):
         assert mine.shape == theirs.shape and mine.dtype == theirs.dtype and mine.is_contiguous()
         torch.testing.assert_close(mine, theirs, **tolerance)
     assert not fast[1][1].any() and not fast[2][1].any()  # no rows, no gradient
+
+
+def test_a_prepared_model_pickles():
+    import io
+    import pickle
+
+    model, batch = tiny_model("mixtral", lora=True, layers=1)
+    fxmem.prepare_peft(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert type(loaded.base_model.model.model.layers[0].mlp.experts).__name__ == "PreparedParamWrapper"
+    assert torch.equal(loaded(**batch).loss, model(**batch).loss)
+    assert pickle.loads(pickle.dumps(model)) is not None
+
+
+def test_transposed_experts_with_biases_and_a_router_with_a_bias_give_pefts_gradients():
+    # gpt-oss's experts store their weights (in, out) per expert, with a bias per expert and a clamped gate; PEFT's
+    # "all-linear" leaves them, target_parameters adapts them
+    from peft import LoraConfig, get_peft_model
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=256, use_cache=False,
+        attn_implementation="eager", layer_types=["full_attention"]))
+    for name, p in model.named_parameters():
+        if name.endswith("_bias") or name.endswith("router.bias"):
+            torch.nn.init.normal_(p, std=0.1)  # zeros in the config's init: a bias must matter
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], target_parameters=[
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.router.weight"]))
+    randomize_lora_b(model)
+    experts = model.base_model.model.model.layers[0].mlp.experts.get_base_layer()
+    assert experts.is_transposed and experts.has_bias
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    loss, peft = _gradients(model, batch)
+    assert len(fxmem.prepare_peft(model)) == 2  # the router, the experts
+    prepared_loss, grads = _gradients(model, batch)
+    assert torch.allclose(prepared_loss, loss, rtol=1e-6)
+    assert len(grads) == len(peft) == 8  # q_proj's, the router's and the 2 expert weights' A and B
+    for name, grad in grads.items():
+        assert (grad - peft[name]).abs().max() <= 1e-5 * peft[name].abs().max(), name

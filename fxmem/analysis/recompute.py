@@ -37,8 +37,8 @@ def is_row_gather(node: Node) -> bool:
     each row once per chosen expert); as cheap to replay as a copy of what it writes."""
     if node.target is not aten.index.Tensor or len(node.args) != 2 or len(node.args[1]) != 1:
         return False
-    index = node.args[1][0]
-    return isinstance(index, Node) and not tensor_val(index).is_floating_point()
+    index = node.args[1][0]  # integers: a boolean mask would replay a data-dependent nonzero
+    return isinstance(index, Node) and tensor_val(index).dtype in (torch.int32, torch.int64)
 
 
 def product_rebuild(base: Node, saved_bases: frozenset[Node]) -> tuple[Node, ...] | None:

@@ -542,7 +542,7 @@ def _replayable(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], co
 
 def _held_for_refusal(owner: SavedTensor, config: Config) -> bool:
     """An X W held at 8 bits, above the preset's width, only because it feeds GELU, tanh or ReLU (rebuild_refusal)."""
-    return config.bits is not None and _lowest_bits(owner) > config.bits
+    return config.bits is not None and owner.role is Role.LORA_BASE_OUTPUT and _lowest_bits(owner) > config.bits
 
 
 def _ceiling(owner: SavedTensor, group: list[SavedTensor], plan: Plan, analysis: Analysis, config: Config,

@@ -7,8 +7,8 @@ the adapters are in another dtype than x, since the casts happen inside); backwa
 The products run in the factors' dtype, as PEFT runs a LoRA branch in its adapters' dtype.
 
 Two paths, tested against each other: ``torch._grouped_mm`` (one call per product over every expert, no device
-sync), where it takes the shapes (rows 16-byte aligned; on CUDA, bf16 only); else the reference, a loop over the
-experts (transformers' own fallback's).
+sync), where it takes the operands (``grouped_mm_dtype``); else the reference, a loop over the experts
+(transformers' own fallback's).
 """
 
 from __future__ import annotations
@@ -21,14 +21,21 @@ def _segments(offsets: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
-def grouped_mm_applies(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` takes these operands: int32 offsets, every matrix's rows 16-byte aligned, and on CUDA
-    bf16 on compute capability 8.0 or newer."""
+def grouped_mm_dtype(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor
+                     ) -> torch.dtype | None:
+    """The dtype ``torch._grouped_mm`` runs the products in, None where it does not apply. It needs int32 offsets
+    and every matrix's rows 16-byte aligned. On CPU: the factors' dtype. On CUDA (compute capability 8.0 or newer)
+    bf16 only: bf16 rows, the factors cast to bf16 (PEFT's fp32 adapters), as PEFT casts them to a bf16 model's
+    dtype before it folds them into the experts' weights."""
     if not hasattr(torch, "_grouped_mm") or offsets.dtype != torch.int32:
-        return False
-    if x.is_cuda and (a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0)):
-        return False
-    return all(size * a.element_size() % 16 == 0 for size in (a.size(1), a.size(2), b.size(2)))
+        return None
+    dtype = a.dtype
+    if x.is_cuda:
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+            return None
+        dtype = torch.bfloat16
+    size = torch.empty((), dtype=dtype).element_size()
+    return dtype if all(n * size % 16 == 0 for n in (a.size(1), a.size(2), b.size(2))) else None
 
 
 def _grouped(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -57,9 +64,10 @@ def grouped_lora_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, of
 def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """(S, in) rows sorted by expert, a (E, in, r), b (E, r, out), offsets (E,) -> (S, out) in a's dtype. Every row
     belongs to an expert (offsets[-1] == S): no expert-parallel sentinel rows."""
-    if not grouped_mm_applies(x, a, b, offsets):
+    dtype = grouped_mm_dtype(x, a, b, offsets)
+    if dtype is None:
         return grouped_lora_reference(x, a, b, offsets)
-    return _grouped(_grouped(x.to(a.dtype), a, offsets), b, offsets)
+    return _grouped(_grouped(x.to(dtype), a.to(dtype), offsets), b.to(dtype), offsets).to(a.dtype)
 
 
 @grouped_lora.register_fake
@@ -86,12 +94,14 @@ def grouped_lora_backward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, off
                           grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, da, db) of ``grouped_lora``: u = dy_e b_e^T, then da_e = x_e^T u, db_e = (x_e a_e)^T dy_e,
     dx_e = u a_e^T."""
-    if not grouped_mm_applies(x, a, b, offsets):
+    dtype = grouped_mm_dtype(x, a, b, offsets)
+    if dtype is None:
         return grouped_lora_backward_reference(x, a, b, offsets, grad)
-    rows, dy = x.to(a.dtype), grad.to(a.dtype)
-    u = _grouped(dy, b.transpose(1, 2), offsets)
-    grad_x = _grouped(u, a.transpose(1, 2), offsets).to(x.dtype)
-    return grad_x, _per_expert_sum(rows, u, offsets), _per_expert_sum(_grouped(rows, a, offsets), dy, offsets)
+    rows, dy, a_, b_ = x.to(dtype), grad.to(dtype), a.to(dtype), b.to(dtype)
+    u = _grouped(dy, b_.transpose(1, 2), offsets)
+    grad_x = _grouped(u, a_.transpose(1, 2), offsets).to(x.dtype)
+    grad_a = _per_expert_sum(rows, u, offsets).to(a.dtype)
+    return grad_x, grad_a, _per_expert_sum(_grouped(rows, a_, offsets), dy, offsets).to(b.dtype)
 
 
 @grouped_lora_backward.register_fake
