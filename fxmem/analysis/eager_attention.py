@@ -5,16 +5,18 @@ probabilities for backward, a (heads x tokens x tokens) tensor per layer. Backwa
 and k it keeps anyway for their own gradients, at the price of the scores' matmul and the element-wise chain once
 more, as fused attention does; ``eager_attention_chains`` finds what that takes. Recognised by structure alone: a
 softmax whose output is the left operand of a batched matmul (P v), traced back through element-wise ops (scale,
-mask, soft-capping's tanh, a sliding window's where), views and casts to the batched matmul that made its scores
-(q k^T). Dropout between the probabilities and P v is drawn again in backward from the step's seeds (inductor's
+mask, soft-capping's tanh, a sliding window's where), views, casts, a cat (gpt-oss's sink column joined to the scores)
+and a row's max (subtracted before the softmax) to the batched matmul that made its scores (q k^T). Dropout between the probabilities and P v is drawn again in backward from the step's seeds (inductor's
 ``inductor_random``, as passes/replay_dropout.py replays a LoRA input's): the same mask; a draw from a stateful
 generator would not be, and leaves that attention as it is.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
+import torch
 from torch.fx import Graph, Node
 
 from fxmem.analysis.blocks import draws_from_step_seed, draws_random_numbers
@@ -26,6 +28,8 @@ from fxmem.analysis.graph import (
     tensor_args,
 )
 from fxmem.analysis.roles import BATCHED_MATMULS, SOFTMAXES
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,22 @@ def _dropout_mask(probabilities: Node, path: set[Node]) -> set[Node] | None:
     return mask
 
 
+def _row_max(node: Node) -> bool:
+    """A row's maximum (``max(dim, keepdim=True)`` or its values), as a stabilizer subtracts before the softmax."""
+    if node.target is operator.getitem:
+        node = node.args[0]
+    return isinstance(node, Node) and node.target is aten.max.dim
+
+
+def _inputs(node: Node) -> list[Node]:
+    """The tensors ``node`` reads, a cat's list included (the scores joined with a sink's column)."""
+    if node.target is aten.cat.default:
+        return [arg for arg in node.args[0] if isinstance(arg, Node)]
+    if node.target is operator.getitem:
+        return [node.args[0]]
+    return tensor_args(node)
+
+
 def _scores_chain(probabilities: Node) -> tuple[Node, tuple[Node, ...]] | None:
     """The scores' batched matmul, and every node between it and ``probabilities`` (both included, with the
     element-wise ops that build a mask from the positions); None where the softmax's input comes from no one batched
@@ -115,10 +135,13 @@ def _scores_chain(probabilities: Node) -> tuple[Node, tuple[Node, ...]] | None:
             matmuls.add(current)
             chain.add(current)
             continue
-        if not (original_op(current) in SOFTMAXES or is_view(current) or is_replayable_pointwise(current)):
+        if not (original_op(current) in SOFTMAXES or is_view(current) or is_replayable_pointwise(current)
+                or current.target is aten.cat.default or _row_max(current)):
             continue  # an input of the chain (a mask built elsewhere, a constant): read, not rebuilt
         chain.add(current)
-        stack.extend(tensor_args(current))
+        if current.target is aten.max.dim:  # its indices too: max's backward reads them
+            chain.update(user for user in current.users if user.target is operator.getitem)
+        stack.extend(_inputs(current))
     if len(matmuls) != 1:
         return None
     return next(iter(matmuls)), tuple(chain)

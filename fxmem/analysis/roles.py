@@ -9,7 +9,7 @@ Model-class names are never consulted, so the roles hold for any transformer.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -239,14 +239,15 @@ _TO_ROUTING = frozenset({"add", "sub", "mul", "div", "sigmoid", "exp", "sum", "a
 
 def _router(f: TensorFacts) -> Match | None:
     """A router's scores, values a top-k (or sort, argmax) chooses from through casts, views and element-wise ops
-    (its softmax or sigmoid, a bias), or the chosen values themselves (renormalized). Before attention's rules: a
+    (its softmax or sigmoid, a bias), or the chosen values themselves (renormalized, or gpt-oss's softmax over them).
+    Before attention's rules: a
     router's softmax is no attention's."""
     if not f.val.dtype.is_floating_point:
         return None
     if _feeds(f.base, ROUTING_CHOICES, through=_TO_ROUTING, depth=12):
         return Role.ROUTER, "scores a top-k chooses from"
     if any(p.target is operator.getitem and isinstance(p.args[0], Node) and original_op(p.args[0]) in
-           ROUTING_CHOICES for p in walk_back(f.base, through=("div", "mul", "sum", "add"), depth=4)):
+           ROUTING_CHOICES for p in walk_back(f.base, through=("div", "mul", "sum", "add", *SOFTMAXES), depth=6)):
         return Role.ROUTER, "the chosen experts' weights"
     return None
 
@@ -494,20 +495,37 @@ def _from_parameters(node: object, params: frozenset[Node], depth: int = 6) -> b
     return bool(operands) and all(_from_parameters(a, params, depth - 1) for a in operands)
 
 
+def _recomputed_roles(f: TensorFacts) -> Iterator[Match]:
+    """The roles of the forward values backward recomputes from the saved tensor, nearest first: up to five
+    recomputed steps on (gpt-oss's up projection in bf16: cast, clamp, clamp, cast and + 1 before the product)."""
+    frontier, seen = list(f.bw_users), set()
+    for _ in range(5):
+        next_frontier = []
+        for user in frontier:
+            twin = f.fw_nodes.get(user.name)
+            if user in seen or twin is None or twin.target != user.target or twin is f.base or tensor_val(
+                    twin) is None:
+                continue  # not a recomputation, or a multi-output op (its getitems are what gets classified)
+            seen.add(user)
+            twin_facts = TensorFacts(node=twin, base=storage_base(twin), fw_users=users_through_views(twin),
+                                     bw_users=users_through_views(user), params=f.params, inputs=f.inputs,
+                                     lora_by_xa=f.lora_by_xa, fw_nodes={},  # no fw_nodes: no recursion
+                                     saved_bases=f.saved_bases)
+            role, detail = classify(twin_facts)[0]
+            if role is not Role.UNKNOWN:
+                yield role, f"recomputes {twin.name}: {detail}" if detail else f"recomputes {twin.name}"
+            next_frontier += users_through_views(user)
+        frontier = next_frontier
+
+
 def _recompute_source(f: TensorFacts) -> Match | None:
-    """Saved only so that backward can recompute a forward value: take that value's role."""
-    for user in f.bw_users:
-        twin = f.fw_nodes.get(user.name)
-        if twin is None or twin.target != user.target or twin is f.base or tensor_val(twin) is None:
-            continue  # not a recomputation, or a multi-output op (its getitems are what gets classified)
-        twin_facts = TensorFacts(node=twin, base=storage_base(twin), fw_users=users_through_views(twin),
-                                 bw_users=users_through_views(user), params=f.params, inputs=f.inputs,
-                                 lora_by_xa=f.lora_by_xa, fw_nodes={},  # no fw_nodes: one level deep
-                                 saved_bases=f.saved_bases)
-        role, detail = classify(twin_facts)[0]
-        if role is not Role.UNKNOWN:
-            return role, f"recomputes {twin.name}: {detail}" if detail else f"recomputes {twin.name}"
-    return None
+    """Saved only so that backward can recompute forward values: take the role of the nearest that has one."""
+    return next(_recomputed_roles(f), None)
+
+
+def _rebuilds_linear_input(f: TensorFacts) -> Match | None:
+    """Backward rebuilds a linear's input from it (a norm's output from its input): its error is that input's."""
+    return next((m for m in _recomputed_roles(f) if m[0] is Role.LINEAR_INPUT), None)
 
 
 def _small_or_index(f: TensorFacts) -> Match | None:
@@ -522,6 +540,7 @@ RULES: tuple[Callable[[TensorFacts], Match | None], ...] = (
     _parameter, _loss_gradient, _lora_base_output, _dropout_mask, _fused_attention, _lora_intermediate, _router,
     _eager_attention, _norm,
     _activation, _loss_input, _rope_table, _row_scaled, _product, _linear_input, _small_or_index, _recompute_source,
+    _rebuilds_linear_input,
 )
 
 
@@ -535,9 +554,8 @@ def classify(facts: TensorFacts) -> list[Match]:
     return matches
 
 
-# Pointwise ops that carry attention scores from the matmul to the softmax (scale, mask, bias).
-# Scale, mask, sliding window and soft-capping (tanh(s / cap) * cap) between attention scores and their softmax
-_SCORE_PASSTHROUGH = frozenset({"add", "sub", "mul", "div", "where", "masked_fill", "tanh"})
+# What lies between attention's scores and its softmax: scale, mask, soft-capping, a sink's column joined (gpt-oss).
+_SCORE_PASSTHROUGH = frozenset({"add", "sub", "mul", "div", "where", "masked_fill", "tanh", "cat"})
 
 
 def _feeds(node: Node, ops: frozenset[str], depth: int = 8, through: frozenset[str] = _SCORE_PASSTHROUGH) -> bool:
@@ -561,7 +579,7 @@ def _feeds(node: Node, ops: frozenset[str], depth: int = 8, through: frozenset[s
 def _from_softmax(node: object) -> bool:
     if not isinstance(node, Node):
         return False
-    return any(original_op(p) in SOFTMAXES for p in walk_back(node, through=("native_dropout",), depth=6))
+    return any(original_op(p) in SOFTMAXES for p in walk_back(node, through=("native_dropout", "clone"), depth=6))
 
 
 def _is_rms_input(node: object) -> bool:

@@ -48,6 +48,10 @@ class Family:
     settings: dict[str, Any]  # config entries beyond the shared shape
     masked_lm: bool = False
     attention: str = "sdpa"  # transformers' attn_implementation: the family's own where it needs one
+    # stacked expert weights LoRA targets beside "all-linear", where PEFT's "all-linear" leaves them out (gpt-oss:
+    # its checkpoints store them fused, so PEFT has no per-expert linears to map; OpenAI's fine-tuning recipe names
+    # them)
+    lora_parameters: tuple[str, ...] = ()
 
 
 HEAD_DIM = HIDDEN // HEADS
@@ -86,7 +90,7 @@ FAMILIES = (
             "norm_topk_prob": True}),
     Family("gpt_oss", "MoE: attention sinks, top-k before the softmax, clamped SwiGLU experts with biases",
            {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": HEAD_DIM, "sliding_window": WINDOW},
-           attention="eager"),
+           attention="eager", lora_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
     Family("deepseek_v3", "MoE: latent attention (MLA), a sigmoid router with a bias, a shared expert",
            {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": INTERMEDIATE,
             "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "q_lora_rank": 64,
@@ -147,7 +151,8 @@ def build(family: Family, dtype: str = "fp32") -> tuple[torch.nn.Module, dict[st
     model_class = AutoModelForMaskedLM if family.masked_lm else AutoModelForCausalLM
     model = model_class.from_config(config).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0,
-                                             target_modules="all-linear"))
+                                             target_modules="all-linear",
+                                             target_parameters=list(family.lora_parameters) or None))
     draw_lora_b(model, LORA_B_STD)
     return model, batch_of(0)
 
