@@ -492,17 +492,21 @@ def _coverage(file: ResultFile) -> list[str]:
 
 
 def _coverage_summary(files: Sequence[ResultFile]) -> list[str]:
-    """The lossy presets on every family: worst cosine and fewer saved bytes, per dtype."""
-    lines = []
+    """The lossy presets on every family: worst cosine and fewer saved bytes, per dtype; a family from the newest
+    file (``files`` newest first) that measured it."""
+    lines: list[str] = []
+    shown: set[str] = set()
     for file in (f for f in files if f.kind == "coverage"):
         _, grid = _coverage_grid(file)
         dtypes = list(dict.fromkeys(dtype for _, dtype in grid))
         columns = [(p, d) for d in dtypes for p in LOSSY_PRESETS if any(p in v for (_, dt), v in grid.items()
                                                                        if dt == d)]
-        families = list(dict.fromkeys(family for family, _ in grid))
+        families = [family for family in dict.fromkeys(family for family, _ in grid) if family not in shown]
+        shown.update(families)
         rows = [[family, *(_coverage_cell(grid.get((family, d), {}).get(p)) for p, d in columns)]
                 for family in families]
-        lines += [*([""] if lines else []), *_table(("family", *(f"{p}, {d}" for p, d in columns)), rows)]
+        if rows:
+            lines += [*([""] if lines else []), *_table(("family", *(f"{p}, {d}" for p, d in columns)), rows)]
     return lines
 
 

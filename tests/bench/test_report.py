@@ -185,3 +185,10 @@ def test_families_are_tabled_per_dtype_against_llamas_reduction_and_join_a_page_
     with pytest.raises(ValueError, match="measured at commit 'fffffff'"):
         build([compare, file], ["abc1234", "fffffff"], links_from=tmp_path, history_path=tmp_path / "h.md",
               command="report")
+    # a later commit's coverage supersedes the earlier one's rows in the README's summary, family by family
+    later = result_file(tmp_path, "coverage-later.json", "fxmem bench coverage --dtypes fp32", "0123abc", [])
+    later.data["results"] = [coverage("gemma2", "fp32", "hyclora-4bit", 0.999, 11.0)]
+    report = build([compare, file, later], ["abc1234", "def5678", "0123abc"], links_from=tmp_path,
+                   history_path=tmp_path / "h.md", command="report")
+    assert "| gemma2 | 0.9990, 11.00x |" in report.summary and "| gemma2 | 0.9900" not in report.summary
+    assert "| llama | 0.9970, 8.00x |" in report.summary  # measured by the earlier commit alone
