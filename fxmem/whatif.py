@@ -154,6 +154,10 @@ class ActivationBytes:
     # activations it freed by then, or forward's transients
     host: int = 0  # what the step stores in host memory instead (block_offload): in neither of the above
     notes: tuple[TraceNote, ...] = ()  # the trace's fallbacks and region notes
+    # the two sides of ``transient``, which grow unlike with depth (forward's: one block's; backward's: every
+    # block's LoRA gradients at its peak), so scaled apart; ``transient`` is the larger
+    forward_transient: int = 0
+    backward_peak: int = 0
 
     @property
     def step(self) -> int:
@@ -184,6 +188,10 @@ def predicted_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Te
     from fxmem.cost_model.memory import host_bytes
     return ActivationBytes(saved=sum(planned for _, saved, planned in _activation_rows(report)),
                            transient=max((r.compiled_transient_bytes for r in report.regions), default=0),
+                           forward_transient=max((fw.transient_bytes for r in report.regions
+                                                  for fw, _ in r.compiled_liveness), default=0),
+                           backward_peak=max((bw.peak_bytes for r in report.regions
+                                              for _, bw in r.compiled_liveness), default=0),
                            host=sum(host_bytes(s, p) for _, s, p in report.rows() if s.frees_memory),
                            notes=_trace_notes(report, [str(w.message) for w in caught
                                                        if issubclass(w.category, FallbackWarning)]))
@@ -468,8 +476,9 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
     def with_every_note(activations: ActivationBytes) -> ActivationBytes:
         return replace(activations, notes=_merged_notes(*met))
 
-    def step(shallow: ActivationBytes, deep: ActivationBytes) -> tuple[int, int, int]:
-        return deep.saved - shallow.saved, deep.transient - shallow.transient, deep.host - shallow.host
+    def step(shallow: ActivationBytes, deep: ActivationBytes) -> tuple[int, int, int, int]:
+        return (deep.saved - shallow.saved, deep.forward_transient - shallow.forward_transient,
+                deep.backward_peak - shallow.backward_peak, deep.host - shallow.host)
 
     depth = config.num_hidden_layers
     if depth <= SCALING_DEPTHS[-1]:
@@ -484,23 +493,26 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
             return with_every_note(traced(depth)), f"all {depth} layers traced (blocks do not save alike)"
         if depths[-1] + 1 > MAX_SCALING_DEPTH:
             earlier, last = step(*traces[-3:-1]), step(*traces[-2:])
-            if (earlier[0], earlier[2]) != (last[0], last[2]):
+            if (earlier[0], earlier[1], earlier[3]) != (last[0], last[1], last[3]):
                 return with_every_note(traced(depth)), f"all {depth} layers traced (blocks do not save alike)"
             # The blocks save alike but add unlike amounts to the peak: inductor keeps freed buffers for reuse
             # while its estimate has room, and the room grows by what backward frees (analysis/liveness.py), in
             # steps that need not repeat. The larger of the last two steps is taken for each further block's: an
             # assumed bound (on the tests' model, from 6 blocks to 9, they add nothing more).
-            traces[-1] = replace(traces[-1], transient=traces[-2].transient + max(earlier[1], last[1]))
+            traces[-1] = replace(traces[-1], backward_peak=traces[-2].backward_peak + max(earlier[2], last[2]))
             bound = " (the larger of two steps: the steps to the peak differ from block to block)"
             break
         depths.append(depths[-1] + 1)
         traces.append(traced(depths[-1]))
     # what each further block adds: saved, at the peak, and in host memory
-    per_layer, transient_per_layer, host_per_layer = step(*traces[-2:])
+    per_layer, forward_per_layer, backward_per_layer, host_per_layer = step(*traces[-2:])
     further = depth - depths[-1]
     deepest = traces[-1]
-    scaled = ActivationBytes(deepest.saved + further * per_layer, deepest.transient + further * transient_per_layer,
-                             deepest.host + further * host_per_layer, _merged_notes(*met))
+    forward = deepest.forward_transient + further * forward_per_layer
+    backward = deepest.backward_peak + further * backward_per_layer
+    transient_per_layer = (max(forward, backward) - max(deepest.forward_transient, deepest.backward_peak)) // further
+    scaled = ActivationBytes(deepest.saved + further * per_layer, max(forward, backward),
+                             deepest.host + further * host_per_layer, _merged_notes(*met), forward, backward)
     return scaled, (f"traced at {', '.join(map(str, depths))} layers, each further layer saves "
                     f"{per_layer / 2**20:.2f} MiB and adds {transient_per_layer / 2**20:.2f} MiB to the "
                     f"transients{bound}; scaled to {depth}")

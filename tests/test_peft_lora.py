@@ -88,9 +88,16 @@ def test_a_prepared_mixture_of_experts_compiles_once_and_saves_no_merged_expert_
     router_input = inputs["gate", (2, 16, 64)]
     assert (router_input.action, router_input.bits) == ("quantize", 8)
     assert inputs["experts", (64, 64)].action == inputs["experts", (64, 128)].action == "recompute"
-    # the experts' output, held only for the routing weights' gradient: 8 bits under a 4-bit preset
-    (scaled,) = [(s, p) for s, p in rows if s.role is Role.ROW_SCALED]
-    assert (scaled[0].shape, scaled[1].action, scaled[1].bits) == ((64, 64), "quantize", 8)
+    # the activation's input and the experts' output (held only for the routing weights' gradient): rebuilt in
+    # backward by the experts' products from the router's 8-bit input, as a dense X W is replayed from its x
+    products = {s.role: p for s, p in rows if s.role in (Role.ACT_INPUT, Role.ROW_SCALED)}
+    assert set(products) == {Role.ACT_INPUT, Role.ROW_SCALED}
+    assert all(p.action == "recompute" and "by the experts' products" in p.reason for p in products.values())
+    # without rebuild_from_x the experts' output is stored at its floor of 4 bits, and at no fewer under 2 bits
+    for preset in ("hyclora-4bit", "hyclora-2bit"):
+        report = fxmem.inspect(model, **batch, config=fxmem.Config.from_preset(preset, rebuild_from_x=False))
+        (scaled,) = [(s, p) for _, s, p in report.rows() if s.nbytes and s.role is Role.ROW_SCALED]
+        assert (scaled[0].shape, scaled[1].action, scaled[1].bits) == ((64, 64), "quantize", 4), preset
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])

@@ -258,7 +258,7 @@ def test_a_deep_model_is_traced_one_block_deeper_until_two_steps_agree(monkeypat
     def traced(config, *, layers, **shape):
         jump = 2**30 * max(0, agree_from - layers) ** 2  # the steps before agree_from differ
         return whatif_module.ActivationBytes(saved=layers * 2**20 + saved_jump * jump,
-                                             transient=layers * 2**19 - jump)
+                                             transient=layers * 2**19 - jump, backward_peak=layers * 2**19 - jump)
 
     monkeypatch.setattr(whatif_module, "traced_activation_bytes", traced)
     config = types.SimpleNamespace(num_hidden_layers=32)
@@ -269,6 +269,23 @@ def test_a_deep_model_is_traced_one_block_deeper_until_two_steps_agree(monkeypat
     assert scaled.transient >= traced(config, layers=32).transient
     if agree_from == 3:
         assert scaled == traced(config, layers=32)
+
+
+def test_backwards_peak_is_scaled_apart_from_a_larger_forward_transient(monkeypatch):
+    # Qwen3-30B-A3B at 2,048 tokens: forward's transient (one block's, 1.16 GiB) led backward's peak (every block's
+    # LoRA gradients, about 190 MiB more a block) up to 4 blocks; their max stepped by 0, and 48 blocks were
+    # predicted 1.16 GiB of transients where backward's peak reaches about 9 GiB
+    def traced(config, *, layers, **shape):
+        forward, backward = 2**30, layers * 2**28
+        return whatif_module.ActivationBytes(saved=layers * 2**20, transient=max(forward, backward),
+                                             forward_transient=forward, backward_peak=backward)
+
+    monkeypatch.setattr(whatif_module, "traced_activation_bytes", traced)
+    config = types.SimpleNamespace(num_hidden_layers=48)
+    scaled, how = layer_scaled_activation_bytes(config, rank=8, dtype=torch.bfloat16, batch=1, seq=64,
+                                                preset=Config())
+    assert how.startswith("traced at 2, 3, 4 layers")
+    assert (scaled.transient, scaled.backward_peak, scaled.forward_transient) == (48 * 2**28, 48 * 2**28, 2**30)
 
 
 def test_bf16_model_with_pefts_fp32_adapters_saves_no_x_a_under_runlora(tiny_config):

@@ -6,7 +6,9 @@ tensor from the saved tensors and parameters it already has, with a few element-
 it: no saved byte more, no matmul. This module finds those chains; the planner prices them against compression.
 
 It also finds the one matmul that rebuilds a LoRA linear's frozen product x W^T from the saved x and the frozen
-weight: not free, but exact up to x's own storage (cost_model.planner._replayed prices it).
+weight: not free, but exact up to x's own storage (cost_model.planner._replayed prices it). A mixture of experts'
+chains may replay the experts' grouped products too (their routed rows gathered from x, each expert's frozen weight
+and its LoRA): the planner prices those by their flops.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.fx import Node
 
-from fxmem.analysis.graph import DTYPE_CASTS, is_replayable_pointwise, is_view, tensor_val
+from fxmem.analysis.graph import DTYPE_CASTS, is_replayable_pointwise, is_view, schema_name, tensor_val
 from fxmem.analysis.lora import is_linear_product
+from fxmem.analysis.roles import GROUPED_MATMULS
 
 # Element-wise ops a free recomputation may replay: past this the chain is not the cheap kind.
 MAX_CHAIN = 16
@@ -26,10 +29,22 @@ MAX_CHAIN = 16
 def pointwise_rebuild(base: Node, saved_bases: frozenset[Node]) -> tuple[Node, ...] | None:
     """The forward nodes that rebuild the storage ``base`` element by element from other saved storages and graph
     inputs (in graph order, ``base`` last), or None when it needs anything else (a matmul, a reduction, random
-    numbers, a forward value that is not saved) or is itself a graph input."""
+    numbers, a forward value that is not saved) or is itself a graph input. The experts' grouped products count as
+    element-wise here (each row times its expert's weight): ``replays_product`` tells such a chain apart."""
     if base.op != "call_function":
         return None
-    return _chain(base, saved_bases, lambda node: is_replayable_pointwise(node) or is_view(node) or is_row_gather(node))
+    return _chain(base, saved_bases, lambda node: is_replayable_pointwise(node) or is_view(node) or is_row_gather(node)
+                  or is_grouped_product(node))
+
+
+def is_grouped_product(node: Node) -> bool:
+    """A grouped matmul of rows sorted by expert with stacked expert weights, or fxmem's LoRA on them."""
+    return node.op == "call_function" and schema_name(node.target) in GROUPED_MATMULS
+
+
+def replays_product(chain: tuple[Node, ...]) -> bool:
+    """The chain runs a grouped product again: a matmul's flops, not a free recomputation."""
+    return any(map(is_grouped_product, chain))
 
 
 def is_row_gather(node: Node) -> bool:

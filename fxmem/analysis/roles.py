@@ -113,7 +113,8 @@ NONLINEAR_POINTWISE = frozenset({"tanh", "exp", "sigmoid", "erf", "log1p", "expm
 BATCHED_MATMULS = frozenset({aten.bmm.default, aten.baddbmm.default})
 # Matmuls of rows sorted by expert with stacked expert weights (torch's, transformers' fallback, fxmem's LoRA on
 # experts: fxmem/kernels/grouped_lora.py): their first input is the experts' input
-GROUPED_MATMULS = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback", "fxmem::grouped_lora"})
+GROUPED_LORA = "fxmem::grouped_lora"
+GROUPED_MATMULS = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback", GROUPED_LORA})
 
 
 def op_argument(node: Node, name: str, default: object = None) -> object:
@@ -412,30 +413,28 @@ def _row_scaled(f: TensorFacts) -> Match | None:
     backward reads x only for s's gradient."""
     if len(f.val.shape) < 2:
         return None
-    for user in f.fw_users:
-        if user.target is not aten.mul.Tensor or len(operands := tensor_args(user)) != 2:
-            continue
-        other = operands[1] if storage_base(operands[0]) is f.base else operands[0]
-        other_val = tensor_val(other)
-        if (other_val is not None and strip(other) not in f.params and other_val.is_floating_point()
-                and other_val.dim() == f.val.dim() and other_val.shape[-1] == 1
+    for _, _, other_val in _mul_partners(f):
+        if (other_val.is_floating_point() and other_val.dim() == f.val.dim() and other_val.shape[-1] == 1
                 and 0 < numel_hint(other_val) < numel_hint(f.val)):
             return Role.ROW_SCALED, "x in x * s, one s per row"
     return None
 
 
-def _product(f: TensorFacts) -> Match | None:
+def _mul_partners(f: TensorFacts) -> Iterator[tuple[Node, Node, torch.Tensor]]:
+    """(mul, other operand, its value) for each two-tensor ``mul`` forward applies to the tensor by no parameter."""
     for user in f.fw_users:
-        if user.target is not aten.mul.Tensor or original_op(user) != "mul":
-            continue
-        operands = tensor_args(user)
-        if len(operands) != 2:
+        if user.target is not aten.mul.Tensor or len(operands := tensor_args(user)) != 2:
             continue
         other = operands[1] if storage_base(operands[0]) is f.base else operands[0]
         other_val = tensor_val(other)
-        if strip(other) in f.params or other_val is None or numel_hint(other_val) != numel_hint(f.val):
-            continue
-        if rope_trig(storage_base(other)) is None:
+        if other_val is not None and strip(other) not in f.params:
+            yield user, other, other_val
+
+
+def _product(f: TensorFacts) -> Match | None:
+    for mul, other, other_val in _mul_partners(f):
+        if (original_op(mul) == "mul" and numel_hint(other_val) == numel_hint(f.val)
+                and rope_trig(storage_base(other)) is None):
             return Role.PRODUCT_INPUT, "x in x*y"
     return None
 
@@ -524,7 +523,11 @@ def _recompute_source(f: TensorFacts) -> Match | None:
 
 
 def _rebuilds_linear_input(f: TensorFacts) -> Match | None:
-    """Backward rebuilds a linear's input from it (a norm's output from its input): its error is that input's."""
+    """A norm's input from which backward rebuilds the norm's output, a linear's input: from it alone (and the row's
+    statistic), so its error is that input's. (A product's operands, SwiGLU's gate and up, share theirs.)"""
+    norm = _norm(f)
+    if norm is None or norm[0] is not Role.NORM_INPUT:
+        return None
     return next((m for m in _recomputed_roles(f) if m[0] is Role.LINEAR_INPUT), None)
 
 

@@ -26,7 +26,7 @@ from fxmem.analysis.graph import (
 )
 from fxmem.analysis.lora import matmul_operands
 from fxmem.analysis.meta import BLOCK_SOURCE
-from fxmem.analysis.recompute import copies_values, rebuild_inputs
+from fxmem.analysis.recompute import copies_values, rebuild_inputs, replays_product
 from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.memory import (
@@ -76,9 +76,10 @@ OUTLIER_VALUE_BITS = 2
 # instead, 0.960 and 0.959). SiLU is rebuilt: there torch saves the input, the same value the rebuild rounds.
 DERIVATIVE_SAVED_ACTIVATIONS = frozenset({"gelu", "tanh", "relu"})
 REBUILD_ALL_ACTIVATIONS_BITS = 8
-# x in x * s (one s per row: an expert's output and its routing weight) is read only for s's gradient; at 8 bits
-# that sum over the row stays within rounding of exact's, where the router's gradient follows from it
-ROW_SCALED_BITS = 8
+# x in x * s (one s per row: an expert's output and its routing weight) is read only for s's gradient, a sum over
+# the row, which the router's gradient follows from: stored at no fewer bits than these; where rebuild_from_x replays
+# the experts' products from their 8-bit input, that rebuild is exact-tier and wins over these codes
+ROW_SCALED_BITS = 4
 # Backward ops that read which saved values are positive: ReLU's backward passes the gradient where its saved output
 # is, so a small positive value rounded to zero drops its gradient. OPT with its ReLU output saved: worst
 # LoRA-gradient cosine 0.960 at 4 bits and 0.959 at 2 rounded to nearest, 0.9999 and 0.9986 kept positive
@@ -242,6 +243,9 @@ def _recompute_plan(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]]
     leaves = [n.name for n in rebuild_inputs(owner.recompute) if n.name in by_storage]
     read = sum(stored_bytes(by_storage[leaf][0], owner_plans[leaf]) for leaf in leaves)
     device = str(tensor_val(owner.base).device)
+    if replays_product(owner.recompute):  # the experts' products run again: their flops
+        return Plan("recompute", f"rebuilt in backward by the experts' products from {', '.join(leaves)}",
+                    nbytes=0, seconds=forward_seconds(owner.recompute, device), chain=owner.recompute)
     return Plan("recompute", f"rebuilt element-wise in backward from {', '.join(leaves) or 'graph inputs'}",
                 nbytes=0, seconds=recompute_seconds(read, device), chain=owner.recompute)
 
@@ -459,6 +463,8 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
     for storage, group in by_storage.items():
         if group[0].role is Role.NORM_INPUT and group[0].norm is not None:
             readers.setdefault(group[0].norm.output.name, set()).add(storage)
+        for leaf in rebuild_inputs(group[0].recompute) if group[0].recompute is not None else ():
+            readers.setdefault(leaf.name, set()).add(storage)  # its recomputation may read it as planned
     pending = [storage for storage, plan in configured.items() if plan.action != "keep"]
     # what the config asks of each: fixed by it, whatever the others choose
     ceilings = {storage: _ceiling(by_storage[storage][0], by_storage[storage], configured[storage], analysis, config,
@@ -567,7 +573,7 @@ def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], confi
         base = _rebuild_source(owner, group, analysis, config, set(tables_saved), purpose)
     choices = [_Choice(base)]
     leaves = [n.name for n in rebuild_inputs(owner.recompute)] if owner.recompute is not None else []
-    if all(_rebuildable_from(configured.get(leaf, Plan("keep", "")), owner, base) for leaf in leaves):
+    if all(_rebuildable_from(leaf, owner, base, configured, plans, config) for leaf in leaves):
         recompute = _recompute_plan(owner, by_storage, plans)
         if recompute is not None:
             choices.append(_Choice(dataclasses.replace(
@@ -579,13 +585,27 @@ def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], confi
     return choices
 
 
-def _rebuildable_from(leaf: Plan, owner: SavedTensor, owner_plan: Plan) -> bool:
-    """A recomputation may read ``leaf`` as planned: kept, or, where the chain only copies values (the experts'
-    routed rows gathered from the tokens), quantized at no fewer bits than ``owner`` would be."""
-    if leaf.action == "keep":
+def _rebuildable_from(leaf: str, owner: SavedTensor, owner_plan: Plan, configured: dict[str, Plan],
+                      plans: dict[str, Plan], config: Config) -> bool:
+    """A recomputation may read ``leaf``: kept as configured; where the chain replays the experts' products, under
+    ``rebuild_from_x`` held at REBUILD_SOURCE_BITS as planned now (as a dense X W is replayed from its x); where it
+    only copies values (the experts' routed rows gathered from the tokens), configured at no fewer bits than
+    ``owner`` would be."""
+    if replays_product(owner.recompute):
+        return _rebuilds_from_x(config) and _held_at_source_bits(leaf, plans)
+    plan = configured.get(leaf, Plan("keep", ""))
+    if plan.action == "keep":
         return True
-    return (leaf.action == "quantize" and owner_plan.action == "quantize" and leaf.bits >= owner_plan.bits
+    return (plan.action == "quantize" and owner_plan.action == "quantize" and plan.bits >= owner_plan.bits
             and copies_values(owner.recompute))
+
+
+def _held_at_source_bits(storage: str, plans: dict[str, Plan]) -> bool:
+    """``storage`` as planned now is kept, stored at REBUILD_SOURCE_BITS or more, or recomputed from such alone."""
+    plan = plans.get(storage, Plan("keep", ""))
+    if plan.action == "recompute" and plan.chain:
+        return all(_held_at_source_bits(n.name, plans) for n in rebuild_inputs(plan.chain))
+    return plan.action == "keep" or (plan.action == "quantize" and plan.bits >= REBUILD_SOURCE_BITS)
 
 
 def _prenorm_choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], plans: dict[str, Plan],

@@ -17,9 +17,10 @@ import torch
 from torch.fx import Node
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fxmem.analysis.graph import hint, is_view, numel_hint, tensor_val
+from fxmem.analysis.graph import hint, is_view, numel_hint, schema_name, tensor_val
 from fxmem.analysis.lora import MATMULS, is_linear_product, matmul_operands
-from fxmem.analysis.roles import BATCHED_MATMULS, is_fused_attention, op_argument
+from fxmem.analysis.recompute import is_grouped_product
+from fxmem.analysis.roles import BATCHED_MATMULS, GROUPED_LORA, is_fused_attention, op_argument
 from fxmem.kernels.quantize import fit_reads
 from fxmem.timing import median, step_times
 
@@ -124,6 +125,8 @@ def forward_seconds(nodes: Sequence[Node], device: str = "cpu") -> float:
             flops += 2 * numel_hint(out) * hint(x.shape[-1])
         elif is_fused_attention(node):
             flops += attention_flops(node)
+        elif is_grouped_product(node):
+            flops += _grouped_product_flops(node)
         elif matrices := _parameter_matrices(node):
             x = tensor_val(node.all_input_nodes[0])
             rows = numel_hint(x) // max(hint(x.shape[-1]), 1) if x is not None and x.dim() else 1
@@ -133,6 +136,16 @@ def forward_seconds(nodes: Sequence[Node], device: str = "cpu") -> float:
             outputs = val if isinstance(val, (tuple, list)) else (val,)
             traffic += sum(2 * numel_hint(t) * t.element_size() for t in outputs if isinstance(t, torch.Tensor))
     return flops / matmul_rate(device) + traffic / memory_bandwidth(device)
+
+
+def _grouped_product_flops(node: Node) -> int:
+    """Each routed row (rows x in) times its expert's matrix (in x out); fxmem's grouped LoRA as its two products
+    through the rank (its A stacked as experts x in x rank)."""
+    x, out = tensor_val(node.args[0]), tensor_val(node)
+    rows, width = numel_hint(x) // max(hint(x.shape[-1]), 1), hint(x.shape[-1])
+    if schema_name(node.target) == GROUPED_LORA:
+        return 2 * rows * hint(tensor_val(node.args[1]).shape[-1]) * (width + hint(out.shape[-1]))
+    return 2 * numel_hint(out) * width
 
 
 def _parameter_matrices(node: Node) -> list[torch.Tensor]:
