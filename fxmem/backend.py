@@ -33,12 +33,11 @@ from fxmem.analysis import Analysis, SavedTensor, analyze
 from fxmem.analysis.blocks import find_blocks
 from fxmem.analysis.liveness import compiled_liveness, graph_liveness
 from fxmem.analysis.pinned import Pinned, pinned
-from fxmem.analysis.recompute import rebuild_inputs
 from fxmem.config import Config
 from fxmem.cost_model.auto import choose_auto, predicted_peak_bytes
 from fxmem.cost_model.memory import op_workspace_bytes
 from fxmem.cost_model.plan import Plan
-from fxmem.cost_model.planner import BLOCK_CHECKPOINT_REASON, budget_bytes, budget_note, plan_region
+from fxmem.cost_model.planner import BLOCK_CHECKPOINT_REASON, budget_bytes, budget_note, plan_region, replay_sources
 from fxmem.fallback import fall_back, strict, unsupported
 from fxmem.kernels import calibration
 from fxmem.kernels import probe as probe_kernel
@@ -232,8 +231,7 @@ class _Partitioner(CustomPartitionerFn):
                 names = {node.name for _, plan in recomputed for node in plan.chain}
                 tag_must_recompute(n for n in joint_for_recompute.graph.nodes if n.name in names)
                 state.fw, state.bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)
-                sources = frozenset(n.name for saved, plan in recomputed if plan.chain == saved.rebuild_product
-                                    for n in rebuild_inputs(plan.chain))
+                sources = replay_sources(recomputed)
                 analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=False)
                 state.analysis = dataclasses.replace(analysis, rebuild_sources=analysis.rebuild_sources | sources)
                 state.plans = plan_region(state.analysis, config, enabled_techniques(config))

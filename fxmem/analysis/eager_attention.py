@@ -6,9 +6,10 @@ and k it keeps anyway for their own gradients, at the price of the scores' matmu
 more, as fused attention does; ``eager_attention_chains`` finds what that takes. Recognised by structure alone: a
 softmax whose output is the left operand of a batched matmul (P v), traced back through element-wise ops (scale,
 mask, soft-capping's tanh, a sliding window's where), views, casts, a cat (gpt-oss's sink column joined to the scores)
-and a row's max (subtracted before the softmax) to the batched matmul that made its scores (q k^T). Dropout between the probabilities and P v is drawn again in backward from the step's seeds (inductor's
-``inductor_random``, as passes/replay_dropout.py replays a LoRA input's): the same mask; a draw from a stateful
-generator would not be, and leaves that attention as it is.
+and a row's max (subtracted before the softmax) to the batched matmul that made its scores (q k^T). Dropout
+between the probabilities and P v is drawn again in backward from the step's seeds (inductor's ``inductor_random``,
+as passes/replay_dropout.py replays a LoRA input's): the same mask; a draw from a stateful generator would not be,
+and leaves that attention as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fxmem.analysis.graph import (
     is_view,
     original_op,
     tensor_args,
+    tensor_val,
 )
 from fxmem.analysis.roles import BATCHED_MATMULS, SOFTMAXES
 
@@ -108,7 +110,9 @@ def _row_max(node: Node) -> bool:
     """A row's maximum (``max(dim, keepdim=True)`` or its values), as a stabilizer subtracts before the softmax."""
     if node.target is operator.getitem:
         node = node.args[0]
-    return isinstance(node, Node) and node.target is aten.max.dim
+    if not (isinstance(node, Node) and node.target is aten.max.dim and len(node.args) > 2 and node.args[2]):
+        return False
+    return node.args[1] in (-1, tensor_val(node.args[0]).dim() - 1)
 
 
 def _inputs(node: Node) -> list[Node]:

@@ -22,7 +22,7 @@ from fxmem.analysis.graph import DTYPE_CASTS, is_replayable_pointwise, is_view, 
 from fxmem.analysis.lora import is_linear_product
 from fxmem.analysis.roles import GROUPED_MATMULS
 
-# Element-wise ops a free recomputation may replay: past this the chain is not the cheap kind.
+# Ops a recomputation may replay: past this the chain is not the cheap kind.
 MAX_CHAIN = 16
 
 

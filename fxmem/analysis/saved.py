@@ -90,7 +90,8 @@ class SavedTensor(SavedRecord):
     # what the q, k or v is rebuilt from (x before RoPE, the tensor before GQA's repeat), for attention inputs
     replay: Replay | None = field(default=None, metadata=_GRAPH)
     norm: NormUnit | None = field(default=None, metadata=_GRAPH)  # the norm whose backward saves it (norm inputs)
-    # the element-wise ops that rebuild its storage from other saved storages and graph inputs, if there are any
+    # the element-wise ops (and the experts' grouped products) that rebuild its storage from other saved storages
+    # and graph inputs, if there are any
     recompute: tuple[Node, ...] | None = field(default=None, metadata=_GRAPH)
     # an X W lora_reorder rebuilds from: the matmul (and the views it reads) that rebuilds it from the saved x
     rebuild_product: tuple[Node, ...] | None = field(default=None, metadata=_GRAPH)

@@ -492,17 +492,19 @@ def _coverage(file: ResultFile) -> list[str]:
 
 
 def _coverage_summary(files: Sequence[ResultFile]) -> list[str]:
-    """The lossy presets on every family: worst cosine and fewer saved bytes, per dtype; a family from the newest
-    file (``files`` newest first) that measured it."""
+    """The lossy presets on every family: worst cosine and fewer saved bytes, per dtype; a family's row from the
+    newest file (``files`` newest first), and from an older one only where that measured a cell the newer did not."""
     lines: list[str] = []
-    shown: set[str] = set()
+    shown: set[tuple[str, str, str]] = set()  # (family, dtype, preset) cells a newer file gave
     for file in (f for f in files if f.kind == "coverage"):
         _, grid = _coverage_grid(file)
         dtypes = list(dict.fromkeys(dtype for _, dtype in grid))
         columns = [(p, d) for d in dtypes for p in LOSSY_PRESETS if any(p in v for (_, dt), v in grid.items()
                                                                        if dt == d)]
-        families = [family for family in dict.fromkeys(family for family, _ in grid) if family not in shown]
-        shown.update(families)
+        cells = {(family, d, p) for (family, d), results in grid.items() for p in results if p in LOSSY_PRESETS}
+        families = [family for family in dict.fromkeys(family for family, _ in grid)
+                    if {c for c in cells if c[0] == family} - shown]
+        shown |= cells
         rows = [[family, *(_coverage_cell(grid.get((family, d), {}).get(p)) for p, d in columns)]
                 for family in families]
         if rows:

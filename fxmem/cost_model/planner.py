@@ -77,8 +77,9 @@ OUTLIER_VALUE_BITS = 2
 DERIVATIVE_SAVED_ACTIVATIONS = frozenset({"gelu", "tanh", "relu"})
 REBUILD_ALL_ACTIVATIONS_BITS = 8
 # x in x * s (one s per row: an expert's output and its routing weight) is read only for s's gradient, a sum over
-# the row, which the router's gradient follows from: stored at no fewer bits than these; where rebuild_from_x replays
-# the experts' products from their 8-bit input, that rebuild is exact-tier and wins over these codes
+# the row, which the router's gradient follows from: stored at no fewer bits than these (docs/analysis.md has the
+# cosines at 4 and 8); where rebuild_from_x replays the experts' products from their 8-bit input, that rebuild is
+# exact-tier and wins over these codes
 ROW_SCALED_BITS = 4
 # Backward ops that read which saved values are positive: ReLU's backward passes the gradient where its saved output
 # is, so a small positive value rounded to zero drops its gradient. OPT with its ReLU output saved: worst
@@ -237,7 +238,8 @@ def propose_sparse(owner: SavedTensor, group: list[SavedTensor], analysis: Analy
 def _recompute_plan(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
                     owner_plans: dict[str, Plan]) -> Plan | None:
     """Recomputing ``owner``'s storage in backward from the saved storages and graph inputs its chain reads, if it is
-    compressible (the callers keep what it reads saved); priced by reading them once more as they are planned."""
+    compressible (the callers keep what it reads saved); priced by reading them once more as they are planned, or,
+    where it replays the experts' products, by running its chain again (their flops)."""
     if owner.recompute is None or not _compressible(by_storage[owner.storage]):
         return None
     leaves = [n.name for n in rebuild_inputs(owner.recompute) if n.name in by_storage]
@@ -436,6 +438,7 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
     """Without memory_budget, each storage's target is its ceiling: the bytes of the compression the config asks of it
     (_configured_plan), or of a norm input rebuilt from its output's factors with ``prenorm_sharing``. Its options
     (_choices): that compression, at REBUILD_SOURCE_BITS or more where backward rebuilds something from it;
+    with ``rebuild_from_x`` the experts' products replayed from what is held at REBUILD_SOURCE_BITS or more;
     recomputed element-wise from storages the config keeps exact (from a quantized one it would carry that error
     rather than its own, which is not less: a norm's output rebuilt from its input quantized per row lost
     q_proj's A gradient cosine from 0.995 to 0.990 on the tiny Llama); with ``rebuild_from_x`` an X W replayed from its
@@ -583,6 +586,27 @@ def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], confi
         choices.append(_Choice(_replayed(owner, source), ((source, _REPLAYED_X_W),)))
     choices.extend(_prenorm_choices(owner, by_storage, plans, analysis, config, tables_saved))
     return choices
+
+
+def replay_sources(recomputed: list[tuple[SavedTensor, Plan]]) -> frozenset[str]:
+    """What the region's replays read, for the partition that runs them to hold at REBUILD_SOURCE_BITS or more: an X
+    W's x; for the experts' replayed products, what they read through the recomputations between (the routed rows
+    gathered again from the router's input)."""
+    chains = {saved.storage: plan.chain for saved, plan in recomputed}
+    sources = {n.name for saved, plan in recomputed if plan.chain == saved.rebuild_product
+               for n in rebuild_inputs(plan.chain)}
+    stack = [n.name for _, plan in recomputed if replays_product(plan.chain) for n in rebuild_inputs(plan.chain)]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in chains:
+            stack.extend(n.name for n in rebuild_inputs(chains[name]))
+        else:
+            sources.add(name)
+    return frozenset(sources)
 
 
 def _rebuildable_from(leaf: str, owner: SavedTensor, owner_plan: Plan, configured: dict[str, Plan],
@@ -878,8 +902,8 @@ def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
     stays saved; an X W replayed from its x (``rebuild_from_x``), x then held at REBUILD_SOURCE_BITS or more; a
     checkpointed block's input in host memory (``block_offload``, on a device whose host memory is apart from it);
     quantized at each BUDGET_STAGES width below its plan's and at or above its floor; factored at ``lowrank``'s
-    rank. A storage a recomputation reads stays saved; one recomputed is not moved again. Pre-norm sharing and the
-    preset's sparsified probabilities are not among them."""
+    rank. A storage a recomputation reads stays saved; one recomputed is not moved again. Pre-norm sharing, the
+    preset's sparsified probabilities and the experts' replayed products are not among them."""
     storage, group = owner.storage, by_storage[owner.storage]
     plan = owner_plans[storage]
     if plan.action not in ("keep", "quantize", "lowrank") or plan.host:
@@ -887,7 +911,9 @@ def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
     options = []
     if storage not in spending.read_by_recompute:
         recompute = _recompute_plan(owner, by_storage, owner_plans)
-        if recompute is not None and not spending.recomputed & {n.name for n in rebuild_inputs(recompute.chain)}:
+        # not the experts' products: this solver holds no floor under what they replay from
+        if (recompute is not None and not replays_product(recompute.chain)
+                and not spending.recomputed & {n.name for n in rebuild_inputs(recompute.chain)}):
             options.append(Option(storage, recompute, EXACT_ERROR))
         replay = _replay_plan(owner, by_storage, owner_plans, config)
         if replay is not None and _replay_source_storage(owner, by_storage) not in spending.recomputed:

@@ -18,10 +18,10 @@ saved exact, and backward runs no second attention forward there (backend.py).
 
 Eager attention (matmul, softmax, matmul: a model's own, as Gemma-2's soft-capped logits need) saves its
 probabilities, heads x tokens x tokens a layer. Here the chain from the scores' matmul q k^T to the softmax
-(analysis/eager_attention.py: scale, mask, soft-capping, sliding window) is tagged instead, so that backward
-rebuilds the probabilities from the q and k it keeps for their own gradients, as fused attention does: nothing
-of the tokens x tokens map is saved, and what it is rebuilt from is bounded like any q and k. Where
-``attn_sparsity`` is set the probabilities stay saved, for it to prune.
+(analysis/eager_attention.py: scale, mask, soft-capping, sliding window, a sink column, a row's max) is tagged
+instead, so that backward rebuilds the probabilities from the q and k it keeps for their own gradients, as fused
+attention does: nothing of the tokens x tokens map is saved, and what it is rebuilt from is bounded like any q and
+k. Where ``attn_sparsity`` is set the probabilities stay saved, for it to prune.
 """
 
 from __future__ import annotations

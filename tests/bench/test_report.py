@@ -192,3 +192,8 @@ def test_families_are_tabled_per_dtype_against_llamas_reduction_and_join_a_page_
                    history_path=tmp_path / "h.md", command="report")
     assert "| gemma2 | 0.9990, 11.00x |" in report.summary and "| gemma2 | 0.9900" not in report.summary
     assert "| llama | 0.9970, 8.00x |" in report.summary  # measured by the earlier commit alone
+    # a newer file of another dtype hides none of the older one's cells
+    later.data["results"] = [coverage("gemma2", "bf16", "hyclora-4bit", 0.999, 11.0)]
+    report = build([compare, file, later], ["abc1234", "def5678", "0123abc"], links_from=tmp_path,
+                   history_path=tmp_path / "h.md", command="report")
+    assert "| gemma2 | 0.9990, 11.00x |" in report.summary and "| gemma2 | 0.9900 (missed), 6.00x |" in report.summary

@@ -41,3 +41,43 @@ def test_a_replayed_forward_is_priced_by_its_flops_and_its_other_ops_bytes_views
     # fused attention (causal: half the flops) is priced by its flops alone, not its outputs' bytes
     assert any("flash_attention" in str(n.target) for n in nodes)
     assert prices.forward_seconds(nodes) == pytest.approx(flops / 1e9 + traffic / 1e6)
+
+
+def _experts(x, index, a, b, offsets):
+    """The routed rows gathered by expert and each expert's LoRA on them (fxmem/kernels/grouped_lora.py)."""
+    import fxmem.kernels.grouped_lora  # noqa: F401  registers fxmem::grouped_lora
+
+    return torch.ops.fxmem.grouped_lora(x[index], a, b, offsets)
+
+
+def _experts_graph():
+    offsets = torch.tensor([3, 8], dtype=torch.int32)
+    gm = make_fx(_experts, tracing_mode="fake")(torch.randn(4, 16), torch.arange(8) % 4, torch.randn(2, 16, 3),
+                                                torch.randn(2, 3, 12), offsets)
+    return {str(n.target).split(".")[-2]: n for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_an_experts_grouped_lora_is_priced_through_its_rank(monkeypatch):
+    monkeypatch.setattr(prices, "matmul_rate", lambda device: 1e9)
+    monkeypatch.setattr(prices, "memory_bandwidth", lambda device: 1e6)
+    node = _experts_graph()["grouped_lora"]
+    # 8 routed rows through a (16 x 3) then a (3 x 12) factor of their expert
+    assert prices.forward_seconds([node]) == pytest.approx(2 * 8 * 3 * (16 + 12) / 1e9)
+
+
+def test_the_experts_replayed_products_hold_what_they_read_through_the_gathers_between():
+    from types import SimpleNamespace
+
+    from fxmem.cost_model.plan import Plan
+    from fxmem.cost_model.planner import replay_sources
+
+    nodes = _experts_graph()
+    rows, products = nodes["index"], nodes["grouped_lora"]
+    recomputed = [(SimpleNamespace(storage=rows.name, rebuild_product=None), Plan("recompute", "", chain=(rows,))),
+                  (SimpleNamespace(storage=products.name, rebuild_product=None),
+                   Plan("recompute", "", chain=(products,)))]
+    # x, not the routed rows (recomputed themselves): the second partition holds x at 8 bits or more
+    x, index = rows.args[0].name, rows.args[1][0].name
+    assert {x, index} <= replay_sources(recomputed) and rows.name not in replay_sources(recomputed)
+    # a gather alone (no product) is no replay: nothing held for it
+    assert replay_sources(recomputed[:1]) == frozenset()
