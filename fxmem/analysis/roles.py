@@ -241,8 +241,7 @@ _TO_ROUTING = frozenset({"add", "sub", "mul", "div", "sigmoid", "exp", "sum", "a
 def _router(f: TensorFacts) -> Match | None:
     """A router's scores, values a top-k (or sort, argmax) chooses from through casts, views and element-wise ops
     (its softmax or sigmoid, a bias), or the chosen values themselves (renormalized, or gpt-oss's softmax over them).
-    Before attention's rules: a
-    router's softmax is no attention's."""
+    Before attention's rules: a router's softmax is no attention's."""
     if not f.val.dtype.is_floating_point:
         return None
     if _feeds(f.base, ROUTING_CHOICES, through=_TO_ROUTING, depth=12):

@@ -243,11 +243,11 @@ def _recompute_plan(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]]
     if owner.recompute is None or not _compressible(by_storage[owner.storage]):
         return None
     leaves = [n.name for n in rebuild_inputs(owner.recompute) if n.name in by_storage]
-    read = sum(stored_bytes(by_storage[leaf][0], owner_plans[leaf]) for leaf in leaves)
     device = str(tensor_val(owner.base).device)
     if replays_product(owner.recompute):  # the experts' products run again: their flops
         return Plan("recompute", f"rebuilt in backward by the experts' products from {', '.join(leaves)}",
                     nbytes=0, seconds=forward_seconds(owner.recompute, device), chain=owner.recompute)
+    read = sum(stored_bytes(by_storage[leaf][0], owner_plans[leaf]) for leaf in leaves)
     return Plan("recompute", f"rebuilt element-wise in backward from {', '.join(leaves) or 'graph inputs'}",
                 nbytes=0, seconds=recompute_seconds(read, device), chain=owner.recompute)
 
