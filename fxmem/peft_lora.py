@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from fxmem.cost_model.lora_orders import LoraShape, choose_for_experts
 from fxmem.kernels.grouped_lora import grouped_lora
 
 # The weights transformers' experts read, by the gate they have: ``has_gate`` (a fused gate and up projection) or
@@ -175,6 +176,24 @@ def _lora_grouped_linear(experts: torch.nn.Module, name: str, x: torch.Tensor, o
         return out
     lhs, rhs, scaling = factors
     a, b = (lhs, rhs) if experts.is_transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
-    lora = grouped_lora(x, a, b, offsets)
+    lora = grouped_lora(x, a, b, offsets, _backward_order(x, a, b))
     # the sum in the adapters' dtype, rounded once to the weights': PEFT's order for a dense LoRA linear
     return (out.to(lora.dtype) + scaling * lora).to(out.dtype)
+
+
+def _backward_order(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> str:
+    """The cost model's backward order for one expert's LoRA at its share of the routed rows ``x`` (the mean:
+    routing assumed balanced), as ``fxmem whatif`` prices it. Under dynamic shapes, at the rows' size hint: one
+    order per compiled graph, no guard on the size (without a hint, one row per expert)."""
+    experts, in_features, rank = (int(n) for n in a.shape)
+    rows = x.size(0)
+    if isinstance(rows, torch.SymInt):
+        rows = rows.node.hint or experts
+    return _experts_order(max(1, -(-int(rows) // experts)), in_features, int(b.size(-1)), rank, x.dtype, a.dtype)
+
+
+@torch.compiler.assume_constant_result  # dynamo calls it while tracing, a constant of the shapes
+def _experts_order(rows: int, in_features: int, out_features: int, rank: int, dtype: torch.dtype,
+                   adapter_dtype: torch.dtype) -> str:
+    return choose_for_experts(LoraShape(rows, in_features, out_features, rank, dtype,
+                                        adapter_dtype=adapter_dtype)).backward

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.choices import BASES, CONTEXT_GRANULARITY, DTYPE_NAMES, MAX_CONTEXT_PRESETS, OPTIMIZER_STATES
 from fxmem.config import Config, overrides_text
-from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops
+from fxmem.cost_model.lora_orders import LoraShape, OrderChoice, choose_by_flops, choose_for_experts
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes, loss_chunks, unfused_loss_bytes
 from fxmem.fallback import FallbackError, FallbackWarning
 from fxmem.fitting import Probe, longest_fitting
@@ -248,7 +248,8 @@ def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype,
     experts' adapters, A as (experts x r, in) and B as (out, r x experts): read here as one LoRA of rank r per
     expert, each at ``tokens`` x top-k / experts tokens (rounded up), top-k being ``experts_per_token`` (default:
     the model's config's ``num_experts_per_tok``). That is the average: routing is assumed balanced, where a real
-    router sends some experts more tokens than others. A ``ParamWrapper`` on a 2-D weight (a router's) is one
+    router sends some experts more tokens than others. Their orders are those the experts' kernel may run
+    (``choose_for_experts``: none folds the adapter into the weights). A ``ParamWrapper`` on a 2-D weight (a router's) is one
     LoRA of rank r at every token, as an adapted linear is."""
     counts: Counter[tuple[LoraShape, int]] = Counter()
     for module in model.modules():
@@ -263,7 +264,8 @@ def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype,
         weight = lora_a["default"].weight
         counts[LoraShape(per_expert, module.in_features, module.out_features, weight.shape[0] // experts, dtype,
                          adapter_dtype=weight.dtype), experts] += 1
-    return [LoraOrder(shape, count, choose_by_flops(shape), experts) for (shape, experts), count in counts.items()]
+    return [LoraOrder(shape, count, choose_for_experts(shape) if experts > 1 else choose_by_flops(shape), experts)
+            for (shape, experts), count in counts.items()]
 
 
 def _experts_per_token(model: torch.nn.Module) -> int:

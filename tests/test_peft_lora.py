@@ -128,7 +128,8 @@ def test_grouped_lora_matches_a_per_expert_reference(dtypes):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_lora_fast_path_matches_the_reference(dtype):
+@pytest.mark.parametrize("order", ["backward1", "backward3"])
+def test_grouped_lora_fast_path_matches_the_reference(dtype, order):
     generator = torch.Generator().manual_seed(1)
     offsets = torch.tensor([5, 5, 12, 20], dtype=torch.int32)  # expert 1 has no rows
     x, grad = torch.randn(20, 32, generator=generator).to(dtype), torch.randn(20, 16, generator=generator).to(dtype)
@@ -140,12 +141,40 @@ def test_grouped_lora_fast_path_matches_the_reference(dtype):
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
     torch.testing.assert_close(torch.ops.fxmem.grouped_lora(x, a, b, offsets),
                                kernel.grouped_lora_reference(x, a, b, offsets), **tolerance)
-    fast = torch.ops.fxmem.grouped_lora_backward(x, a, b, offsets, grad)
-    reference = kernel.grouped_lora_backward_reference(x, a, b, offsets, grad)
+    fast = torch.ops.fxmem.grouped_lora_backward(x, a, b, offsets, grad, order)
+    reference = kernel.grouped_lora_backward_reference(x, a, b, offsets, grad, order)
     for mine, theirs in zip(fast, reference, strict=True):
         assert mine.shape == theirs.shape and mine.dtype == theirs.dtype and mine.is_contiguous()
         torch.testing.assert_close(mine, theirs, **tolerance)
     assert not fast[1][1].any() and not fast[2][1].any()  # no rows, no gradient
+
+
+@pytest.mark.parametrize("order", ["backward1", "backward2", "backward3", "backward6"])
+def test_every_grouped_backward_order_gives_the_same_gradients(order):
+    generator = torch.Generator().manual_seed(2)
+    offsets = torch.tensor([3, 3, 9], dtype=torch.int32)
+    x, grad = torch.randn(9, 5, generator=generator, requires_grad=True), torch.randn(9, 7, generator=generator)
+    a, b = torch.randn(3, 5, 4, generator=generator), torch.randn(3, 4, 7, generator=generator)
+    expected = kernel.grouped_lora_backward_reference(x, a, b, offsets, grad)
+    a.requires_grad_(), b.requires_grad_()
+    grouped_lora(x, a, b, offsets, order).backward(grad)
+    for mine, theirs in zip((x.grad, a.grad, b.grad), expected, strict=True):
+        torch.testing.assert_close(mine, theirs)
+
+
+def test_a_grouped_lora_takes_only_the_orders_that_leave_the_adapter_out_of_the_weights():
+    x, a, b = torch.randn(4, 8), torch.randn(2, 8, 2), torch.randn(2, 2, 8)
+    with pytest.raises(ValueError, match="'backward4'.*valid orders.*backward1, backward2, backward3, backward6"):
+        grouped_lora(x, a, b, torch.tensor([2, 4], dtype=torch.int32), "backward4")
+
+
+def test_the_experts_backward_order_is_the_cost_models():
+    # x^T dy per expert (in x out) beats the rank-r products only where in and out are small against the rank
+    from fxmem.peft_lora import _backward_order
+    a, b = torch.randn(4, 8, 16), torch.randn(4, 16, 8)
+    assert _backward_order(torch.randn(128, 8), a, b) == "backward3"  # 32 rows per expert
+    assert _backward_order(torch.randn(8, 8), a, b) == "backward1"  # 2 rows per expert
+    assert _backward_order(torch.randn(128, 64), torch.randn(4, 64, 8), torch.randn(4, 8, 64)) == "backward1"
 
 
 def test_a_prepared_model_pickles():
@@ -174,7 +203,7 @@ def test_transposed_experts_with_biases_and_a_router_with_a_bias_give_pefts_grad
         head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=256, use_cache=False,
         attn_implementation="eager", layer_types=["full_attention"]))
     for name, p in model.named_parameters():
-        if name.endswith("_bias") or name.endswith("router.bias"):
+        if name.endswith(("_bias", "router.bias")):
             torch.nn.init.normal_(p, std=0.1)  # zeros in the config's init: a bias must matter
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], target_parameters=[
         "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.router.weight"]))

@@ -201,6 +201,15 @@ def choose_by_flops(shape: LoraShape, needs: frozenset[str] = frozenset(GRADIENT
     return order_choice(forward, backward, shape, needs)
 
 
+@cache
+def choose_for_experts(shape: LoraShape) -> OrderChoice:
+    """The orders for one expert's LoRA on stacked experts (``shape``: one expert's rows), which never folds the
+    adapter into the experts' weights: forward1, and the backward order with the fewest FLOPs among those whose dX
+    leaves it out (what ``fxmem.kernels.grouped_lora`` runs)."""
+    return order_choice("forward1", _cheapest(SPLIT_DX_BACKWARD_ORDERS, lambda order: backward_cost(order, shape)),
+                        shape)
+
+
 def order_choice(forward: str, backward: str, shape: LoraShape,
                  needs: frozenset[str] = frozenset(GRADIENTS)) -> OrderChoice:
     """``forward`` and ``backward`` for ``shape``, with their summed cost and the default's."""

@@ -3,8 +3,13 @@
 ``y_e = (x_e a_e) b_e`` for the rows ``x_e`` routed to expert ``e``: rows sorted by expert, ``offsets`` their
 cumulative ends, as transformers' grouped matmuls take them. The adapter is never merged into the experts' weights
 nor formed beside them. Autograd keeps x and the factors (views of the adapter's parameters: no copy, even where
-the adapters are in another dtype than x, since the casts happen inside); backward recomputes ``x_e a_e`` (n x r).
-The products run in the factors' dtype, as PEFT runs a LoRA branch in its adapters' dtype.
+the adapters are in another dtype than x, since the casts happen inside). The products run in the factors' dtype,
+as PEFT runs a LoRA branch in its adapters' dtype.
+
+Backward runs one of RunLoRA's orders that leave the adapter out of the weights (``SPLIT_DX_BACKWARD_ORDERS``),
+the one the cost model chooses for an expert's share of the rows (``lora_orders.choose_for_experts``): dA and dB
+each from the rank-r products (``dy_e b_e^T``, the recomputed ``x_e a_e``) or from ``x_e^T dy_e`` (in x out per
+expert, cheaper only where in and out are under about twice the rank).
 
 Two paths, tested against each other: ``torch._grouped_mm`` (one call per product over every expert, no device
 sync), where it takes the operands (``grouped_mm_dtype``); else the reference, a loop over the experts
@@ -13,7 +18,11 @@ sync), where it takes the operands (``grouped_mm_dtype``); else the reference, a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from fxmem.kernels.runlora import BACKWARD_ASSOCIATIONS, SPLIT_DX_BACKWARD_ORDERS
 
 
 def _segments(offsets: torch.Tensor) -> list[tuple[int, int]]:
@@ -61,9 +70,12 @@ def grouped_lora_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, of
 
 
 @torch.library.custom_op("fxmem::grouped_lora", mutates_args=())
-def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                 backward_order: str = "backward1") -> torch.Tensor:
     """(S, in) rows sorted by expert, a (E, in, r), b (E, r, out), offsets (E,) -> (S, out) in a's dtype. Every row
-    belongs to an expert (offsets[-1] == S): no expert-parallel sentinel rows."""
+    belongs to an expert (offsets[-1] == S): no expert-parallel sentinel rows. ``backward_order``: the gradients'
+    order, one of ``SPLIT_DX_BACKWARD_ORDERS``."""
+    _associations(backward_order)
     dtype = grouped_mm_dtype(x, a, b, offsets)
     if dtype is None:
         return grouped_lora_reference(x, a, b, offsets)
@@ -71,54 +83,73 @@ def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: tor
 
 
 @grouped_lora.register_fake
-def _(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, backward_order: str = "backward1"
+      ) -> torch.Tensor:
+    _associations(backward_order)
     return x.new_empty(x.size(0), b.size(-1), dtype=a.dtype)
 
 
+def _associations(order: str) -> tuple[str, str]:
+    """How ``order`` computes dA ("z1": x^T (dy b^T); "xtdy": (x^T dy) b^T) and dB ("xa": (x a)^T dy; "xtdy":
+    a^T (x^T dy)); dX is always (dy b^T) a^T."""
+    if order not in SPLIT_DX_BACKWARD_ORDERS:
+        raise ValueError(f"unknown backward order {order!r} for a grouped LoRA; valid orders (those that leave the "
+                         f"adapter out of the weights): {', '.join(SPLIT_DX_BACKWARD_ORDERS)}")
+    d_a, d_b, _ = BACKWARD_ASSOCIATIONS[order]
+    return d_a, d_b
+
+
 def grouped_lora_backward_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                                    grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                    grad: torch.Tensor, backward_order: str = "backward1"
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d_a, d_b = _associations(backward_order)
     # contiguous, as the fast path's and the fake's
     grad_x, grad_a, grad_b = (t.new_zeros(t.shape) for t in (x, a, b))
     for expert, (start, end) in enumerate(_segments(offsets)):
         if start < end:
             rows, dy = x[start:end].to(a.dtype), grad[start:end].to(a.dtype)
             u = dy @ b[expert].t()
-            grad_a[expert] = rows.t() @ u
-            grad_b[expert] = (rows @ a[expert]).t() @ dy
+            xtdy = rows.t() @ dy if "xtdy" in (d_a, d_b) else None
+            grad_a[expert] = rows.t() @ u if d_a == "z1" else xtdy @ b[expert].t()
+            grad_b[expert] = (rows @ a[expert]).t() @ dy if d_b == "xa" else a[expert].t() @ xtdy
             grad_x[start:end] = u @ a[expert].t()
     return grad_x, grad_a, grad_b
 
 
 @torch.library.custom_op("fxmem::grouped_lora_backward", mutates_args=())
 def grouped_lora_backward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                          grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, da, db) of ``grouped_lora``: u = dy_e b_e^T, then da_e = x_e^T u, db_e = (x_e a_e)^T dy_e,
-    dx_e = u a_e^T."""
+                          grad: torch.Tensor, backward_order: str = "backward1"
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, da, db) of ``grouped_lora`` in ``backward_order`` (see ``_associations``)."""
+    d_a, d_b = _associations(backward_order)
     dtype = grouped_mm_dtype(x, a, b, offsets)
     if dtype is None:
-        return grouped_lora_backward_reference(x, a, b, offsets, grad)
+        return grouped_lora_backward_reference(x, a, b, offsets, grad, backward_order)
     rows, dy, a_, b_ = x.to(dtype), grad.to(dtype), a.to(dtype), b.to(dtype)
     u = _grouped(dy, b_.transpose(1, 2), offsets)
     grad_x = _grouped(u, a_.transpose(1, 2), offsets).to(x.dtype)
-    grad_a = _per_expert_sum(rows, u, offsets).to(a.dtype)
-    return grad_x, grad_a, _per_expert_sum(_grouped(rows, a_, offsets), dy, offsets).to(b.dtype)
+    xtdy = _per_expert_sum(rows, dy, offsets) if "xtdy" in (d_a, d_b) else None
+    grad_a = _per_expert_sum(rows, u, offsets) if d_a == "z1" else torch.bmm(xtdy, b_.transpose(1, 2))
+    grad_b = (_per_expert_sum(_grouped(rows, a_, offsets), dy, offsets) if d_b == "xa"
+              else torch.bmm(a_.transpose(1, 2), xtdy))
+    return grad_x, grad_a.to(a.dtype), grad_b.to(b.dtype)
 
 
 @grouped_lora_backward.register_fake
-def _(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
-      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
+      backward_order: str = "backward1") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape), a.new_empty(a.shape), b.new_empty(b.shape)
 
 
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[torch.Tensor, ...],
-                   output: torch.Tensor) -> None:
-    x, a, b, offsets = inputs
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor
+                   ) -> None:
+    x, a, b, offsets, ctx.backward_order = inputs
     ctx.save_for_backward(x, a, b, offsets)
 
 
 def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-    return (*torch.ops.fxmem.grouped_lora_backward(*ctx.saved_tensors, grad), None)
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    return (*torch.ops.fxmem.grouped_lora_backward(*ctx.saved_tensors, grad, ctx.backward_order), None, None)
 
 
 grouped_lora.register_autograd(_backward, setup_context=_setup_context)
