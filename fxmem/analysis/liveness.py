@@ -95,9 +95,12 @@ def released_activations(fw: Graph, bw: Graph, num_fwd_outputs: int) -> dict[Nod
 def inlined_elementwise(graph: Graph) -> frozenset[Node]:
     """The element-wise ops inductor computes inside the kernels of their readers instead of storing: every reader
     (through views) takes the value inside its own loop, none is the graph's output, and there are at most
-    ``_MAX_INLINED_READERS``, or any number for a constant fill, which reads nothing. (Inductor also stores a value
-    that is costly to recompute for several readers; that is not modelled.)"""
-    inlined = set()
+    ``_MAX_INLINED_READERS``, or any number for a constant fill, which reads nothing; and the value does not read
+    too many stored buffers, counted through the inlined values it reads (``_stores_for_its_reads``). (Inductor
+    also stores a value that is costly to recompute for several readers; that is not modelled.)"""
+    inlined: set[Node] = set()
+    reads: dict[Node, frozenset[Node]] = {}  # the stored buffers each inlined value's loop loads
+    cpu = _runs_on_cpu(graph)
     for node in graph.nodes:
         if node.op != "call_function" or not _elementwise(node) or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
@@ -109,9 +112,27 @@ def inlined_elementwise(graph: Graph) -> frozenset[Node]:
                 else:
                     readers.add(user)
         few = len(readers) <= _MAX_INLINED_READERS or node.target in CONSTANT_FILLS
-        if readers and few and all(_takes_inline(r) for r in readers):
+        if not (readers and few and all(_takes_inline(r) for r in readers)):
+            continue
+        loads = frozenset().union(*(reads.get(_base(arg), {_base(arg)}) for arg in node.all_input_nodes))
+        if not _stores_for_its_reads(len(loads), len(readers), cpu):
             inlined.add(node)
+            reads[node] = loads
     return frozenset(inlined)
+
+
+def _stores_for_its_reads(loads: int, readers: int, cpu: bool) -> bool:
+    """Whether inductor stores an element-wise value for the buffers its loop loads (``loads``, through the values
+    inlined into it), which would otherwise grow without bound along a chain (a residual stream's gradient summed
+    layer after layer): past ``realize_acc_reads_threshold`` (inductor's default: 12 on a CPU, 8 on a GPU), or past
+    ``realize_reads_threshold`` (4) where several kernels read it (``TensorBox.has_exceeded_max_reads``,
+    ``StorageBox.should_realize_on_reuse``)."""
+    from torch._inductor import config
+    accumulated = config.realize_acc_reads_threshold
+    if accumulated is None:  # a per-device default (torch 2.12 on; 8 for both before)
+        accumulated = getattr(config, "realize_cpu_acc_reads_threshold", 8) if cpu else getattr(
+            config, "_realize_acc_reads_threshold_default", 8)
+    return loads > accumulated or (readers > 1 and loads > config.realize_reads_threshold)
 
 
 # Ops inductor lowers as an element-wise loop besides the pointwise-tagged ones, and readers that compute an

@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxmem.analysis.liveness import graph_liveness, inlined_elementwise
@@ -65,6 +66,25 @@ def test_an_element_wise_op_read_only_inside_other_loops_is_not_stored():
     stored = graph_liveness(graph, inlined=inlined)
     assert stored.peak_bytes == 4096 + 4096 + 4  # c, c @ w and one sum; a and b never stored
     assert graph_liveness(graph).peak_bytes == 3 * 4096  # run as aten ops: c, a and b at once
+
+
+def test_a_chain_of_element_wise_sums_is_stored_where_inductor_stores_it():
+    # a residual stream's gradient, summed layer after layer, each sum also read by a reduction: inlined whole, the
+    # chain would hold every summand to its end (the whole backward's, on a mixture of experts)
+    def chain(x, *summands):
+        sums = []
+        for summand in summands:
+            x = x + summand
+            sums.append(x.sum(-1))
+        return torch.stack(sums)
+
+    args = [torch.randn(64, 32) for _ in range(11)]
+    adds = [n for n in make_fx(chain)(*args).graph.nodes if n.target == torch.ops.aten.add.Tensor]
+    stored = [n for n in adds if n not in inlined_elementwise(adds[0].graph)]
+    _, (code,) = run_and_get_code(torch.compile(chain, backend="inductor"), *args)
+    assert len(stored) == code.count("empty_strided_cpu((64, 32)") == 2
+    # several readers: stored once it loads more than 4 buffers (each sum loads one more)
+    assert [adds.index(n) for n in stored] == [3, 7]
 
 
 def test_a_constant_fill_is_never_stored_however_many_kernels_read_it():
