@@ -554,8 +554,8 @@ def compile_(model: torch.nn.Module, preset: str = "exact", **overrides: Any) ->
     TRL's trainers keep the batch columns ``forward`` names (``torch.compile(model)`` returns a wrapper whose
     signature is ``*args, **kwargs``: Trainer then drops every column). PEFT's LoRA on routers and experts is
     prepared first (``fxmem.prepare_peft``)."""
-    prepare_peft(model)
     compiled = backend(preset, **overrides)
+    prepare_peft(model, compiled.config)
     model.compile(backend=compiled)
     return compiled
 

@@ -91,7 +91,10 @@ class Config:
         bitsandbytes 4-bit base (QLoRA) is dequantized for the op, and again in backward
         (passes/dequantize_bases.py). "auto": chunked where that lowers the region's predicted peak of activations
         by a tenth, at as many tokens as hold no more than the MLP's input, one choice for every "auto" chunk option
-        of the region (cost_model/auto.py); the report's notes say which and why. None (every preset) is off.
+        of the region (cost_model/auto.py); the report's notes say which and why. A mixture's experts prepared
+        by ``fxmem.prepare_peft`` with this config run this many tokens at a time too (under "auto", as many as
+        hold no more than their input): their routed rows and products, and in backward their replay, one chunk
+        at a time. None (every preset) is off.
     linear_chunk: run the PEFT LoRA linears outside a chunked MLP (an attention's projections: q, k and v, which
         read one input, as one op) this many tokens at a time in forward and backward, their input the only tensor
         they save (passes/chunk_linears.py): in backward each holds its output gradient again in float32 for a

@@ -123,7 +123,7 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
     loss = loss or _output_loss
     torch._dynamo.reset()
     reference = _gradients(model, lambda: loss(model(**batch)))
-    prepare_peft(model)
+    prepare_peft(model, config)
     zero = [name for name, gradient in reference.items() if not gradient.any()]
     compared = {name: gradient for name, gradient in reference.items() if name not in zero}
     backend = Backend(config, lowering=lowering, fidelity_probes=per_tensor)

@@ -25,9 +25,10 @@ def inspect(model: torch.nn.Module, *example_args: Any, config: Config | None = 
     experts is prepared as ``fxmem.compile_`` prepares it (``fxmem.prepare_peft``, in place). Passes that only pick
     which kernel runs a product (and would time candidates to do it) are left out: they save nothing.
     """
-    prepare_peft(model)
+    config = config or Config()
+    prepare_peft(model, config)
     passes = PassManager([p for p in default_passes() if not p.speed_only])
-    backend = Backend(config or Config(), lowering="eager", passes=passes)
+    backend = Backend(config, lowering="eager", passes=passes)
     compiled = torch.compile(model, backend=backend)
     with torch.enable_grad():
         compiled(*example_args, **example_kwargs)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from fxmem.config import Config
+from fxmem.cost_model.auto import chunk_rows
 from fxmem.cost_model.lora_orders import LoraShape, choose_for_experts
 from fxmem.kernels.grouped_lora import grouped_lora
 
@@ -31,11 +33,14 @@ from fxmem.kernels.grouped_lora import grouped_lora
 _EXPERT_WEIGHTS = ({"gate_up_proj", "down_proj"}, {"up_proj", "down_proj"})
 
 
-def prepare_peft(model: torch.nn.Module) -> list[str]:
+def prepare_peft(model: torch.nn.Module, config: Config | None = None) -> list[str]:
     """Give each outermost PEFT ``ParamWrapper`` of ``model`` fxmem's forward (see the module's docstring), in
     place; return the names of the modules changed (none without PEFT or without parameter LoRA). Calling it again
-    changes nothing. ``fxmem.compile_``, ``fxmem.inspect`` and ``fxmem.check_fidelity`` call it; call it yourself
-    before ``torch.compile(model, backend=...)``."""
+    changes nothing but the experts' chunks. ``config``: the fxmem config the model will be compiled with, whose
+    ``mlp_chunk`` runs the experts that many tokens at a time (``_experts_forward``): dynamo traces the forward
+    before fxmem's backend sees the graph. ``fxmem.compile_``, ``fxmem.inspect`` and ``fxmem.check_fidelity`` call
+    it; call it yourself before ``torch.compile(model, backend=fxmem.backend(...))``, with
+    ``config=backend.config`` where that sets ``mlp_chunk``."""
     try:
         from peft.tuners.lora.layer import ParamWrapper
     except ImportError:
@@ -44,7 +49,10 @@ def prepare_peft(model: torch.nn.Module) -> list[str]:
     inner = {id(module.base_layer) for module in wrappers.values()}
     changed = []
     for name, module in wrappers.items():
-        if id(module) in inner or type(module) in _PREPARED.values():
+        if id(module) in inner:
+            continue
+        module.fxmem_mlp_chunk = config.mlp_chunk if config is not None else None
+        if type(module) in _PREPARED.values():
             continue
         module.__class__ = _prepared_class(type(module))
         changed.append(name)
@@ -82,7 +90,7 @@ def _wrapper_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwarg
     adapted = [w for w in chain if _active(w)]
     factors = {w.parameter_name: _factors(w) for w in adapted}
     if _unmerged_experts(base, factors):
-        return _experts_forward(base, factors, x, *args, **kwargs)
+        return _experts_forward(base, factors, getattr(self, "fxmem_mlp_chunk", None), x, *args, **kwargs)
     merged = {w.parameter_name: _merged_weight(w) for w in adapted}
     return torch.func.functional_call(base, merged, (x, *args), kwargs)
 
@@ -137,8 +145,38 @@ def _unmerged_experts(base: torch.nn.Module, factors: dict[str, Any]) -> bool:
 
 
 def _experts_forward(experts: torch.nn.Module, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
-                     hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                     ) -> torch.Tensor:
+                     chunk: int | str | None, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``_routed_forward`` over every token, or ``chunk`` tokens at a time (``Config.mlp_chunk``): the
+    expert-wide tensors (the routed rows, their products, their gradients) then exist one chunk at a time, in
+    forward, and in backward where it replays the experts' products (``rebuild_from_x``) or reads each chunk's
+    saved tensors. Routing is per token: the chunks' results are the whole's."""
+    rows = _chunk_tokens(chunk, experts, hidden_states, top_k_index)
+    if rows >= hidden_states.size(0):
+        return _routed_forward(experts, factors, hidden_states, top_k_index, top_k_weights)
+    return torch.cat([_routed_forward(experts, factors, *parts) for parts in zip(
+        hidden_states.split(rows), top_k_index.split(rows), top_k_weights.split(rows), strict=True)])
+
+
+def _chunk_tokens(chunk: int | str | None, experts: torch.nn.Module, hidden_states: torch.Tensor,
+                  top_k_index: torch.Tensor) -> int:
+    """The tokens per chunk: all of them without ``chunk`` or under dynamic shapes (no guard on the length); under
+    "auto", as many as hold no more routed rows and products than the experts' input (``chunk_rows``)."""
+    tokens = hidden_states.size(0)
+    if chunk is None or isinstance(tokens, torch.SymInt):
+        return tokens
+    up = getattr(experts, "gate_up_proj" if experts.has_gate else "up_proj")
+    width = up.shape[-1] if experts.is_transposed else up.shape[-2]  # the up product's, a fused gate's included
+    hidden = hidden_states.size(-1)
+    # a token's rows per expert it is routed to: its input gathered, the up product, the activation, the output
+    row = top_k_index.size(-1) * (2 * hidden + width + (width // 2 if experts.has_gate else width))
+    size = hidden_states.element_size()
+    return chunk_rows(chunk, tokens, hidden * size, lambda backward: row * size)
+
+
+def _routed_forward(experts: torch.nn.Module, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+                    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                    ) -> torch.Tensor:
     """transformers' grouped experts forward (``grouped_mm_experts_forward``: tokens sorted by expert, one grouped
     matmul per projection), each adapted projection's LoRA as its two small grouped products."""
     tokens, hidden = hidden_states.shape
