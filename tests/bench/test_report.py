@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import pathlib
 import re
@@ -6,7 +7,9 @@ import pytest
 
 from fxmem import cli
 from fxmem.bench.compare import MethodResult
+from fxmem.bench.config_reference import config_reference, field_descriptions
 from fxmem.bench.report import PAGE_LIMIT, README_END, README_START, ResultFile, build, claim, with_summary
+from fxmem.config import Config
 from fxmem.measure import Fidelity
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -38,6 +41,21 @@ def test_the_page_history_and_readme_summary_are_what_the_results_at_the_pages_c
     readme = (ROOT / "README.md").read_text()
     summary = readme[readme.index(README_START) + len(README_START):readme.index(README_END)].strip()
     assert summary and summary in page  # every figure of the README's summary is the page's
+
+
+def test_the_configuration_reference_describes_every_field_and_what_each_preset_sets():
+    reference = (ROOT / "docs/config.md").read_text()
+    assert reference == config_reference()  # the page's check above holds it to the code
+    assert [line[5:-1] for line in reference.splitlines() if line.startswith("### ")] == [
+        f.name for f in dataclasses.fields(Config)]
+    assert "| `bits` | `None` | `4` | `2` | `8` | `None` |" in reference
+    assert "| published worst cosine | 0.9999 | 0.995 | 0.993 | 0.79 | 0.9999 |" in reference
+
+
+def test_a_field_without_a_description_fails_the_reference(monkeypatch):
+    monkeypatch.setattr(Config, "__doc__", Config.__doc__.replace("    strict: any fallback", "    strictly: any"))
+    with pytest.raises(ValueError, match="no description for strict; describes what is no field: strictly"):
+        field_descriptions()
 
 
 def test_a_result_file_is_known_by_the_experiment_that_wrote_it():

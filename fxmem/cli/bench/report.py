@@ -1,5 +1,5 @@
 """`fxmem bench report`: docs/benchmarks.md from the result files of chosen commits, the history apart, the README's
-summary."""
+summary; and docs/config.md, the configuration's reference, from the code."""
 
 from __future__ import annotations
 
@@ -22,13 +22,15 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--page", type=pathlib.Path, default=pathlib.Path("docs/benchmarks.md"))
     parser.add_argument("--history", type=pathlib.Path, default=pathlib.Path("docs/history/results.md"))
     parser.add_argument("--readme", type=pathlib.Path, default=pathlib.Path("README.md"))
+    parser.add_argument("--config-reference", type=pathlib.Path, default=pathlib.Path("docs/config.md"))
     parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if the page, the history or the README's summary differ from "
-                             "what the results make")
+                        help="write nothing; exit 1 if the page, the history, the README's summary or the "
+                             "configuration's reference differ from what the results and the code make")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxmem.bench.config_reference import config_reference
     from fxmem.bench.report import PAGE_LIMIT, build, load_results, with_summary
 
     if not args.results.is_dir():
@@ -46,11 +48,12 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]the page would be {lines} lines, over {PAGE_LIMIT}: keep fewer result files at "
                       f"commits {', '.join(args.commit)}[/red]")
         return 2
-    outputs = {args.page: report.page, args.history: report.history, args.readme: readme}
+    outputs = {args.page: report.page, args.history: report.history, args.readme: readme,
+               args.config_reference: config_reference()}
     if args.check:
         stale = [str(path) for path, text in outputs.items() if not path.exists() or path.read_text() != text]
         for path in stale:
-            console.print(f"{path} differs from what the results at {', '.join(args.commit)} make")
+            console.print(f"{path} differs from what the results at {', '.join(args.commit)} and the code make")
         return 1 if stale else 0
     for path, text in outputs.items():
         path.write_text(text)
