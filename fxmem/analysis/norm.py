@@ -40,7 +40,7 @@ class NormUnit:
     gamma: Node  # the scale, of shape (hidden,): made from a graph input by casts and a constant added
     beta: Node | None  # LayerNorm's bias, of shape (hidden,): made from a graph input as gamma is
     output: Node  # normalized * gamma (+ beta), or its one cast: what the following linears read; x's shape or a
-    # reshape of it (the rows flattened), which the rebuild reshapes back
+    # reshape of it (the rows flattened, or the last dimension split into heads), which the rebuild reshapes back
     mean: Node | None = None  # LayerNorm over x itself: each row's mean, added back after dividing by rstd
 
 
@@ -49,14 +49,22 @@ def _casts_of(node: Node) -> list[Node]:
 
 
 def _forms_of(x: Node) -> list[Node]:
-    """``x``, its reshapes that keep the last dimension (OPT flattens the residual to rows before a norm), and the
-    casts of each: what a norm over ``x`` may read."""
-    width = tensor_val(x).shape[-1]
+    """``x``, its reshapes that keep the last dimension (OPT flattens the residual to rows before a norm) or split
+    it into heads (Qwen3's and Gemma 3's per-head q and k norms), and the casts of each: what a norm over ``x`` may
+    read."""
+    shape = tensor_val(x).shape
     # a static shape only: the rebuild reshapes back to it, and a symbolic size has no value in backward's graph
-    static = all(isinstance(size, int) for size in tensor_val(x).shape)
+    static = all(isinstance(size, int) for size in shape)
     reshapes = [u for u in x.users if static and u.target in RESHAPES and tensor_val(u) is not None
-                and tensor_val(u).shape[-1] == width and tensor_val(u).numel() == tensor_val(x).numel()]
+                and tensor_val(u).numel() == tensor_val(x).numel()
+                and (tensor_val(u).shape[-1] == shape[-1] or _splits_last(shape, tensor_val(u).shape))]
     return [form for node in (x, *reshapes) for form in _casts_of(node)]
+
+
+def _splits_last(shape: tuple[int, ...], reshaped: tuple[int, ...]) -> bool:
+    """Whether ``reshaped`` is ``shape`` with its last dimension split in two (heads x head_dim)."""
+    return (len(reshaped) == len(shape) + 1 and tuple(reshaped[:-2]) == tuple(shape[:-1])
+            and reshaped[-2] * reshaped[-1] == shape[-1])
 
 
 def _products(factors: list[Node]) -> Iterator[tuple[Node, Node]]:
@@ -104,7 +112,7 @@ def _is_weight(node: Node, width: int) -> bool:
 
 def _scaled_output(normalized: Node, x: Node) -> tuple[Node, Node, Node | None] | None:
     """(output, gamma, beta) for output = normalized * gamma (+ beta), through casts; None if not so."""
-    width = tensor_val(x).shape[-1]
+    width = tensor_val(normalized).shape[-1]  # the norm's, a head's where it reads x split into heads
     for scaled, gamma in _products(_casts_of(normalized)):
         if not _is_weight(gamma, width):
             continue
@@ -120,7 +128,7 @@ def _scaled_output(normalized: Node, x: Node) -> tuple[Node, Node, Node | None] 
         if len(casts) == 1 and len(output.users) == 1:
             output = casts[0]
         out_val, x_val = tensor_val(output), tensor_val(x)
-        if out_val.shape[-1] == width and out_val.numel() == x_val.numel():  # x's shape, or a reshape of it
+        if out_val.shape[-1] == width and out_val.numel() == x_val.numel():  # the shape of the form it read
             return output, gamma, beta
     return None
 

@@ -26,6 +26,7 @@ from fxmem.analysis.graph import (
 )
 from fxmem.analysis.lora import matmul_operands
 from fxmem.analysis.meta import BLOCK_SOURCE
+from fxmem.analysis.norm import NormUnit
 from fxmem.analysis.recompute import copies_values, rebuild_inputs, replays_product
 from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
@@ -638,9 +639,10 @@ def _prenorm_choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]
     with ``prenorm_sharing`` (LoRAct's pre-norm sharing); with ``rebuild_from_x`` from the output's codes at
     REBUILD_SOURCE_BITS, the output raised to them where it is a linear's input (as rebuild_from_x holds every x)."""
     unit = owner.norm
-    if owner.role is not Role.NORM_INPUT or unit is None or unit.output.name not in plans:
+    output_plan = _output_plan(unit, plans) if owner.role is Role.NORM_INPUT and unit is not None else None
+    if output_plan is None:
         return []
-    output, output_plan = unit.output.name, plans[unit.output.name]
+    output = unit.output.name
     choices = []
     if config.prenorm_sharing and output_plan.action == "lowrank":
         choices.append(_Choice(_prenorm(owner, analysis, output, output_plan)))
@@ -655,12 +657,21 @@ def _prenorm_choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]
     return choices
 
 
+def _output_plan(unit: NormUnit, plans: dict[str, Plan]) -> Plan | None:
+    """How a norm's output is stored as planned now: its own plan, or the plan of a tensor compressed through it (a
+    per-head q or k norm's output, stored before RoPE for the q or k rotated from it); None if neither."""
+    name = unit.output.name
+    if name in plans:
+        return plans[name]
+    return next((plan for plan in plans.values() if plan.replay is not None and plan.source == name), None)
+
+
 def _prenorm(owner: SavedTensor, analysis: Analysis, output: str, output_plan: Plan) -> Plan:
     """A norm's saved input rebuilt in backward from its output ``output``, stored as ``output_plan``, and the
     channels with the smallest |gamma| saved exactly (PRENORM_EXACT_SHARE)."""
     unit = owner.norm
     val = tensor_val(unit.x)
-    width = val.shape[-1]
+    width = tensor_val(unit.normalized).shape[-1]  # the norm's: a head's where it reads x split into heads
     exact = max(1, math.ceil(PRENORM_EXACT_SHARE * width))
     # rstd and mean saved for the rebuild where backward does not keep them as they are
     added = [n for n in (unit.rstd, unit.mean) if n is not None and storage_base(n).name not in analysis.saved_storages]

@@ -276,13 +276,18 @@ def rebuild_norm_input(editor: SavedTensorEditor, members: list[Node], plan: Pla
     compute_dtype = unit.normalized.meta["val"].dtype
     x_dtype = unit.x.meta["val"].dtype
 
-    # Index the last dimension with aten.index / index_put: index_select and index_copy are decomposed away
-    # before partitioning, and inductor refuses them in the rewritten graph.
-    leading = [None] * (unit.x.meta["val"].dim() - 1)
+    # Index the norm's last dimension with aten.index / index_put (index_select and index_copy are decomposed away
+    # before partitioning, and inductor refuses them in the rewritten graph), in the shape the norm reads x in: x
+    # itself, its rows flattened, or its last dimension split into heads (each head's channels by gamma's).
+    x_shape = list(unit.x.meta["val"].shape)
+    norm_shape = list(unit.normalized.meta["val"].shape)
+    leading = [None] * (len(norm_shape) - 1)
 
     def compress(graph: torch.fx.Graph, x: Node) -> list[Node]:
         magnitude = call(graph, aten.abs.default, (_replayed_scale(graph, unit.gamma, scale_source(unit.gamma)[0]),))
         _, ids = call(graph, aten.topk.default, (magnitude, plan.exact_channels, -1, False), outputs=2)
+        if norm_shape != x_shape:
+            x = call(graph, aten.view.default, (x, norm_shape))
         return [call(graph, aten.index.Tensor, (x, [*leading, ids])), ids]
 
     def restore(graph: torch.fx.Graph, parts: list[Node]) -> Node:
@@ -303,10 +308,12 @@ def rebuild_norm_input(editor: SavedTensorEditor, members: list[Node], plan: Pla
         if unit.mean is not None:
             x = call(graph, aten.add.Tensor, (x, editor.save(unit.mean)))
         x = _cast(graph, x, x_dtype)
-        x_shape = list(unit.x.meta["val"].shape)
-        if list(x.meta["val"].shape) != x_shape:  # the norm read a reshape of x (norm_unit: a static shape)
+        if list(x.meta["val"].shape) != norm_shape:
+            x = call(graph, aten.view.default, (x, norm_shape))
+        x = call(graph, aten.index_put.default, (x, [*leading, ids], exact))
+        if norm_shape != x_shape:  # the norm read a reshape of x (norm_unit: a static shape)
             x = call(graph, aten.view.default, (x, x_shape))
-        return call(graph, aten.index_put.default, (x, [*leading, ids], exact))
+        return x
 
     compress_storage(editor, members, compress, restore)
     return unit.x

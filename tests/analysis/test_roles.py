@@ -72,7 +72,8 @@ def test_llama_eager_attention_roles():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_a_norm_over_each_head_of_q_and_k_is_a_norm_input_that_feeds_attention(attn):
     # Qwen3's q/k norms normalize a per-head view of the projection's output (they were of unknown role, kept whole);
-    # their input reaches attention through the norm and RoPE alone, so it is held at qkv_bits as q and k are
+    # their input reaches attention through the norm and RoPE alone, so it is held at qkv_bits as q and k are: rebuilt
+    # in backward from the norm's output, stored at qkv_bits before RoPE for q and k (it was stored beside it)
     _, saved, _ = inspect_tiny("qwen3", lora=True, attn=attn)
     per_head = [s for s in saved if s.role is Role.NORM_INPUT and s.reaches_attention]
     assert sorted(s.reaches_attention for s in per_head) == ["k"] * LAYERS + ["q"] * LAYERS
@@ -82,7 +83,7 @@ def test_a_norm_over_each_head_of_q_and_k_is_a_norm_input_that_feeds_attention(a
     model, batch = tiny_model("qwen3", lora=True, attn=attn)
     plans = {s.name: p for _, s, p in fxmem.inspect(model, **batch, config=fxmem.Config.from_preset(
         "hyclora-2bit")).rows()}
-    assert all(plans[s.name].action == "quantize" and plans[s.name].bits == 8 for s in per_head)
+    assert all(plans[s.name].action == "prenorm" and plans[s.name].bits == 8 for s in per_head)
 
 
 @pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])

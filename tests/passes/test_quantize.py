@@ -159,3 +159,21 @@ def test_rotation_and_stochastic_rounding_are_planned_priced_and_keep_the_bytes(
     assert {p.rotation for p in rotated if p.channels == 64} == {32}
     assert all(p.rotation == 0 and "not rotated (172 channels" in p.reason for p in rotated if p.channels == 172)
     assert all("rounded stochastically" in p.reason and p.stochastic for p in results["stochastic"][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_over_each_head_is_rebuilt_from_its_outputs_codes(dtype):
+    # Qwen3's q and k norms read the projection's output split into heads: their input is rebuilt in backward as
+    # output / gamma / rstd per head from the norm's output, stored at 8 bits before RoPE for q and k, instead of being
+    # stored at 8 bits beside it
+    model, batch = tiny_model("qwen3", lora=True, dtype=dtype)
+    randomize_lora_b(model)
+    reference = loss_and_grads(model, model, batch)
+    backend = fxmem.backend("hyclora-4bit", strict=True)  # a rebuild left undone raises
+    _, grads = loss_and_grads(torch.compile(model, backend=backend), model, batch)
+    per_head = [(s, p) for _, s, p in backend.report().rows() if s.role is Role.NORM_INPUT and len(s.shape) == 4]
+    assert len(per_head) == 2 * 2  # q and k, two layers
+    assert all(p.action == "prenorm" and p.bits == 8 and p.exact_channels == 1 for _, p in per_head)
+    # the exact channels: 1 of each head's 16, of every head and row
+    assert all(p.nbytes < s.nbytes / 8 for s, p in per_head)
+    assert gradient_fidelity(reference[1], grads).min_cosine >= 0.9995
