@@ -24,7 +24,7 @@ from fxmem.config import Config
 from fxmem.cost_model.plan import Plan
 from fxmem.kernels import probe as probe_kernel
 from fxmem.measure import cosine_and_error, gradient_fidelity, trainable_gradients
-from fxmem.peft_lora import prepare_peft
+from fxmem.peft_lora import prepared_for
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,8 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
     (``torch.manual_seed(0)``) before each run, so that random low-rank sketches draw the same in each.
     Parameters whose exact gradient is zero are listed apart (``zero_gradients``), not compared. The reference is
     the model as given; PEFT's LoRA on routers and experts is then prepared as ``fxmem.compile_`` prepares it
-    (``fxmem.prepare_peft``, in place), so its rounding is part of what is compared.
+    (``fxmem.prepare_peft``, in place; the experts' chunks set before are restored after), so its rounding is
+    part of what is compared.
     """
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or model._compiled_call_impl is not None:
         raise ValueError("check_fidelity needs the model itself, not a compiled one (torch.compile(model) or "
@@ -123,25 +124,25 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
     loss = loss or _output_loss
     torch._dynamo.reset()
     reference = _gradients(model, lambda: loss(model(**batch)))
-    prepare_peft(model, config)
-    zero = [name for name, gradient in reference.items() if not gradient.any()]
-    compared = {name: gradient for name, gradient in reference.items() if name not in zero}
-    backend = Backend(config, lowering=lowering, fidelity_probes=per_tensor)
-    compiled = torch.compile(model, backend=backend)
-    try:
-        compressed = _gradients(model, lambda: loss(compiled(**batch)))
-        probes = [(region, probe, name) for region in backend.regions for probe, name in region.probes]
-        tensors = []
-        for region, probe, name in probes:
-            for other in probes:
-                probe_kernel.COMPRESSED[other[1]] = other[1] == probe
-            alone = gradient_fidelity(compared, _gradients(model, lambda: loss(compiled(**batch))))
-            saved, plan = _saved_and_plan(region, name)
-            tensors.append(TensorFidelity(region.index, name, saved.role.value, saved.layer, _describe(plan),
-                                          alone.min_cosine, alone.worst_parameter, alone.median_relative_error))
-    finally:
-        probe_kernel.release([probe for region in backend.regions for probe, _ in region.probes])
-        torch._dynamo.reset()
+    with prepared_for(model, config):
+        zero = [name for name, gradient in reference.items() if not gradient.any()]
+        compared = {name: gradient for name, gradient in reference.items() if name not in zero}
+        backend = Backend(config, lowering=lowering, fidelity_probes=per_tensor)
+        compiled = torch.compile(model, backend=backend)
+        try:
+            compressed = _gradients(model, lambda: loss(compiled(**batch)))
+            probes = [(region, probe, name) for region in backend.regions for probe, name in region.probes]
+            tensors = []
+            for region, probe, name in probes:
+                for other in probes:
+                    probe_kernel.COMPRESSED[other[1]] = other[1] == probe
+                alone = gradient_fidelity(compared, _gradients(model, lambda: loss(compiled(**batch))))
+                saved, plan = _saved_and_plan(region, name)
+                tensors.append(TensorFidelity(region.index, name, saved.role.value, saved.layer, _describe(plan),
+                                              alone.min_cosine, alone.worst_parameter, alone.median_relative_error))
+        finally:
+            probe_kernel.release([probe for region in backend.regions for probe, _ in region.probes])
+            torch._dynamo.reset()
     parameters = [ParameterFidelity(name, *cosine_and_error(gradient, compressed[name]))
                   for name, gradient in compared.items()]
     return FidelityReport(preset, config, sorted(parameters, key=lambda p: p.cosine),

@@ -9,7 +9,7 @@ import torch
 from fxmem.backend import Backend
 from fxmem.config import Config
 from fxmem.passes import PassManager
-from fxmem.peft_lora import prepare_peft
+from fxmem.peft_lora import prepared_for
 from fxmem.report import Report
 from fxmem.techniques import default_passes
 
@@ -22,15 +22,15 @@ def inspect(model: torch.nn.Module, *example_args: Any, config: Config | None = 
     partition steps as a real compile, but run as plain aten graphs instead of
     generated code, so this takes seconds. One forward runs (with grad enabled);
     no backward and no optimizer step. The model's train/eval mode is respected; PEFT's LoRA on routers and
-    experts is prepared as ``fxmem.compile_`` prepares it (``fxmem.prepare_peft``, in place). Passes that only pick
+    experts is prepared as ``fxmem.compile_`` prepares it (``fxmem.prepare_peft``, in place; the experts' chunks
+    set before are restored after). Passes that only pick
     which kernel runs a product (and would time candidates to do it) are left out: they save nothing.
     """
     config = config or Config()
-    prepare_peft(model, config)
     passes = PassManager([p for p in default_passes() if not p.speed_only])
     backend = Backend(config, lowering="eager", passes=passes)
     compiled = torch.compile(model, backend=backend)
-    with torch.enable_grad():
+    with prepared_for(model, config), torch.enable_grad():
         compiled(*example_args, **example_kwargs)
     if not backend.regions:
         raise RuntimeError(

@@ -19,6 +19,8 @@ parallelism), so that the result is PEFT's in every case.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ import torch
 from fxmem.config import Config
 from fxmem.cost_model.auto import chunk_rows
 from fxmem.cost_model.lora_orders import LoraShape, choose_for_experts
+from fxmem.kernels import grouped_lora as grouped_lora_kernel
 from fxmem.kernels.grouped_lora import grouped_lora
 
 # The weights transformers' experts read, by the gate they have: ``has_gate`` (a fused gate and up projection) or
@@ -38,9 +41,9 @@ def prepare_peft(model: torch.nn.Module, config: Config | None = None) -> list[s
     place; return the names of the modules changed (none without PEFT or without parameter LoRA). Calling it again
     changes nothing but the experts' chunks. ``config``: the fxmem config the model will be compiled with, whose
     ``mlp_chunk`` runs the experts that many tokens at a time (``_experts_forward``): dynamo traces the forward
-    before fxmem's backend sees the graph. ``fxmem.compile_``, ``fxmem.inspect`` and ``fxmem.check_fidelity`` call
-    it; call it yourself before ``torch.compile(model, backend=fxmem.backend(...))``, with
-    ``config=backend.config`` where that sets ``mlp_chunk``."""
+    before fxmem's backend sees the graph. Without it, the chunks set before stay. ``fxmem.compile_``,
+    ``fxmem.inspect`` and ``fxmem.check_fidelity`` call it; call it yourself before ``torch.compile(model,
+    backend=fxmem.backend(...))``, with ``config=backend.config`` where that sets ``mlp_chunk``."""
     try:
         from peft.tuners.lora.layer import ParamWrapper
     except ImportError:
@@ -51,7 +54,8 @@ def prepare_peft(model: torch.nn.Module, config: Config | None = None) -> list[s
     for name, module in wrappers.items():
         if id(module) in inner:
             continue
-        module.fxmem_mlp_chunk = config.mlp_chunk if config is not None else None
+        if config is not None or not hasattr(module, _CHUNK):
+            setattr(module, _CHUNK, config.mlp_chunk if config is not None else None)
         if type(module) in _PREPARED.values():
             continue
         module.__class__ = _prepared_class(type(module))
@@ -59,6 +63,20 @@ def prepare_peft(model: torch.nn.Module, config: Config | None = None) -> list[s
     return changed
 
 
+@contextlib.contextmanager
+def prepared_for(model: torch.nn.Module, config: Config) -> Iterator[None]:
+    """``prepare_peft(model, config)`` while inside, the experts' chunks set before restored after: ``fxmem.inspect``
+    and ``fxmem.check_fidelity`` leave a model compiled for another config as it was."""
+    before = {module: getattr(module, _CHUNK) for module in model.modules() if hasattr(module, _CHUNK)}
+    prepare_peft(model, config)
+    try:
+        yield
+    finally:
+        for module, chunk in before.items():
+            setattr(module, _CHUNK, chunk)
+
+
+_CHUNK = "fxmem_mlp_chunk"  # a prepared wrapper's Config.mlp_chunk
 _PREPARED: dict[type, type] = {}
 
 
@@ -90,7 +108,7 @@ def _wrapper_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwarg
     adapted = [w for w in chain if _active(w)]
     factors = {w.parameter_name: _factors(w) for w in adapted}
     if _unmerged_experts(base, factors):
-        return _experts_forward(base, factors, getattr(self, "fxmem_mlp_chunk", None), x, *args, **kwargs)
+        return _experts_forward(base, factors, getattr(self, _CHUNK, None), x, *args, **kwargs)
     merged = {w.parameter_name: _merged_weight(w) for w in adapted}
     return torch.func.functional_call(base, merged, (x, *args), kwargs)
 
@@ -160,10 +178,11 @@ def _experts_forward(experts: torch.nn.Module, factors: dict[str, tuple[torch.Te
 
 def _chunk_tokens(chunk: int | str | None, experts: torch.nn.Module, hidden_states: torch.Tensor,
                   top_k_index: torch.Tensor) -> int:
-    """The tokens per chunk: all of them without ``chunk`` or under dynamic shapes (no guard on the length); under
-    "auto", as many as hold no more routed rows and products than the experts' input (``chunk_rows``)."""
+    """The tokens per chunk: all of them without ``chunk``; under "auto", as many as hold no more routed rows and
+    products than the experts' input (``chunk_rows``). Under dynamic shapes dynamo guards on how many chunks a
+    length makes: a length that makes another count compiles again."""
     tokens = hidden_states.size(0)
-    if chunk is None or isinstance(tokens, torch.SymInt):
+    if chunk is None:
         return tokens
     up = getattr(experts, "gate_up_proj" if experts.has_gate else "up_proj")
     width = up.shape[-1] if experts.is_transposed else up.shape[-2]  # the up product's, a fused gate's included
@@ -214,24 +233,17 @@ def _lora_grouped_linear(experts: torch.nn.Module, name: str, x: torch.Tensor, o
         return out
     lhs, rhs, scaling = factors
     a, b = (lhs, rhs) if experts.is_transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
-    lora = grouped_lora(x, a, b, offsets, _backward_order(x, a, b))
+    lora = grouped_lora(x, a, b, offsets)
     # the sum in the adapters' dtype, rounded once to the weights': PEFT's order for a dense LoRA linear
     return (out.to(lora.dtype) + scaling * lora).to(out.dtype)
 
 
-def _backward_order(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> str:
-    """The cost model's backward order for one expert's LoRA at its share of the routed rows ``x`` (the mean:
-    routing assumed balanced), as ``fxmem whatif`` prices it. Under dynamic shapes, at the rows' size hint: one
-    order per compiled graph, no guard on the size (without a hint, one row per expert)."""
-    experts, in_features, rank = (int(n) for n in a.shape)
-    rows = x.size(0)
-    if isinstance(rows, torch.SymInt):
-        rows = rows.node.hint or experts
-    return _experts_order(max(1, -(-int(rows) // experts)), in_features, int(b.size(-1)), rank, x.dtype, a.dtype)
-
-
-@torch.compiler.assume_constant_result  # dynamo calls it while tracing, a constant of the shapes
 def _experts_order(rows: int, in_features: int, out_features: int, rank: int, dtype: torch.dtype,
                    adapter_dtype: torch.dtype) -> str:
+    """The cost model's backward order for one expert's LoRA at ``rows`` rows (the routed rows' mean over the
+    experts), as ``fxmem whatif`` prices it: what ``fxmem::grouped_lora``'s backward runs."""
     return choose_for_experts(LoraShape(rows, in_features, out_features, rank, dtype,
                                         adapter_dtype=adapter_dtype)).backward
+
+
+grouped_lora_kernel.choose_backward_order = _experts_order

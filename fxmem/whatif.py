@@ -249,8 +249,9 @@ def lora_order_table(model: torch.nn.Module, tokens: int, dtype: torch.dtype,
     expert, each at ``tokens`` x top-k / experts tokens (rounded up), top-k being ``experts_per_token`` (default:
     the model's config's ``num_experts_per_tok``). That is the average: routing is assumed balanced, where a real
     router sends some experts more tokens than others. Their orders are those the experts' kernel may run
-    (``choose_for_experts``: none folds the adapter into the weights). A ``ParamWrapper`` on a 2-D weight (a router's) is one
-    LoRA of rank r at every token, as an adapted linear is."""
+    (``choose_for_experts``: none folds the adapter into the weights; it picks at each call for the rows routed
+    then). A ``ParamWrapper`` on a 2-D weight (a router's) is one LoRA of rank r at every token, as an adapted
+    linear is."""
     counts: Counter[tuple[LoraShape, int]] = Counter()
     for module in model.modules():
         lora_a = getattr(module, "lora_A", None)

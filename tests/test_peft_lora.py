@@ -11,8 +11,9 @@ import fxmem
 from fxmem.analysis import Role
 from fxmem.kernels import grouped_lora as kernel
 from fxmem.kernels.grouped_lora import grouped_lora
+from fxmem.kernels.runlora import SPLIT_DX_BACKWARD_ORDERS
 from fxmem.models import hf_config
-from fxmem.peft_lora import _factors
+from fxmem.peft_lora import _experts_order, _factors
 from fxmem.whatif import traced_activation_bytes
 from tests.conftest import randomize_lora_b, tiny_model
 
@@ -60,8 +61,16 @@ def test_the_experts_run_in_chunks_of_mlp_chunk_with_pefts_gradients():
     report = fxmem.inspect(model, **batch, config=config)
     replays = [p for _, s, p in report.rows() if p.action == "recompute" and "by the experts' products" in p.reason]
     assert len(replays) == 2 * 3
-    fxmem.prepare_peft(model)  # prepared for another config: the experts whole again
-    assert {m.fxmem_mlp_chunk for m in _wrappers(model) if hasattr(m, "fxmem_mlp_chunk")} == {None}
+
+    def chunks():
+        return {m.fxmem_mlp_chunk for m in _wrappers(model) if hasattr(m, "fxmem_mlp_chunk")}
+
+    torch._dynamo.reset()
+    fxmem.inspect(model, **batch)  # another config, for the inspection alone: the chunks set before stay after
+    fxmem.prepare_peft(model)  # no config: they stay
+    assert chunks() == {12}
+    fxmem.prepare_peft(model, fxmem.Config())  # prepared for another config: the experts whole again
+    assert chunks() == {None}
 
 
 def test_experts_in_chunks_hold_less_at_backwards_peak(tmp_path):
@@ -168,7 +177,7 @@ def test_grouped_lora_matches_a_per_expert_reference(dtypes):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("order", ["backward1", "backward3"])
+@pytest.mark.parametrize("order", SPLIT_DX_BACKWARD_ORDERS)
 def test_grouped_lora_fast_path_matches_the_reference(dtype, order):
     generator = torch.Generator().manual_seed(1)
     offsets = torch.tensor([5, 5, 12, 20], dtype=torch.int32)  # expert 1 has no rows
@@ -189,32 +198,44 @@ def test_grouped_lora_fast_path_matches_the_reference(dtype, order):
     assert not fast[1][1].any() and not fast[2][1].any()  # no rows, no gradient
 
 
-@pytest.mark.parametrize("order", ["backward1", "backward2", "backward3", "backward6"])
+@pytest.mark.parametrize("order", SPLIT_DX_BACKWARD_ORDERS)
 def test_every_grouped_backward_order_gives_the_same_gradients(order):
     generator = torch.Generator().manual_seed(2)
-    offsets = torch.tensor([3, 3, 9], dtype=torch.int32)
-    x, grad = torch.randn(9, 5, generator=generator, requires_grad=True), torch.randn(9, 7, generator=generator)
-    a, b = torch.randn(3, 5, 4, generator=generator), torch.randn(3, 4, 7, generator=generator)
-    expected = kernel.grouped_lora_backward_reference(x, a, b, offsets, grad)
-    a.requires_grad_(), b.requires_grad_()
-    grouped_lora(x, a, b, offsets, order).backward(grad)
-    for mine, theirs in zip((x.grad, a.grad, b.grad), expected, strict=True):
-        torch.testing.assert_close(mine, theirs)
+    offsets = torch.tensor([8, 8, 24], dtype=torch.int32)  # an expert with no rows
+    x, grad = torch.randn(24, 16, generator=generator), torch.randn(24, 32, generator=generator)
+    a, b = torch.randn(3, 16, 8, generator=generator), torch.randn(3, 8, 32, generator=generator)
+    assert kernel.grouped_mm_dtype(x, a, b, offsets) == torch.float32  # the fast path runs
+    expected = kernel.grouped_lora_backward_reference(x, a, b, offsets, grad, "backward1")
+    for path in (torch.ops.fxmem.grouped_lora_backward, kernel.grouped_lora_backward_reference):
+        for mine, theirs in zip(path(x, a, b, offsets, grad, order), expected, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_a_grouped_lora_takes_only_the_orders_that_leave_the_adapter_out_of_the_weights():
+def test_a_grouped_lora_refuses_an_order_that_folds_the_adapter_into_the_weights():
     x, a, b = torch.randn(4, 8), torch.randn(2, 8, 2), torch.randn(2, 2, 8)
-    with pytest.raises(ValueError, match="'backward4'.*valid orders.*backward1, backward2, backward3, backward6"):
-        grouped_lora(x, a, b, torch.tensor([2, 4], dtype=torch.int32), "backward4")
+    with pytest.raises(ValueError, match="'backward4' is not one a grouped LoRA runs: valid orders.*"
+                                         "backward1, backward2, backward3, backward6, or 'auto'"):
+        torch.ops.fxmem.grouped_lora_backward(x, a, b, torch.tensor([2, 4], dtype=torch.int32), x, "backward4")
 
 
-def test_the_experts_backward_order_is_the_cost_models():
+def test_autograd_runs_the_cost_models_order_for_the_rows_of_each_call(monkeypatch):
     # x^T dy per expert (in x out) beats the rank-r products only where in and out are small against the rank
-    from fxmem.peft_lora import _backward_order
-    a, b = torch.randn(4, 8, 16), torch.randn(4, 16, 8)
-    assert _backward_order(torch.randn(128, 8), a, b) == "backward3"  # 32 rows per expert
-    assert _backward_order(torch.randn(8, 8), a, b) == "backward1"  # 2 rows per expert
-    assert _backward_order(torch.randn(128, 64), torch.randn(4, 64, 8), torch.randn(4, 8, 64)) == "backward1"
+    assert _experts_order(32, 8, 8, 16, torch.float32, torch.float32) == "backward3"
+    assert _experts_order(2, 8, 8, 16, torch.float32, torch.float32) == "backward1"
+    assert _experts_order(32, 64, 64, 8, torch.float32, torch.float32) == "backward1"
+    assert kernel.choose_backward_order is _experts_order  # set by fxmem.peft_lora
+    asked = []
+    monkeypatch.setattr(kernel, "choose_backward_order", lambda *shape: asked.append(shape) or "backward3")
+
+    def step(x, a, b, offsets):
+        return grouped_lora(x, a, b, offsets).sum()
+
+    x = torch.randn(40, 8, requires_grad=True)
+    a, b = torch.randn(4, 8, 16, requires_grad=True), torch.randn(4, 16, 8, requires_grad=True)
+    offsets = torch.tensor([10, 20, 30, 40], dtype=torch.int32)
+    torch._dynamo.mark_dynamic(x, 0)  # decided when it runs: no graph break, no guard on the rows
+    torch.compile(step, backend="aot_eager", fullgraph=True)(x, a, b, offsets).backward()
+    assert asked == [(10, 8, 8, 16, torch.float32, torch.float32)]
 
 
 def test_a_prepared_model_pickles():

@@ -6,10 +6,11 @@ nor formed beside them. Autograd keeps x and the factors (views of the adapter's
 the adapters are in another dtype than x, since the casts happen inside). The products run in the factors' dtype,
 as PEFT runs a LoRA branch in its adapters' dtype.
 
-Backward runs one of RunLoRA's orders that leave the adapter out of the weights (``SPLIT_DX_BACKWARD_ORDERS``),
-the one the cost model chooses for an expert's share of the rows (``lora_orders.choose_for_experts``): dA and dB
-each from the rank-r products (``dy_e b_e^T``, the recomputed ``x_e a_e``) or from ``x_e^T dy_e`` (in x out per
-expert, cheaper only where in and out are under about twice the rank).
+Backward runs one of RunLoRA's orders that leave the adapter out of the weights (``SPLIT_DX_BACKWARD_ORDERS``):
+dA and dB each from the rank-r products (``dy_e b_e^T``, the recomputed ``x_e a_e``) or from ``x_e^T dy_e`` (in x
+out per expert, cheaper only where in and out are under about twice the rank). Autograd's runs ``AUTO``: the order
+``choose_backward_order`` picks for the rows of this call, when it runs (so under dynamic shapes too), which
+``fxmem.peft_lora`` sets to the cost model's choice (kernels do not import the cost model).
 
 Two paths, tested against each other: ``torch._grouped_mm`` (one call per product over every expert, no device
 sync), where it takes the operands (``grouped_mm_dtype``); else the reference, a loop over the experts
@@ -18,11 +19,22 @@ sync), where it takes the operands (``grouped_mm_dtype``); else the reference, a
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from fxmem.kernels.runlora import BACKWARD_ASSOCIATIONS, SPLIT_DX_BACKWARD_ORDERS
+
+AUTO = "auto"
+
+
+def _first_order(rows: int, in_features: int, out_features: int, rank: int, dtype: torch.dtype,
+                 adapter_dtype: torch.dtype) -> str:
+    return "backward1"
+
+
+# (rows per expert, in, out, rank, x's dtype, the factors' dtype) -> a SPLIT_DX_BACKWARD_ORDERS order: what AUTO runs
+choose_backward_order: Callable[[int, int, int, int, torch.dtype, torch.dtype], str] = _first_order
 
 
 def _segments(offsets: torch.Tensor) -> list[tuple[int, int]]:
@@ -70,12 +82,9 @@ def grouped_lora_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, of
 
 
 @torch.library.custom_op("fxmem::grouped_lora", mutates_args=())
-def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                 backward_order: str = "backward1") -> torch.Tensor:
+def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """(S, in) rows sorted by expert, a (E, in, r), b (E, r, out), offsets (E,) -> (S, out) in a's dtype. Every row
-    belongs to an expert (offsets[-1] == S): no expert-parallel sentinel rows. ``backward_order``: the gradients'
-    order, one of ``SPLIT_DX_BACKWARD_ORDERS``."""
-    _associations(backward_order)
+    belongs to an expert (offsets[-1] == S): no expert-parallel sentinel rows."""
     dtype = grouped_mm_dtype(x, a, b, offsets)
     if dtype is None:
         return grouped_lora_reference(x, a, b, offsets)
@@ -83,26 +92,28 @@ def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: tor
 
 
 @grouped_lora.register_fake
-def _(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, backward_order: str = "backward1"
-      ) -> torch.Tensor:
-    _associations(backward_order)
+def _(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.size(0), b.size(-1), dtype=a.dtype)
 
 
-def _associations(order: str) -> tuple[str, str]:
-    """How ``order`` computes dA ("z1": x^T (dy b^T); "xtdy": (x^T dy) b^T) and dB ("xa": (x a)^T dy; "xtdy":
-    a^T (x^T dy)); dX is always (dy b^T) a^T."""
+def _associations(order: str, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[str, str]:
+    """How ``order`` (AUTO: ``choose_backward_order``'s for these sizes) computes dA ("z1": x^T (dy b^T); "xtdy":
+    (x^T dy) b^T) and dB ("xa": (x a)^T dy; "xtdy": a^T (x^T dy)); dX is always (dy b^T) a^T."""
+    if order == AUTO:
+        experts, in_features, rank = a.shape
+        order = choose_backward_order(max(1, -(-x.size(0) // experts)), in_features, b.size(-1), rank, x.dtype,
+                                      a.dtype)
     if order not in SPLIT_DX_BACKWARD_ORDERS:
-        raise ValueError(f"unknown backward order {order!r} for a grouped LoRA; valid orders (those that leave the "
-                         f"adapter out of the weights): {', '.join(SPLIT_DX_BACKWARD_ORDERS)}")
+        raise ValueError(f"backward order {order!r} is not one a grouped LoRA runs: valid orders (RunLoRA's that keep "
+                         f"the adapter out of the weights): {', '.join(SPLIT_DX_BACKWARD_ORDERS)}, or {AUTO!r}")
     d_a, d_b, _ = BACKWARD_ASSOCIATIONS[order]
     return d_a, d_b
 
 
 def grouped_lora_backward_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                                    grad: torch.Tensor, backward_order: str = "backward1"
+                                    grad: torch.Tensor, backward_order: str = AUTO
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    d_a, d_b = _associations(backward_order)
+    d_a, d_b = _associations(backward_order, x, a, b)
     # contiguous, as the fast path's and the fake's
     grad_x, grad_a, grad_b = (t.new_zeros(t.shape) for t in (x, a, b))
     for expert, (start, end) in enumerate(_segments(offsets)):
@@ -118,10 +129,10 @@ def grouped_lora_backward_reference(x: torch.Tensor, a: torch.Tensor, b: torch.T
 
 @torch.library.custom_op("fxmem::grouped_lora_backward", mutates_args=())
 def grouped_lora_backward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                          grad: torch.Tensor, backward_order: str = "backward1"
+                          grad: torch.Tensor, backward_order: str = AUTO
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, da, db) of ``grouped_lora`` in ``backward_order`` (see ``_associations``)."""
-    d_a, d_b = _associations(backward_order)
+    d_a, d_b = _associations(backward_order, x, a, b)
     dtype = grouped_mm_dtype(x, a, b, offsets)
     if dtype is None:
         return grouped_lora_backward_reference(x, a, b, offsets, grad, backward_order)
@@ -137,19 +148,19 @@ def grouped_lora_backward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, off
 
 @grouped_lora_backward.register_fake
 def _(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
-      backward_order: str = "backward1") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      backward_order: str = AUTO) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape), a.new_empty(a.shape), b.new_empty(b.shape)
 
 
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor
-                   ) -> None:
-    x, a, b, offsets, ctx.backward_order = inputs
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[torch.Tensor, ...],
+                   output: torch.Tensor) -> None:
+    x, a, b, offsets = inputs
     ctx.save_for_backward(x, a, b, offsets)
 
 
 def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-    return (*torch.ops.fxmem.grouped_lora_backward(*ctx.saved_tensors, grad, ctx.backward_order), None, None)
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    return (*torch.ops.fxmem.grouped_lora_backward(*ctx.saved_tensors, grad), None)
 
 
 grouped_lora.register_autograd(_backward, setup_context=_setup_context)
