@@ -19,7 +19,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from functorch.compile import make_boxed_func
@@ -50,6 +50,9 @@ from fxmem.region import Region
 from fxmem.report import Report
 from fxmem.techniques import default_passes, enabled_techniques
 
+if TYPE_CHECKING:
+    from fxmem.guard import GuardCheck
+
 Lowering = Literal["inductor", "eager"]
 LOWERINGS = ("inductor", "eager")
 
@@ -73,6 +76,7 @@ class _Partition:
     records: list[PassRecord]
     recomputed: list[tuple[SavedTensor, Plan]] = dataclasses.field(default_factory=list)
     failure: str | None = None  # the analysis or planning failed: the graphs are min-cut's, unplanned
+    demoted: dict[str, int] = dataclasses.field(default_factory=dict)  # the guard's demotions its plans applied
 
     def checkpointed_blocks(self) -> dict[str, str]:
         """The blocks the plan checkpoints (memory_budget's first plan), each with its name and price."""
@@ -100,13 +104,15 @@ class _Partition:
 
 
 class _Partitioner(CustomPartitionerFn):
-    def __init__(self, region: Region, passes: PassManager, fidelity_probes: bool = False) -> None:
+    def __init__(self, region: Region, passes: PassManager, fidelity_probes: bool = False,
+                 demotions: Mapping[str, int] | None = None) -> None:
         # Weakly: inductor's config cache keeps the last partitioner alive after its compile, which must not keep
         # its region (the compile holds the region while it partitions).
         self._region = weakref.ref(region)
         self.config = region.config
         self.passes = passes
         self.fidelity_probes = fidelity_probes
+        self.demotions = dict(demotions or {})
 
     @property
     def region(self) -> Region:
@@ -155,6 +161,7 @@ class _Partitioner(CustomPartitionerFn):
             region.compiled_liveness.append(region.liveness[-1])
         # Appended: inductor may partition nested subgraphs of the region through this same hook. Records: the
         # region outlives the graphs, which it must not keep alive.
+        region.demoted.update(chosen.demoted)
         region.saved += [saved.record() for saved in state.analysis.saved + [saved for saved, _ in chosen.recomputed]]
         region.plans += [plan.record() for plan in state.plans + [plan for _, plan in chosen.recomputed]]
         region.slots += state.slots
@@ -222,7 +229,8 @@ class _Partitioner(CustomPartitionerFn):
         try:
             state.analysis = dataclasses.replace(self._analyze(state.fw, state.bw, kwargs, exact_bytes),
                                                  blocks=offered)
-            state.plans = plan_region(state.analysis, config, enabled_techniques(config))
+            state.plans = plan_region(state.analysis, config, enabled_techniques(config), self.demotions)
+            demoted = {s.key: self.demotions[s.key] for s in state.analysis.saved if s.key in self.demotions}
             recomputed = [(s, p) for s, p in zip(state.analysis.saved, state.plans, strict=True)
                           if p.action == "recompute"]
             # partition again, those tensors' chains tagged, and plan what is saved then (not where blocks are
@@ -234,10 +242,10 @@ class _Partitioner(CustomPartitionerFn):
                 sources = replay_sources(recomputed)
                 analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=False)
                 state.analysis = dataclasses.replace(analysis, rebuild_sources=analysis.rebuild_sources | sources)
-                state.plans = plan_region(state.analysis, config, enabled_techniques(config))
+                state.plans = plan_region(state.analysis, config, enabled_techniques(config), self.demotions)
         except Exception as error:  # reported, and the region compiles as plain inductor
             return _Partition(state, records, failure=f"{type(error).__name__}: {error}")
-        return _Partition(state, records, recomputed)
+        return _Partition(state, records, recomputed, demoted=demoted)
 
     @staticmethod
     def _analyze(fw: GraphModule, bw: GraphModule, kwargs: dict[str, Any], exact_bytes: int | None = None, *,
@@ -260,7 +268,8 @@ class _Partitioner(CustomPartitionerFn):
 
     def uuid(self) -> str:
         # Enters inductor's cache key: fxmem's code and this region's config decide the graphs.
-        return f"{_source_hash()}:{self.config!r}:probes={self.fidelity_probes}"
+        return (f"{_source_hash()}:{self.config!r}:probes={self.fidelity_probes}:"
+                f"demotions={sorted(self.demotions.items())}")
 
 
 @functools.cache
@@ -415,7 +424,7 @@ class Backend:
 
     def __init__(self, config: Config | None = None, *, lowering: Lowering = "inductor",
                  passes: PassManager | None = None, fidelity_probes: bool = False,
-                 keep_dropped_regions: bool = True) -> None:
+                 keep_dropped_regions: bool = True, demotions: Mapping[str, int] | None = None) -> None:
         if lowering not in LOWERINGS:
             raise ValueError(f"lowering must be one of {', '.join(LOWERINGS)}; got {lowering!r}")
         self.config = config or Config()
@@ -424,7 +433,11 @@ class Backend:
         self.passes = passes or PassManager(default_passes())
         self.fidelity_probes = fidelity_probes
         self.keep_dropped_regions = keep_dropped_regions
+        # the guard's (fxmem/guard.py): a saved tensor's key -> steps its compression is made less lossy; read by the
+        # regions compiled after it is set
+        self.demotions: dict[str, int] = dict(demotions or {})
         self.regions: list[Region] = []
+        self.guard_checks: list[GuardCheck] = []  # the guard's checks of this backend's plan (fxmem/guard.py)
         self._indices = itertools.count()  # region numbers stay unique as dropped regions leave
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], *,
@@ -448,7 +461,7 @@ class Backend:
         state = PipelineState(config=config, dynamo=gm)
         region.add_passes(self.passes.run("dynamo", state))
         gm = state.dynamo
-        patches["custom_partitioner_fn"] = _Partitioner(region, self.passes, self.fidelity_probes)
+        patches["custom_partitioner_fn"] = _Partitioner(region, self.passes, self.fidelity_probes, self.demotions)
         graphs = _CompiledGraphs(functools.partial(self._release, region))
         inner = graphs.compiling(_lower_or_run_as_is(region) if self.lowering == "inductor" else run_eagerly)
         try:
@@ -482,7 +495,8 @@ class Backend:
                 region.add_passes(self.passes.run("dynamo", state))
                 with torch._functorch.config.patch(enable_autograd_cache=False):
                     compile_fx(state.dynamo, example_inputs, inner_compile=stop, config_patches={
-                        **patches, "custom_partitioner_fn": _Partitioner(region, self.passes)})
+                        **patches, "custom_partitioner_fn": _Partitioner(region, self.passes,
+                                                                         demotions=self.demotions)})
         except _Predicted:
             pass
         except Exception as error:  # noqa: BLE001 - the options stay off, and the report says why
@@ -504,7 +518,7 @@ class Backend:
             self.regions = [r for r in self.regions if r is not region]
 
     def report(self) -> Report:
-        return Report(self.regions)
+        return Report(self.regions, self.guard_checks)
 
 
 # Inductor options for fxmem's graphs (docs/long-context.md has the measurements); a user's own override them.
@@ -553,10 +567,15 @@ def compile_(model: torch.nn.Module, preset: str = "exact", **overrides: Any) ->
     says what it saved. The model keeps its class, attributes and ``forward``'s signature, so HF's Trainer and
     TRL's trainers keep the batch columns ``forward`` names (``torch.compile(model)`` returns a wrapper whose
     signature is ``*args, **kwargs``: Trainer then drops every column). PEFT's LoRA on routers and experts is
-    prepared first (``fxmem.prepare_peft``)."""
+    prepared first (``fxmem.prepare_peft``). With ``Config.guard`` (the lossy presets) the plan is checked on the
+    training batches and mended (fxmem/guard.py)."""
     compiled = backend(preset, **overrides)
     prepare_peft(model, compiled.config)
     model.compile(backend=compiled)
+    if compiled.config.guard and compiled.config.compresses:
+        from fxmem.guard import guard  # it imports this module
+
+        guard(model, compiled)
     return compiled
 
 

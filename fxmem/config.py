@@ -143,6 +143,17 @@ class Config:
     return_logits: False returns an empty tensor where the model returns its logits (as Liger-Kernel and
         Unsloth do in training), so that chunk_loss applies to a model that returns them, such as every HF
         ``...ForCausalLM``; True keeps them, and such a loss is left whole.
+    guard: check the plan on the training batch and mend it (fxmem/guard.py; ``fxmem.compile_`` runs it): at the
+        first training forward, after each recompile and every ``guard_every`` forwards, a slice of the batch (its
+        first tokens) runs eagerly and under the plan, and every trainable gradient is compared. Where the worst
+        cosine is below ``guard_cosine``, each compressed tensor's effect alone is measured (as
+        ``fxmem.check_fidelity`` does) and the worst are demoted, one notch at a time (more bits, then exact; the
+        planner then weighs a replay or a recomputation against the new bytes), until the bound is met. The report
+        and ``inspect`` list what was demoted, with the cosines before and after. On in the lossy presets.
+    guard_cosine: the worst LoRA-gradient cosine against eager the guard holds: the preset's published bound in the
+        lossy presets.
+    guard_every: training forwards between the guard's checks after the first (its cost, amortized: docs/guard.md);
+        None checks only at the first forward and after a recompile.
     strict: any fallback (a pass rolled back, a region compiled unplanned, a rewritten graph run unfused, a planned
         rewrite left undone) or unsupported pattern (one an enabled technique targets, left as torch runs it)
         raises fxmem.FallbackError, naming the pass and the reason, instead of a warning or a line in the report
@@ -178,6 +189,9 @@ class Config:
     block_offload: bool = False
     lora_half_products: str = "off"
     return_logits: bool = True
+    guard: bool = False
+    guard_cosine: float = 0.99
+    guard_every: int | None = 100
     strict: bool = False
 
     def __post_init__(self) -> None:
@@ -198,7 +212,7 @@ class Config:
             raise ValueError(f"calibration_steps must be an integer >= 1; got {self.calibration_steps!r}")
         _check_choice("calibration", self.calibration, CALIBRATION_CHOICES)
         for name in ("lora_reorder", "rebuild_from_x", "fused_epilogue", "intra", "prenorm_sharing", "chunk_loss",
-                     "return_logits", "stochastic_rounding", "block_offload", "strict"):
+                     "return_logits", "stochastic_rounding", "block_offload", "guard", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
         if not isinstance(self.block_checkpoint, bool) and self.block_checkpoint != AUTO:
@@ -227,6 +241,12 @@ class Config:
                              "block_checkpoint=True too")
         if not self.prenorm_sharing and self.lowrank is None:
             raise ValueError("prenorm_sharing=False turns off a part of lowrank: set lowrank too")
+        _check_fraction("guard_cosine", self.guard_cosine, low_open=True, high=1.0, high_open=False,
+                        allow_none=False)
+        if self.guard_every is not None and (_is_bool(self.guard_every) or not isinstance(self.guard_every, int)
+                                             or self.guard_every < 1):
+            raise ValueError(f"guard_every must be an integer number of training forwards >= 1 or None (checked at "
+                             f"the first forward and after a recompile only); got {self.guard_every!r}")
         _check_choice("runlora", self.runlora, RUNLORA_CHOICES)
         _check_choice("lora_half_products", self.lora_half_products, LORA_HALF_PRODUCTS_CHOICES)
         for name in CHUNK_OPTIONS:
@@ -305,23 +325,26 @@ def _check_fraction(name: str, value: Any, *, low_open: bool, high: float, high_
         raise ValueError(f"{name} must be a number in {interval}{suffix}; got {value!r}")
 
 
+# The worst LoRA-gradient cosine against eager each preset is published at (README): a benchmark point of the
+# preset wins nothing below it, and the lossy presets' guard holds it. hyclora: llama-pretrained over 200 steps
+# (0.995, 0.993); loract: its lowest real-text figure, llama-pretrained (0.7947); exact and runlora compute what torch
+# does, to rounding.
+PUBLISHED_MIN_COSINE: dict[str, float] = {"exact": 0.9999, "hyclora-4bit": 0.995, "hyclora-2bit": 0.993,
+                                          "loract": 0.79, "runlora": 0.9999}
+
 PRESETS: dict[str, Config] = {
     "exact": Config(),
     # HyC-LoRA's paper keeps eager attention's 5% largest probabilities a row; a fixed count bounds nothing where
     # attention is spread out, so the presets rebuild them in backward from q and k instead (recompute_attention)
-    "hyclora-4bit": Config(bits=4, lora_reorder=True, rebuild_from_x=True, lora_half_products="auto"),
-    "hyclora-2bit": Config(bits=2, lora_reorder=True, rebuild_from_x=True, lora_half_products="auto"),
+    "hyclora-4bit": Config(bits=4, lora_reorder=True, rebuild_from_x=True, lora_half_products="auto", guard=True,
+                           guard_cosine=PUBLISHED_MIN_COSINE["hyclora-4bit"]),
+    "hyclora-2bit": Config(bits=2, lora_reorder=True, rebuild_from_x=True, lora_half_products="auto", guard=True,
+                           guard_cosine=PUBLISHED_MIN_COSINE["hyclora-2bit"]),
     # LoRAct's factors, and 8-bit codes beside them: attention's q, k and v are never factored then (propose_lowrank
     # leaves them to qkv_bits), and every other tensor takes the smaller of its factors and its codes (factors for
     # most bf16 activations; codes for fp32 ones with fewer rows than channels). GQA's narrow k and v at rank 1/8 (16
-    # of 128 channels) were the worst gradients on real text (llama3-bf16-small: worst LoRA-gradient cosine 0.940 ->
-    # 0.9995, saved bytes +8%; docs/loract.md).
-    "loract": Config(lowrank=0.125, bits=8, lora_half_products="auto"),
+    # of 128 channels) were the worst gradients on real text (docs/loract.md).
+    "loract": Config(lowrank=0.125, bits=8, lora_half_products="auto", guard=True,
+                     guard_cosine=PUBLISHED_MIN_COSINE["loract"]),
     "runlora": Config(runlora="flops"),
 }
-
-# The worst LoRA-gradient cosine against eager each preset is published at (README): a benchmark point of the
-# preset wins nothing below it. hyclora: llama-pretrained over 200 steps (0.995, 0.993); loract: its lowest
-# real-text figure, llama-pretrained (0.7947); exact and runlora compute what torch does, to rounding.
-PUBLISHED_MIN_COSINE: dict[str, float] = {"exact": 0.9999, "hyclora-4bit": 0.995, "hyclora-2bit": 0.993,
-                                          "loract": 0.79, "runlora": 0.9999}

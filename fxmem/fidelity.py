@@ -121,7 +121,7 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
         raise ValueError("check_fidelity needs the model itself, not a compiled one (torch.compile(model) or "
                          "model.compile()): its exact run would go through the compiled code")
     config = Config.from_preset(preset, **overrides)
-    loss = loss or _output_loss
+    loss = loss or output_loss
     torch._dynamo.reset()
     reference = _gradients(model, lambda: loss(model(**batch)))
     with prepared_for(model, config):
@@ -138,7 +138,7 @@ def check_fidelity(model: torch.nn.Module, batch: Mapping[str, Any], preset: str
                     probe_kernel.COMPRESSED[other[1]] = other[1] == probe
                 alone = gradient_fidelity(compared, _gradients(model, lambda: loss(compiled(**batch))))
                 saved, plan = _saved_and_plan(region, name)
-                tensors.append(TensorFidelity(region.index, name, saved.role.value, saved.layer, _describe(plan),
+                tensors.append(TensorFidelity(region.index, name, saved.role.value, saved.layer, describe_plan(plan),
                                               alone.min_cosine, alone.worst_parameter, alone.median_relative_error))
         finally:
             probe_kernel.release([probe for region in backend.regions for probe, _ in region.probes])
@@ -154,7 +154,7 @@ def short_name(name: str) -> str:
     return name.removeprefix("base_model.model.").removeprefix("model.").removesuffix(".default.weight")
 
 
-def _output_loss(output: Any) -> torch.Tensor:
+def output_loss(output: Any) -> torch.Tensor:
     value = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if not isinstance(value, torch.Tensor):
         raise TypeError("the model's output has no loss: pass labels in the batch, or loss=<a function of the "
@@ -180,7 +180,7 @@ def _saved_and_plan(region: Any, name: str) -> tuple[Any, Plan]:
     raise RuntimeError(f"fidelity probe on {name!r}, which region {region.index}'s plan does not list")
 
 
-def _describe(plan: Plan) -> str:
+def describe_plan(plan: Plan) -> str:
     """The plan in a few words: what the tensor is stored as."""
     if plan.action == "quantize":
         extras = [f"{plan.outliers} outlier channels" if plan.outliers else "",
@@ -193,4 +193,4 @@ def _describe(plan: Plan) -> str:
         return f"rebuilt from its norm output's {source}"
     if plan.action == "sparsify":
         return f"{plan.keep} values per row"
-    return plan.action
+    return {"keep": "exact", "recompute": "recomputed in backward"}.get(plan.action, plan.action)

@@ -31,6 +31,7 @@ class Region:
     notes: list[str] = field(default_factory=list)
     slots: list[QuantSlot] = field(default_factory=list)  # quantization state of the saved tensors
     probes: list[tuple[int, str]] = field(default_factory=list)  # fidelity probes: (id, saved tensor name)
+    demoted: dict[str, int] = field(default_factory=dict)  # the guard's demotions its plans applied: key -> steps
     compile_seconds: float = 0.0
     budget_bytes: float | None = None  # memory_budget's target in bytes, where one is set
     # what the final forward and backward graphs hold at once beside their inputs (analysis/liveness.py), one pair

@@ -6,7 +6,7 @@ import io
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console, Group, RenderableType
@@ -19,6 +19,9 @@ from fxmem.cost_model.plan import Plan
 from fxmem.measure import format_bytes
 from fxmem.region import Region
 
+if TYPE_CHECKING:
+    from fxmem.guard import GuardCheck
+
 # A reason's figures for one tensor, e.g. "(4 x 64)" or "(512 >= 384 bytes)": dropped to group tensors by rule.
 _FIGURES = re.compile(r" ?\([^()]*\d[^()]*\)")
 
@@ -26,8 +29,20 @@ _FIGURES = re.compile(r" ?\([^()]*\d[^()]*\)")
 class Report:
     """The saved tensors of every compiled region, with their plans and byte counts."""
 
-    def __init__(self, regions: Sequence[Region]) -> None:
+    def __init__(self, regions: Sequence[Region], guard_checks: Sequence[GuardCheck] = ()) -> None:
         self.regions = list(regions)
+        self.guard_checks = list(guard_checks)
+
+    def guard_notes(self) -> list[str]:
+        """Each of the guard's checks (fxmem/guard.py), and the demotions no compiled region applied: a tensor the
+        guard demoted on its slice that the training graph does not have under that key."""
+        notes = [check.summary() for check in self.guard_checks]
+        applied = {key for region in self.regions for key in region.demoted}
+        missing = sorted({d.tensor for check in self.guard_checks for d in check.demotions} - applied)
+        if missing and any(r.kind == "training" for r in self.regions):
+            notes.append(f"guard: {len(missing)} demoted tensor(s) not found in the compiled training graphs, left as "
+                         f"planned: {', '.join(missing)}")
+        return notes
 
     def rows(self) -> list[tuple[Region, SavedRecord, Plan]]:
         return [(r, s, p) for r in self.regions for s, p in zip(r.saved, r.plans, strict=True)]
@@ -87,6 +102,7 @@ class Report:
             "by_role": self.by_role(),
             "by_layer": self.by_layer(),
             "kept_by_reason": self.kept_by_reason(),
+            "guard": [check.to_dict() for check in self.guard_checks],
             "regions": [{
                 "index": r.index,
                 "kind": r.kind,
@@ -94,6 +110,7 @@ class Report:
                 "compile_seconds": round(r.compile_seconds, 3),
                 "budget_bytes": r.budget_bytes,
                 "notes": r.notes,
+                "demoted": r.demoted,
                 "quantization": [slot.to_dict() for slot in r.slots],
                 "passes": [p.to_dict() for p in r.passes],
                 "saved": [dict(s.to_dict(), plan=p.to_dict(), planned_bytes=planned_bytes(s, p))
@@ -139,6 +156,7 @@ class Report:
                      f"inference); saved activations: {format_bytes(before)} as partitioned (after any joint-pass "
                      f"recomputation), {format_bytes(after)} after the plan{ratio}"
                      + (f", and {format_bytes(self.host_bytes)} in host memory" if self.host_bytes else ""))
+        parts += self.guard_notes()
         for region in self.regions:
             parts += [f"region {region.index}: {note}" for note in region.notes]
             if region.slots and region.config.calibration == "static":

@@ -101,8 +101,9 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("block_offload", ("block_offload",), lambda config: config.block_offload, ("offload_blocks",)),
 )
 
-# Config fields that belong to no technique: how fxmem reports what it could not do (fxmem/fallback.py).
-GENERAL_FIELDS = ("strict",)
+# Config fields that belong to no technique: how fxmem checks its plan on the batch (fxmem/guard.py), and reports
+# what it could not do (fxmem/fallback.py).
+GENERAL_FIELDS = ("guard", "guard_cosine", "guard_every", "strict")
 
 PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
     CausalMaskAttention, CheckpointBlocks, ChunkLinears, ChunkLoss, ChunkMlp, ChunkNorm, DequantizeBases, GqaAttention,

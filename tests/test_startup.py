@@ -65,7 +65,7 @@ def helps(parser):
                 yield from helps(sub)
 
 texts = list(helps(command_parser()))
-assert len(texts) == 27, len(texts)  # fxmem, inspect, whatif, bench, its 20 experiments, loqt's 3 kinds
+assert len(texts) == 28, len(texts)  # fxmem, inspect, whatif, bench, its 21 experiments, loqt's 3 kinds
 """
     assert imported("-c", code, among=COMPILE_STACK) == []
 

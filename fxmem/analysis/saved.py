@@ -74,6 +74,12 @@ class SavedRecord:
     def frees_memory(self) -> bool:
         return self.role not in FREES_NOTHING
 
+    @property
+    def key(self) -> str:
+        """Names this tensor across compilations of one model at other lengths (the guard's demotions): its module,
+        role and forward node; the node's name is the same where the traced ops are."""
+        return f"{self.module}:{self.role.value}:{self.name}"
+
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("graph")}
         data["role"] = self.role.value

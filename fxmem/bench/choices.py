@@ -34,6 +34,15 @@ COVERAGE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "gemma", "ge
                      "deepseek_v3")
 COVERAGE_DTYPES = ("fp32", "bf16")
 
+# bench/guard.py: name -> (coverage family, preset, overrides), each bending the gradient on purpose; and the
+# presets checked as shipped
+GUARD_BENT_SETTINGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "1-bit codes everywhere": ("llama", "hyclora-4bit", {"bits": 1, "qkv_bits": None, "linear_input_bits": None}),
+    "attention sparsity 0.02": ("gemma2", "hyclora-4bit", {"attn_sparsity": 0.02}),
+    "rank-2 lowrank": ("llama", "loract", {"lowrank": 2}),
+}
+GUARD_PRESETS = ("hyclora-4bit", "hyclora-2bit", "loract")
+
 # bench/recipes.py: issue 46's recipe matrix
 RECIPES = ("plain", "dropout", "autocast", "packed", "accumulation", "qlora")
 RECIPE_PRESETS = ("exact", "hyclora-4bit", "loract")

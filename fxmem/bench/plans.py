@@ -254,7 +254,7 @@ def dump(configurations: Sequence[PlanConfiguration],
             progress(configuration)
             torch._dynamo.reset()  # each model is a new one of a class dynamo may have compiled: no recompile limit
             model, batch = configuration.model.build(*configuration.batch)
-            report = inspect(model, config=configuration.config(), **batch)
+            report = inspect(model, config=configuration.config(), guard=False, **batch)
             plans[configuration.name] = {**configuration.definition(), "regions": _region_records(report)}
         torch._dynamo.reset()
     return plans

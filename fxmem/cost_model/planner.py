@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -124,26 +124,35 @@ class TechniqueHooks(Protocol):
     propose: Propose | None
 
 
-def plan_region(analysis: Analysis, config: Config, techniques: Sequence[TechniqueHooks]) -> list[Plan]:
+def plan_region(analysis: Analysis, config: Config, techniques: Sequence[TechniqueHooks],
+                demoted: Mapping[str, int] | None = None) -> list[Plan]:
     """One plan per saved tensor, in the analysis' order: with memory_budget its one rule down to the region's target
     (fit_budget), else the same kind of choice against each storage's ceiling, the compression the config asks of it
     (fit_ceilings).
 
     Tensors sharing a storage are planned together: the storage is compressed
     only if every tensor viewing it may be.
+
+    ``demoted``: the guard's demotions (fxmem/guard.py), a saved tensor's key (SavedRecord.key) -> how many steps:
+    its storage's configured compression is made that many steps less lossy (_demoted_plan); under memory_budget
+    a demoted storage is kept exact.
     """
     by_storage: dict[str, list[SavedTensor]] = {}
     for saved in analysis.saved:
         by_storage.setdefault(saved.storage, []).append(saved)
+    levels = {storage: max(demoted.get(s.key, 0) for s in group)
+              for storage, group in by_storage.items()} if demoted else {}
     tables_saved: set[str] = set()  # RoPE tables already paid for by an earlier plan
     # the analysis counts a storage's bytes on its first saved tensor, its owner
     held = {storage: _held_as_is(group[0], group, analysis) for storage, group in by_storage.items()}
     if config.memory_budget is not None:  # the budget's planner starts from the fastest plan and spends from there
-        owner_plans = {storage: plan or Plan("keep", "exact: memory_budget needs no bytes of it")
+        owner_plans = {storage: plan or (Plan("keep", "exact: demoted by the guard") if levels.get(storage)
+                                         else Plan("keep", "exact: memory_budget needs no bytes of it"))
                        for storage, plan in held.items()}
-        fit_budget(analysis, by_storage, owner_plans, config, tables_saved)
+        fit_budget(analysis, by_storage, owner_plans, config, tables_saved,
+                   frozen={storage for storage, level in levels.items() if level})
     else:
-        owner_plans = fit_ceilings(analysis, by_storage, held, config, tables_saved, techniques)
+        owner_plans = fit_ceilings(analysis, by_storage, held, config, tables_saved, techniques, levels)
     plans = []
     for saved in analysis.saved:
         owner, owner_plan = by_storage[saved.storage][0], owner_plans[saved.storage]
@@ -194,10 +203,56 @@ def _configured_plan(owner: SavedTensor, group: list[SavedTensor], analysis: Ana
     return plan
 
 
+def _demoted_plan(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
+                  tables_saved: set[str], techniques: Sequence[TechniqueHooks], steps: int) -> Plan:
+    """The configured compression made ``steps`` steps less lossy (the guard's demotion): each step the config's lossy
+    widths are raised a notch (less_lossy) until this storage's plan stores more bytes: more bits, then exact. The
+    options fit_ceilings weighs against it (a replay, a recomputation) follow from its bytes."""
+    plan = _configured_plan(owner, group, analysis, config, set(tables_saved) if steps else tables_saved, techniques)
+    if not steps:
+        return plan
+    demoted: Config | None = config
+    for _ in range(steps):
+        while plan.action != "keep":
+            demoted = less_lossy(demoted) if demoted is not None else None
+            if demoted is None:
+                return Plan("keep", f"exact: demoted by the guard ({steps} step{'s' if steps > 1 else ''})")
+            candidate = _configured_plan(owner, group, analysis, demoted, set(tables_saved), techniques)
+            if stored_bytes(owner, candidate) > stored_bytes(owner, plan):
+                plan = candidate
+                break
+    if plan.action == "keep":
+        return Plan("keep", f"exact: demoted by the guard ({steps} step{'s' if steps > 1 else ''})")
+    plan = _configured_plan(owner, group, analysis, demoted, tables_saved, techniques)  # its RoPE tables paid
+    return dataclasses.replace(plan, reason=f"{plan.reason}; demoted by the guard ({steps} step"
+                                            f"{'s' if steps > 1 else ''})")
+
+
+def less_lossy(config: Config) -> Config | None:
+    """One notch less lossy: with ``bits``, each set width of it, ``qkv_bits`` and ``linear_input_bits`` one choice
+    up, 8 bits left as it is; ``lowrank``'s rank doubled, off from half the channels; ``attn_sparsity`` doubled, off from a half.
+    None where nothing is left to raise: exact."""
+    changes: dict[str, object] = {}
+    for name in ("bits", "qkv_bits", "linear_input_bits") if config.bits is not None else ():
+        bits = getattr(config, name)
+        if bits is not None and bits < BITS_CHOICES[-1]:
+            changes[name] = BITS_CHOICES[BITS_CHOICES.index(bits) + 1]
+    if config.lowrank is not None:
+        doubled = config.lowrank * 2
+        changes["lowrank"] = None if isinstance(config.lowrank, float) and doubled >= 0.5 else doubled
+    if config.attn_sparsity is not None:
+        changes["attn_sparsity"] = None if config.attn_sparsity * 2 >= 0.5 else config.attn_sparsity * 2
+    if not changes:
+        return None
+    if "lowrank" in changes and changes["lowrank"] is None:
+        changes["prenorm_sharing"] = True  # a part of lowrank, refused without it
+    return config.replace(**changes)
+
+
 def propose_quantized(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
                       tables: set[str]) -> Plan | None:
     """``bits``: HyC-LoRA's per-channel quantization, for the roles it stores quantized."""
-    if not all(s.role in QUANTIZED_ROLES for s in group):
+    if config.bits is None or not all(s.role in QUANTIZED_ROLES for s in group):  # None: demoted off (less_lossy)
         return None
     if not _quantizable(group, config):  # intra=False: the paper's inter-only ablation row
         return Plan("keep", "intra-operator quantization off (intra=False)")
@@ -219,6 +274,8 @@ def _rebuilt_from(owner: SavedTensor) -> str:
 def propose_lowrank(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
                     tables: set[str]) -> Plan | None:
     """``lowrank``: LoRAct's low-rank factors, for the roles whose backward needs only the value."""
+    if config.lowrank is None:  # demoted off (less_lossy)
+        return None
     if not all(s.role in LOWRANK_ROLES for s in group) or owner.storage in analysis.rebuild_sources:
         return None  # an x that an X W is replayed from stays quantized at REBUILD_SOURCE_BITS
     # q, k and v quantized at qkv_bits are protected from the softmax's amplification of their error: not factored
@@ -231,7 +288,7 @@ def propose_lowrank(owner: SavedTensor, group: list[SavedTensor], analysis: Anal
 def propose_sparse(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
                    tables: set[str]) -> Plan | None:
     """``attn_sparsity``: eager attention's probabilities pruned per row."""
-    if owner.role is Role.ATTN_PROBS and owner.detail == "probabilities":
+    if config.attn_sparsity is not None and owner.role is Role.ATTN_PROBS and owner.detail == "probabilities":
         return _sparsify(owner, config.attn_sparsity)
     return None
 
@@ -435,7 +492,8 @@ _NORM_INPUT = "its norm's input"
 
 
 def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], held: dict[str, Plan | None],
-                 config: Config, tables_saved: set[str], techniques: Sequence[TechniqueHooks]) -> dict[str, Plan]:
+                 config: Config, tables_saved: set[str], techniques: Sequence[TechniqueHooks],
+                 demoted: Mapping[str, int] | None = None) -> dict[str, Plan]:
     """Without memory_budget, each storage's target is its ceiling: the bytes of the compression the config asks of it
     (_configured_plan), or of a norm input rebuilt from its output's factors with ``prenorm_sharing``. Its options
     (_choices): that compression, at REBUILD_SOURCE_BITS or more where backward rebuilds something from it;
@@ -454,9 +512,11 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
     hyclora-2bit: worst LoRA-gradient cosine 0.93 with a norm's input at 2 bits, 0.995 rebuilt from its output at 8;
     docs/quantization.md). A storage is chosen again when a plan it reads changes (its
     x, its norm's output) or an option raises it. ``block_offload`` then puts a checkpointed block's input in host
-    memory, as its plan stores it."""
-    configured = {storage: plan or _configured_plan(by_storage[storage][0], by_storage[storage], analysis, config,
-                                                    tables_saved, techniques)
+    memory, as its plan stores it. A storage the guard ``demoted`` (storage -> steps) has that many steps less lossy
+    a compression configured (_demoted_plan)."""
+    demoted = demoted or {}
+    configured = {storage: plan or _demoted_plan(by_storage[storage][0], by_storage[storage], analysis, config,
+                                                 tables_saved, techniques, demoted.get(storage, 0))
                   for storage, plan in held.items()}
     plans = dict(configured)
     raised: dict[str, list[str]] = {}  # storage -> what backward rebuilds from it, where an option raised it
@@ -748,16 +808,17 @@ class BlockOption:
 
 
 def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
-               config: Config, tables_saved: set[str]) -> None:
+               config: Config, tables_saved: set[str], frozen: set[str] | frozenset[str] = frozenset()) -> None:
     """memory_budget: one rule over every typed option (``budget_options``, and a block checkpoint per block the
     analysis offers, ``_block_move``). From the exact plan, each step takes the option of the least error class, the
     fewest seconds per byte it saves within it (the most bytes saved on a tie), among every option that saves
     device bytes; until the region fits its target or no option is left (budget_note then says the target is not
     met). A move that changes another storage's options (a RoPE table paid, a storage a recomputation reads moved)
-    prices that storage, and the blocks holding it, again."""
+    prices that storage, and the blocks holding it, again. The ``frozen`` storages (the guard's) are not moved."""
     target = budget_bytes(analysis, config)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
-    free = [storage for storage, group in by_storage.items() if _held_as_is(group[0], group, analysis) is None]
+    free = [storage for storage, group in by_storage.items()
+            if storage not in frozen and _held_as_is(group[0], group, analysis) is None]
     free_set = set(free)
     # the analysis' rebuild sources: the first partition's replayed X W's x, a chunked op's or a checkpointed
     # block's input

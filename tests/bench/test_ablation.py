@@ -18,12 +18,16 @@ def test_settings_cover_bits_intra_inter_outliers_and_the_papers_static_calibrat
                      "2-bit intra + inter, rebuilt from x",
                      "4-bit intra + inter, q/k/v 4-bit", "4-bit intra + inter, static"]
     by_name = {s.name: s.config for s in settings}
-    paper = Config.from_preset("hyclora-2bit", rebuild_from_x=False)  # the preset is the paper's, rebuilt from x
-    assert by_name["2-bit intra + inter, rebuilt from x"] == Config.from_preset("hyclora-2bit")
+
+    def unguarded(preset, **overrides):  # the ablation measures each setting by itself, without the preset's guard
+        return Config.from_preset(preset, guard=False, guard_cosine=Config().guard_cosine, **overrides)
+
+    paper = unguarded("hyclora-2bit", rebuild_from_x=False)  # the preset is the paper's, rebuilt from x
+    assert by_name["2-bit intra + inter, rebuilt from x"] == unguarded("hyclora-2bit")
     assert by_name["2-bit intra + inter"] == paper
     assert by_name["2-bit intra + inter, rotated"] == paper.replace(rotation=64)
-    assert by_name["4-bit intra + inter, stochastic"] == Config.from_preset("hyclora-4bit", stochastic_rounding=True,
-                                                                            rebuild_from_x=False)
+    assert by_name["4-bit intra + inter, stochastic"] == unguarded("hyclora-4bit", stochastic_rounding=True,
+                                                                   rebuild_from_x=False)
     assert (by_name["4-bit intra"].lora_reorder, by_name["4-bit intra"].intra) == (False, True)
     assert (by_name["4-bit inter"].lora_reorder, by_name["4-bit inter"].intra) == (True, False)
     assert (by_name["4-bit intra, no outliers"].outlier_ratio, by_name["4-bit intra, no outliers"].outlier_values) == (

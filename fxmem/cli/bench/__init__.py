@@ -17,6 +17,7 @@ from fxmem.cli.bench import (
     fidelity,
     finetune,
     gpu_check,
+    guard,
     hift,
     loqt,
     lora,
@@ -34,7 +35,7 @@ from fxmem.cli.bench import (
 EXPERIMENTS = {module.NAME: module for module in (compare, ablate, finetune, profile, lora, loss, hift, loqt,
                                                   lowrank_error, lowrank_saved, ptxas, distributed,
                                                   coverage, pretrain, fidelity, report, context, gpu_check,
-                                                  recipes, plans)}
+                                                  recipes, plans, guard)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

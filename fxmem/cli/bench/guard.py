@@ -1,0 +1,70 @@
+"""`fxmem bench guard`: the guard's figures (bench/guard.py): settings that bend the gradient and the presets as
+shipped, without and with it; with --cost, what it adds to a training run."""
+
+from __future__ import annotations
+
+import argparse
+
+from fxmem.bench.choices import COVERAGE_DTYPES, GUARD_BENT_SETTINGS, GUARD_PRESETS, WORKLOAD_FAMILIES
+from fxmem.cli.common import add_outputs, int_at_least, print_table, write_json
+
+NAME = "guard"
+
+
+def add_parser(experiments: argparse._SubParsersAction) -> None:
+    parser = experiments.add_parser(NAME, help="the guard: bent settings and the presets without and with it; "
+                                               "--cost: its step time and peak in training")
+    parser.add_argument("--settings", nargs="+", choices=[*GUARD_BENT_SETTINGS, *GUARD_PRESETS],
+                        default=[*GUARD_BENT_SETTINGS, *GUARD_PRESETS])
+    parser.add_argument("--dtypes", nargs="+", choices=list(COVERAGE_DTYPES), default=["fp32"])
+    parser.add_argument("--cost", action="store_true",
+                        help="instead: train --workload --steps steps guarded and unguarded, timed, and a checked "
+                             "step's peak")
+    parser.add_argument("--workload", choices=list(WORKLOAD_FAMILIES), default="llama-small")
+    parser.add_argument("--preset", default="hyclora-4bit", choices=list(GUARD_PRESETS))
+    parser.add_argument("--steps", type=int_at_least(2), default=200)
+    parser.add_argument("--every", type=int_at_least(1), default=100, help="the guard's guard_every")
+    add_outputs(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fxmem.measure import format_bytes
+
+    if args.cost:
+        from fxmem.bench.guard import cost
+        from fxmem.bench.workloads import get_workload
+
+        result = cost(get_workload(args.workload), args.preset, steps=args.steps, every=args.every)
+        rows = [[result.workload, result.preset, str(result.steps), str(result.every), str(len(result.checks)),
+                 f"{result.guard_seconds / sum(result.step_seconds):.1%}", f"{result.amortized:.1%}",
+                 f"{result.unchecked_step_ratio:.2f}x", f"{result.peak_checked / result.peak_unguarded:.2f}x",
+                 format_bytes(result.peak_checked), format_bytes(result.peak_unguarded)]]
+        columns = ("workload", "preset", "steps", "every", "checks", "share of run", "amortized",
+                   "unchecked step", "checked peak", "peak checked", "peak unguarded")
+        legend = ("Each step an AdamW step of fxmem.compile_'s model. share of run: the guard's checks over the whole "
+                  "guarded run (its compiles included); amortized: the checks over the unguarded median step times "
+                  "the steps; unchecked step: the guarded model's median step without a check over the unguarded "
+                  "one's (the mended plan's own cost); checked peak: the peak of a step the guard checks before "
+                  "(its probed compile kept) over an unguarded step's, each above its start. "
+                  + "; ".join(c.summary() for c in result.checks))
+        print_table("fxmem bench guard --cost", columns, rows, legend, args)
+        write_json([result], args)
+        return 0
+    from fxmem.bench.guard import BENT_BOUND, settings
+
+    results = [r for dtype in args.dtypes for r in settings(tuple(args.settings), dtype)]
+    rows = [[r.setting, r.family, r.preset, r.dtype, f"{r.check.bound:g}",
+             f"{r.unguarded.min_cosine:.4f}", f"{r.eager_bytes / r.unguarded_bytes:.2f}x",
+             f"{r.guarded.min_cosine:.4f}", f"{r.eager_bytes / r.guarded_bytes:.2f}x", str(len(r.check.demotions)),
+             f"{r.check.seconds:.1f} s"] for r in results]
+    columns = ("setting", "family", "preset", "dtype", "bound", "cos unguarded", "eager / saved", "cos guarded",
+               "eager / saved guarded", "demoted", "guard time")
+    legend = (f"Tiny coverage models (bench/coverage.py: LoRA on every linear, B past init, real text). The bent "
+              f"settings are checked at a bound of {BENT_BOUND}, the presets at their own. cos: the worst LoRA "
+              "gradient's cosine against eager PEFT's on the whole batch; eager / saved: eager's saved bytes over "
+              "fxmem's; the guard checks a slice of the batch (its first tokens) and demotes until the bound holds "
+              "there. " + "; ".join(f"{r.setting} ({r.dtype}): {r.check.summary()}" for r in results))
+    print_table("fxmem bench guard", columns, rows, legend, args)
+    write_json(results, args)
+    return 0

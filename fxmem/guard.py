@@ -1,0 +1,302 @@
+"""The guard (``Config.guard``): a lossy plan checked on the user's own batch, and mended where it bends the gradient.
+
+A preset's error depends on the model and the data: its published bound comes from fxmem's workloads, not the
+user's. So, on a slice of the training batch (its first tokens), the guard compares every trainable gradient under
+the plan with eager's, as ``fxmem.check_fidelity`` does. Where the worst cosine is below ``Config.guard_cosine``, it
+measures each compressed tensor alone (the rest exact, through fidelity probes: one forward, a backward per tensor)
+and demotes the ones that break the bound alone, or else the worst one, by a notch (the planner's
+``less_lossy``: more bits, then exact; a replay or a recomputation where the cost model finds one within the new
+bytes), then checks again, until the bound is met or nothing lossy is left.
+
+The slice bounds the guard's memory: eager's activations for an eighth of the tokens, beside the plan's for the
+same slice with its exact copies. Its compiles run fxmem's graphs without code generation (lowering="eager"), on a
+function of their own, so that dynamo's cache for the training model is not touched. Under torch.distributed
+every rank measures its own slice and the ranks take the worst figure of each, so that they demote the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxmem.backend import Backend
+from fxmem.config import Config
+from fxmem.fallback import FallbackError, fall_back
+from fxmem.fidelity import describe_plan, output_loss
+from fxmem.kernels import probe as probe_kernel
+from fxmem.peft_lora import prepared_for
+
+# The slice: each row's first tokens, an eighth of them and no fewer than these (all where the rows are shorter).
+SLICE_SHARE = 8
+MIN_SLICE_TOKENS = 64
+# Rounds of demotion before the guard gives up: a tensor at 1 bit is exact after four notches.
+MAX_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class Demotion:
+    """One compressed tensor the guard made less lossy."""
+
+    tensor: str  # SavedRecord.key: module, role, forward node
+    before: str  # what it was stored as
+    after: str  # what it is stored as now
+    alone_cosine: float  # the worst gradient cosine with it alone compressed, before
+
+
+@dataclass(frozen=True)
+class GuardCheck:
+    """One check of the plan on a slice of a training batch."""
+
+    forward: int  # the training forward it ran before (1: the first)
+    why: str
+    tokens: int  # per row of the slice
+    bound: float
+    cosine_before: float  # worst trainable-gradient cosine against eager, the plan as it was
+    cosine_after: float  # the same once mended (cosine_before where nothing was demoted)
+    worst_parameter: str
+    demotions: tuple[Demotion, ...] = ()
+    seconds: float = 0.0
+    note: str = ""  # why nothing could be checked or mended
+
+    @property
+    def met(self) -> bool:
+        return self.cosine_after >= self.bound
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**{k: v for k, v in vars(self).items() if k != "demotions"}, "met": self.met,
+                "demotions": [vars(d) for d in self.demotions]}
+
+    def summary(self) -> str:
+        if self.note:
+            return f"guard at forward {self.forward} ({self.why}): {self.note}"
+        demoted = "; ".join(f"{d.tensor}: {d.before} -> {d.after}" for d in self.demotions) or "nothing demoted"
+        return (f"guard at forward {self.forward} ({self.why}), {self.tokens} tokens a row: worst gradient cosine "
+                f"{self.cosine_before:.4f} -> {self.cosine_after:.4f} (bound {self.bound}); {demoted}")
+
+
+@dataclass
+class _Round:
+    """What one compile of the plan measured."""
+
+    cosine: float
+    worst_parameter: str
+    alone: list[tuple[float, str, str]] = field(default_factory=list)  # (cosine, tensor key, plan), worst first
+    plans: dict[str, str] = field(default_factory=dict)  # every saved tensor's key -> its plan in a few words
+
+
+def check_plan(model: torch.nn.Module, batch: Mapping[str, Any], config: Config, demotions: dict[str, int], *,
+               forward: int = 1, why: str = "first forward", loss: Callable[[Any], torch.Tensor] | None = None,
+               compiled: dict[tuple, Callable] | None = None) -> GuardCheck:
+    """Check ``config``'s plan (with ``demotions``, updated in place) on a slice of ``batch`` and demote until
+    ``config.guard_cosine`` is met. The model's gradients (``.grad``) and the global RNG are left as they were.
+    ``compiled``: the last plan's probed compile, by its demotions, kept there for the next check (a re-check of
+    an unchanged plan compiles nothing)."""
+    compiled = {} if compiled is None else compiled
+    start = time.perf_counter()
+    loss = loss or output_loss
+    sliced, tokens = slice_batch(batch)
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    with _rng_kept(), prepared_for(model, config):
+        reference = _gradients(lambda: loss(model._call_impl(**sliced)), params)
+        compared = {name: g for name, g in reference.items() if g.any()}
+        if not compared:
+            return GuardCheck(forward, why, tokens, config.guard_cosine, 1.0, 1.0, "", seconds=0.0,
+                              note="no trainable gradient is nonzero on the batch: nothing to compare")
+        first = measured = _measure(model, sliced, config, demotions, compared, params, loss, compiled)
+        before_plans = dict(first.plans)
+        demoted: dict[str, float] = {}
+        for _ in range(MAX_ROUNDS):
+            if measured.cosine >= config.guard_cosine or not measured.alone:
+                break
+            below = [a for a in measured.alone if a[0] < config.guard_cosine] or measured.alone[:1]
+            for cosine, key, _ in below:
+                demotions[key] = demotions.get(key, 0) + 1
+                demoted.setdefault(key, cosine)
+            measured = _measure(model, sliced, config, demotions, compared, params, loss, compiled)
+    after = [Demotion(key, before_plans[key], measured.plans.get(key, "no longer saved as such: the plan around it changed"), cosine)
+             for key, cosine in demoted.items()]
+    return GuardCheck(forward, why, tokens, config.guard_cosine, first.cosine, measured.cosine,
+                      measured.worst_parameter, tuple(after), time.perf_counter() - start)
+
+
+def slice_batch(batch: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+    """The batch's first tokens of each row: every tensor of two or more dimensions whose second is the sequence's
+    (that of ``input_ids``, else of the first such tensor) is cut there; the rest pass as they are."""
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2]
+    ids = batch.get("input_ids")
+    if not tensors:
+        raise ValueError("the guard slices the batch's tokens: it needs a batch of keyword tensors of (rows, tokens)"
+                         ", such as input_ids and labels")
+    length = (ids if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else tensors[0]).shape[1]
+    tokens = min(length, max(MIN_SLICE_TOKENS, length // SLICE_SHARE))
+    return {k: v[:, :tokens] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length else v
+            for k, v in batch.items()}, tokens
+
+
+def _measure(model: torch.nn.Module, sliced: dict[str, Any], config: Config, demotions: dict[str, int],
+             reference: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter],
+             loss: Callable[[Any], torch.Tensor], cache: dict[tuple, Any]) -> _Round:
+    """One compile of the plan with fidelity probes (``cache``'s where it has this plan), one forward, then a backward
+    with everything compressed and one with each compressed tensor alone; the ranks' figures agreed."""
+    plan = tuple(sorted(demotions.items()))
+    if plan not in cache:
+        cache.clear()
+        # offload moves the same bytes and back (its copies are not probed), and a diagnostic compile's fallback
+        # is the guard's to report, not strict mode's to raise
+        probed = config.replace(block_offload=False, strict=False)
+        backend = Backend(probed, lowering="eager", fidelity_probes=True, demotions=demotions)
+        cache[plan] = backend, torch.compile(_fresh_call(model), backend=backend)
+    backend, compiled = cache[plan]
+    try:
+        torch.manual_seed(0)  # as the reference drew
+        output = loss(compiled(sliced))
+        probes = [(probe, record.key, describe_plan(plan)) for region in backend.regions
+                  for probe, name in region.probes
+                  for record, plan in zip(region.saved, region.plans, strict=True) if record.name == name]
+        runs = [None, *(p for p, _, _ in probes)]  # None: every one compressed
+        cosines, worst = [], []
+        for alone in runs:
+            for probe, _, _ in probes:
+                probe_kernel.COMPRESSED[probe] = alone is None or probe == alone
+            grads = dict(zip(params, torch.autograd.grad(output, list(params.values()), retain_graph=True,
+                                                         allow_unused=True), strict=True))
+            name, cosine = _worst(reference, grads)
+            cosines.append(cosine)
+            worst.append(name)
+        del output
+        cosines = _agreed(cosines)
+    finally:  # each run sets every switch: released, a switch reads compressed, as the training step never does
+        probe_kernel.release([probe for region in backend.regions for probe, _ in region.probes])
+    alone = sorted((c, key, plan) for c, (_, key, plan) in zip(cosines[1:], probes, strict=True))
+    plans = {record.key: describe_plan(plan) for region in backend.regions
+             for record, plan in zip(region.saved, region.plans, strict=True)}
+    return _Round(cosines[0], worst[0], alone, plans)
+
+
+def _fresh_call(model: torch.nn.Module) -> Callable[[dict[str, Any]], Any]:
+    """A function calling the model's forward (hooks included, not its compiled call), on a code object of its own:
+    dynamo keeps its compiled code and its record of shapes seen per code object, so the training model's are left
+    as they were, and this one's go with it."""
+    def call(batch: dict[str, Any]) -> Any:
+        return model._call_impl(**batch)
+
+    return type(call)(call.__code__.replace(), call.__globals__, "fxmem_guard_call", None, call.__closure__)
+
+
+def _gradients(loss: Callable[[], torch.Tensor], params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)  # the reference and the plan's runs draw the same dropout masks and sketches
+    grads = torch.autograd.grad(loss(), list(params.values()), allow_unused=True)
+    return {name: torch.zeros_like(p) if g is None else g for (name, p), g in zip(params.items(), grads, strict=True)}
+
+
+def _worst(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]) -> tuple[str, float]:
+    worst, lowest = "", 1.0
+    for name, ref in reference.items():
+        grad = grads[name]
+        ref64 = ref.detach().double().flatten()
+        cand64 = torch.zeros_like(ref64) if grad is None else grad.detach().double().flatten()
+        norms = ref64.norm() * cand64.norm()
+        cosine = (ref64 @ cand64 / norms).item() if norms > 0 else 0.0
+        if cosine < lowest or not worst:
+            worst, lowest = name, cosine
+    return worst, lowest
+
+
+def _agreed(values: list[float]) -> list[float]:
+    """Each figure the worst over the ranks (torch.distributed), so that every rank demotes the same."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
+    return tensor.tolist()
+
+
+@contextlib.contextmanager
+def _rng_kept() -> Iterator[None]:
+    """The global RNG as it was after the guard's runs (their dropout draws): the training step draws as it would."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        yield
+
+
+class GuardedCall:
+    """The guard in a training loop: wraps a model's compiled call (``fxmem.compile_``), and checks the plan before
+    the first training forward, before the next after a recompile, and every ``guard_every`` training forwards. A
+    demotion made once the model has compiled recompiles it, and warns."""
+
+    def __init__(self, model: torch.nn.Module, backend: Backend) -> None:
+        self.model = model
+        self.backend = backend
+        self.compiled = model._compiled_call_impl
+        self.forwards = 0  # training forwards so far
+        self.last_check: int | None = None
+        self.regions_seen = 0
+        self.recompiled = False
+        self.probed: dict[tuple, Callable] = {}  # the last check's compile (check_plan)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        training = self.model.training and torch.is_grad_enabled()
+        if training:
+            self.forwards += 1
+            why = self._due()
+            if why is not None:
+                self._check(kwargs, why)
+        output = self.compiled(*args, **kwargs)
+        if training:
+            self.recompiled = self.recompiled or (self.regions_seen > 0 and len(self.backend.regions) > self.regions_seen)
+            self.regions_seen = len(self.backend.regions)
+        return output
+
+    def _due(self) -> str | None:
+        every = self.backend.config.guard_every
+        if self.last_check is None:
+            return "first forward"
+        if self.recompiled:
+            return "after a recompile"
+        if every is not None and self.forwards - self.last_check >= every:
+            return f"every {every} forwards"
+        return None
+
+    def _check(self, batch: Mapping[str, Any], why: str) -> None:
+        self.last_check, self.recompiled = self.forwards, False
+        config = self.backend.config
+        before = dict(self.backend.demotions)
+        try:
+            check = check_plan(self.model, batch, config, self.backend.demotions, forward=self.forwards, why=why,
+                               compiled=self.probed)
+        except FallbackError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a batch it cannot slice, an output without a loss, a failed
+            # compile: the step runs as planned, and the report and a warning (strict mode: an error) say so
+            check = GuardCheck(self.forwards, why, 0, config.guard_cosine, 1.0, 1.0, "",
+                               note=f"not checked: {type(error).__name__}: {error}")
+            self.backend.guard_checks.append(check)
+            fall_back(f"fxmem {check.summary()}", config, stacklevel=3)
+            return
+        self.backend.guard_checks.append(check)
+        if not check.met:
+            fall_back(f"fxmem guard: the worst gradient cosine stays {check.cosine_after:.4f} below the bound "
+                      f"{check.bound} with every compressed tensor demoted it could be ({check.worst_parameter})",
+                      config, stacklevel=3)
+        if self.backend.demotions != before and self.regions_seen:
+            warnings.warn(f"fxmem: {check.summary()}; the model compiles again with them", stacklevel=3)
+            # dynamo keeps compiled code per backend object: a new callable of the same backend compiles afresh
+            self.model.compile(backend=functools.partial(Backend.__call__, self.backend))
+            self.compiled = self.model._compiled_call_impl
+            self.model._compiled_call_impl = self
+            self.regions_seen = len(self.backend.regions)
+
+
+def guard(model: torch.nn.Module, backend: Backend) -> None:
+    """Check ``backend``'s plan on ``model``'s training batches (GuardedCall), the model compiled with it in place."""
+    if model._compiled_call_impl is None:
+        raise ValueError("the guard wraps a model compiled in place: call model.compile(backend=...) first")
+    model._compiled_call_impl = GuardedCall(model, backend)
