@@ -148,8 +148,9 @@ class Config:
         first tokens) runs eagerly and under the plan, and every trainable gradient is compared. Where the worst
         cosine is below ``guard_cosine``, each compressed tensor's effect alone is measured (as
         ``fxmem.check_fidelity`` does) and the worst are demoted, one notch at a time (more bits, then exact; the
-        planner then weighs a replay or a recomputation against the new bytes), until the bound is met. The report
-        and ``inspect`` list what was demoted, with the cosines before and after. On in the lossy presets.
+        planner then weighs a replay or a recomputation against the new bytes), until the slice's worst cosine is
+        within half the bound's distance from 1 (the slice is a sample of the batch). The report and ``inspect``
+        list what was demoted, with the cosines before and after. On in the lossy presets.
     guard_cosine: the worst LoRA-gradient cosine against eager the guard holds: the preset's published bound in the
         lossy presets.
     guard_every: training forwards between the guard's checks after the first (its cost, amortized: docs/guard.md);

@@ -37,6 +37,10 @@ class Report:
         """Each of the guard's checks (fxmem/guard.py), and the demotions no compiled region applied: a tensor the
         guard demoted on its slice that the training graph does not have under that key."""
         notes = [check.summary() for check in self.guard_checks]
+        if not self.guard_checks and any(r.kind == "training" and r.config.guard and r.config.compresses
+                                         for r in self.regions):
+            notes.append("guard: no check ran; it runs through fxmem.compile_ (and fxmem.inspect): "
+                         "torch.compile(model, backend=...) hands fxmem graphs, not the batch it checks on")
         applied = {key for region in self.regions for key in region.demoted}
         missing = sorted({d.tensor for check in self.guard_checks for d in check.demotions} - applied)
         if missing and any(r.kind == "training" for r in self.regions):

@@ -96,6 +96,15 @@ def test_compile_guards_the_training_step_and_the_report_says_what_it_demoted():
     assert len(backend.guard_checks) == 2
 
 
+def test_a_guarded_config_compiled_without_compile_says_no_check_ran():
+    model, batch = llama()
+    backend = fxmem.Backend(Config.from_preset("hyclora-4bit"), lowering="eager")
+    torch.compile(model, backend=backend)(**batch).loss.backward()
+    assert backend.report().guard_notes() == [
+        "guard: no check ran; it runs through fxmem.compile_ (and fxmem.inspect): torch.compile(model, backend=...) "
+        "hands fxmem graphs, not the batch it checks on"]
+
+
 def test_without_the_guard_nothing_is_checked():
     model, _ = llama()
     backend = fxmem.compile_(model, "hyclora-4bit", **{**BENDING, "guard": False})
