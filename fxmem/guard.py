@@ -114,10 +114,10 @@ def check_plan(model: torch.nn.Module, batch: Mapping[str, Any], config: Config,
         if not compared:
             return GuardCheck(forward, why, tokens, config.guard_cosine, 1.0, 1.0, "", seconds=0.0,
                               note="no trainable gradient is nonzero on the batch: nothing to compare")
-        first = measured = _measure(model, sliced, config, demotions, compared, params, loss, compiled)
+        target = 1 - (1 - config.guard_cosine) * SLICE_MARGIN
+        first = measured = _measure(model, sliced, config, demotions, compared, params, loss, compiled, target)
         before_plans = dict(first.plans)
         demoted: dict[str, float] = {}
-        target = 1 - (1 - config.guard_cosine) * SLICE_MARGIN
         for _ in range(MAX_ROUNDS):
             if measured.cosine >= target or not measured.alone:
                 break
@@ -125,7 +125,7 @@ def check_plan(model: torch.nn.Module, batch: Mapping[str, Any], config: Config,
             for cosine, key, _ in below:
                 demotions[key] = demotions.get(key, 0) + 1
                 demoted.setdefault(key, cosine)
-            measured = _measure(model, sliced, config, demotions, compared, params, loss, compiled)
+            measured = _measure(model, sliced, config, demotions, compared, params, loss, compiled, target)
     after = [Demotion(key, before_plans[key], measured.plans.get(key, "no longer saved as such: the plan around it changed"), cosine)
              for key, cosine in demoted.items()]
     return GuardCheck(forward, why, tokens, config.guard_cosine, first.cosine, measured.cosine,
@@ -148,9 +148,10 @@ def slice_batch(batch: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
 
 def _measure(model: torch.nn.Module, sliced: dict[str, Any], config: Config, demotions: dict[str, int],
              reference: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter],
-             loss: Callable[[Any], torch.Tensor], cache: dict[tuple, Any]) -> _Round:
-    """One compile of the plan with fidelity probes (``cache``'s where it has this plan), one forward, then a backward
-    with everything compressed and one with each compressed tensor alone; the ranks' figures agreed."""
+             loss: Callable[[Any], torch.Tensor], cache: dict[tuple, Any], target: float) -> _Round:
+    """One compile of the plan with fidelity probes (``cache``'s where it has this plan), one forward, a backward with
+    everything compressed, and, where that is below ``target``, one with each compressed tensor alone; the ranks'
+    figures agreed."""
     plan = tuple(sorted(demotions.items()))
     if plan not in cache:
         cache.clear()
@@ -166,24 +167,24 @@ def _measure(model: torch.nn.Module, sliced: dict[str, Any], config: Config, dem
         probes = [(probe, record.key, describe_plan(plan)) for region in backend.regions
                   for probe, name in region.probes
                   for record, plan in zip(region.saved, region.plans, strict=True) if record.name == name]
-        runs = [None, *(p for p, _, _ in probes)]  # None: every one compressed
-        cosines, worst = [], []
-        for alone in runs:
+
+        def worst_with(compressed: Callable[[int], bool], output: torch.Tensor = output) -> tuple[str, float]:
             for probe, _, _ in probes:
-                probe_kernel.COMPRESSED[probe] = alone is None or probe == alone
-            grads = dict(zip(params, torch.autograd.grad(output, list(params.values()), retain_graph=True,
-                                                         allow_unused=True), strict=True))
-            name, cosine = _worst(reference, grads)
-            cosines.append(cosine)
-            worst.append(name)
-        del output
-        cosines = _agreed(cosines)
+                probe_kernel.COMPRESSED[probe] = compressed(probe)
+            grads = torch.autograd.grad(output, list(params.values()), retain_graph=True, allow_unused=True)
+            return _worst(reference, dict(zip(params, grads, strict=True)))
+
+        worst, cosine = worst_with(lambda probe: True)
+        [cosine] = _agreed([cosine])
+        alone: list[tuple[float, str, str]] = []
+        if cosine < target:  # which tensors: each alone compressed, the rest exact
+            cosines = _agreed([worst_with(lambda probe, alone=p: probe == alone)[1] for p, _, _ in probes])
+            alone = sorted((c, key, description) for c, (_, key, description) in zip(cosines, probes, strict=True))
     finally:  # each run sets every switch: released, a switch reads compressed, as the training step never does
         probe_kernel.release([probe for region in backend.regions for probe, _ in region.probes])
-    alone = sorted((c, key, plan) for c, (_, key, plan) in zip(cosines[1:], probes, strict=True))
     plans = {record.key: describe_plan(plan) for region in backend.regions
              for record, plan in zip(region.saved, region.plans, strict=True)}
-    return _Round(cosines[0], worst[0], alone, plans)
+    return _Round(cosine, worst, alone, plans)
 
 
 def _fresh_call(model: torch.nn.Module) -> Callable[[dict[str, Any]], Any]:

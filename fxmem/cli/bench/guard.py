@@ -24,6 +24,7 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--preset", default="hyclora-4bit", choices=list(GUARD_PRESETS))
     parser.add_argument("--steps", type=int_at_least(2), default=200)
     parser.add_argument("--every", type=int_at_least(1), default=100, help="the guard's guard_every")
+    parser.add_argument("--device", default="cpu", help="--cost's device (cpu, cuda)")
     add_outputs(parser)
     parser.set_defaults(run=run)
 
@@ -35,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
         from fxmem.bench.guard import cost
         from fxmem.bench.workloads import get_workload
 
-        result = cost(get_workload(args.workload), args.preset, steps=args.steps, every=args.every)
+        result = cost(get_workload(args.workload), args.preset, steps=args.steps, every=args.every,
+                      device=args.device)
         rows = [[result.workload, result.preset, str(result.steps), str(result.every), str(len(result.checks)),
                  f"{result.guard_seconds / sum(result.step_seconds):.1%}", f"{result.amortized:.1%}",
                  f"{result.unchecked_step_ratio:.2f}x", f"{result.peak_checked / result.peak_unguarded:.2f}x",
@@ -48,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
                   "one's (the mended plan's own cost); checked peak: the peak of a step the guard checks before "
                   "(its probed compile kept) over an unguarded step's, each above its start. "
                   + "; ".join(c.summary() for c in result.checks))
-        print_table("fxmem bench guard --cost", columns, rows, legend, args)
-        write_json([result], args)
+        print_table("fxmem bench guard --cost", columns, rows, legend, args, args.device)
+        write_json([result], args, args.device)
         return 0
     from fxmem.bench.guard import BENT_BOUND, settings
 
