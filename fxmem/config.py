@@ -192,7 +192,7 @@ class Config:
     return_logits: bool = True
     guard: bool = False
     guard_cosine: float = 0.99
-    guard_every: int | None = 100
+    guard_every: int | None = 500
     strict: bool = False
 
     def __post_init__(self) -> None:

@@ -150,8 +150,9 @@ def _measure(model: torch.nn.Module, sliced: dict[str, Any], config: Config, dem
              reference: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter],
              loss: Callable[[Any], torch.Tensor], cache: dict[tuple, Any], target: float) -> _Round:
     """One compile of the plan with fidelity probes (``cache``'s where it has this plan), one forward, a backward with
-    everything compressed, and, where that is below ``target``, one with each compressed tensor alone; the ranks'
-    figures agreed."""
+    everything compressed, and, where that is below ``target``, one with each layer's tensors alone compressed (the
+    rest exact), then one with each tensor alone of the layers below it (or of the worst layer); the ranks' figures
+    agreed."""
     plan = tuple(sorted(demotions.items()))
     if plan not in cache:
         cache.clear()
@@ -164,12 +165,14 @@ def _measure(model: torch.nn.Module, sliced: dict[str, Any], config: Config, dem
     try:
         torch.manual_seed(0)  # as the reference drew
         output = loss(compiled(sliced))
-        probes = [(probe, record.key, describe_plan(plan)) for region in backend.regions
+        probes = [(probe, record.key, describe_plan(plan), record.layer) for region in backend.regions
                   for probe, name in region.probes
                   for record, plan in zip(region.saved, region.plans, strict=True) if record.name == name]
 
+        layer_of = {probe: layer for probe, _, _, layer in probes}
+
         def worst_with(compressed: Callable[[int], bool], output: torch.Tensor = output) -> tuple[str, float]:
-            for probe, _, _ in probes:
+            for probe in layer_of:
                 probe_kernel.COMPRESSED[probe] = compressed(probe)
             grads = torch.autograd.grad(output, list(params.values()), retain_graph=True, allow_unused=True)
             return _worst(reference, dict(zip(params, grads, strict=True)))
@@ -177,9 +180,15 @@ def _measure(model: torch.nn.Module, sliced: dict[str, Any], config: Config, dem
         worst, cosine = worst_with(lambda probe: True)
         [cosine] = _agreed([cosine])
         alone: list[tuple[float, str, str]] = []
-        if cosine < target:  # which tensors: each alone compressed, the rest exact
-            cosines = _agreed([worst_with(lambda probe, alone=p: probe == alone)[1] for p, _, _ in probes])
-            alone = sorted((c, key, description) for c, (_, key, description) in zip(cosines, probes, strict=True))
+        if cosine < target and probes:  # which tensors: each layer's alone, then each tensor of the worst layers
+            layers = sorted(set(layer_of.values()))
+            by_layer = _agreed([worst_with(lambda probe, layer=layer: layer_of[probe] == layer)[1]
+                                for layer in layers])
+            suspects = {layer for layer, c in zip(layers, by_layer, strict=True) if c < target} \
+                or {min(zip(by_layer, layers, strict=True))[1]}
+            tried = [p for p in probes if p[3] in suspects]
+            cosines = _agreed([worst_with(lambda probe, alone=p[0]: probe == alone)[1] for p in tried])
+            alone = sorted((c, key, description) for c, (_, key, description, _) in zip(cosines, tried, strict=True))
     finally:  # each run sets every switch: released, a switch reads compressed, as the training step never does
         probe_kernel.release([probe for region in backend.regions for probe, _ in region.probes])
     plans = {record.key: describe_plan(plan) for region in backend.regions
@@ -204,16 +213,17 @@ def _gradients(loss: Callable[[], torch.Tensor], params: dict[str, torch.nn.Para
 
 
 def _worst(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]) -> tuple[str, float]:
-    worst, lowest = "", 1.0
+    """The parameter whose gradient's cosine with the reference's is lowest, and that cosine (0 for a gradient that
+    is missing or zero); one sync with the device for them all."""
+    cosines = []
     for name, ref in reference.items():
         grad = grads[name]
         ref64 = ref.detach().double().flatten()
         cand64 = torch.zeros_like(ref64) if grad is None else grad.detach().double().flatten()
-        norms = ref64.norm() * cand64.norm()
-        cosine = (ref64 @ cand64 / norms).item() if norms > 0 else 0.0
-        if cosine < lowest or not worst:
-            worst, lowest = name, cosine
-    return worst, lowest
+        cosines.append(ref64 @ cand64 / (ref64.norm() * cand64.norm()).clamp_min(torch.finfo(torch.float64).tiny))
+    values = torch.stack(cosines).tolist()
+    lowest = min(range(len(values)), key=values.__getitem__)
+    return list(reference)[lowest], values[lowest]
 
 
 def _agreed(values: list[float]) -> list[float]:

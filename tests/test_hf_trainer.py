@@ -75,3 +75,19 @@ def test_trl_sft_trainer_trains_a_model_compiled_in_place_as_its_own_inductor_co
     assert any(region.kind == "training" for region in backend.regions)  # fxmem compiled the training step
     reference, _ = _sft_losses(tmp_path, with_fxmem=False)
     _assert_same_losses(losses, reference)
+
+
+def test_trainer_runs_the_guard_on_its_batches(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from fxmem.bench import coverage
+    model, batch = coverage.build(coverage.get_family("llama"))  # B past init, real text: 1-bit codes bend it
+    rows = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids} for ids in batch["input_ids"]]
+    backend = fxmem.compile_(model, preset="hyclora-4bit", bits=1, qkv_bits=None, linear_input_bits=None,
+                             guard_cosine=0.99, guard_every=2)
+    args = TrainingArguments(output_dir=str(tmp_path / "guarded"), **TRAINING)
+    _losses(Trainer(model=model, args=args, train_dataset=rows * 4))
+    assert [(c.forward, c.tokens) for c in backend.guard_checks] == [(1, 64), (3, 64)]
+    assert backend.guard_checks[0].cosine_before < 0.9 and backend.guard_checks[0].demotions
+    assert all(c.met for c in backend.guard_checks)
+    assert {key for region in backend.regions for key in region.demoted} == set(backend.demotions)

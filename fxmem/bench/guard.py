@@ -96,25 +96,37 @@ class GuardCost:
     peak_unguarded: int
 
     @property
-    def guard_seconds(self) -> float:
-        return sum(c.seconds for c in self.checks)
+    def first_check_seconds(self) -> float:
+        return self.checks[0].seconds
 
     @property
-    def amortized(self) -> float:
-        """The guard's checks over the steps' time without them: what it adds to a step, amortized."""
-        return self.guard_seconds / (statistics.median(self.unguarded_seconds) * self.steps)
+    def recheck_seconds(self) -> float:
+        """The median re-check (0 where none ran)."""
+        return statistics.median([c.seconds for c in self.checks[1:]]) if len(self.checks) > 1 else 0.0
+
+    @property
+    def step_seconds_unguarded(self) -> float:
+        return statistics.median(self.unguarded_seconds)
+
+    def amortized(self, steps: int = 1000, every: int | None = None, *, first: bool = True) -> float:
+        """The guard's checks over ``steps`` steps' time without them, re-checked every ``every`` (this run's by
+        default): its first check included or (``first=False``) the re-checks alone."""
+        every = every or self.every
+        seconds = (self.first_check_seconds if first else 0.0) + (steps - 1) // every * self.recheck_seconds
+        return seconds / (self.step_seconds_unguarded * steps)
 
     @property
     def unchecked_step_ratio(self) -> float:
         """The guarded model's median step without a check over the unguarded one's: the mended plan's own cost."""
         checked = {c.forward - 1 for c in self.checks}
         unchecked = [s for i, s in enumerate(self.step_seconds) if i not in checked]
-        return statistics.median(unchecked) / statistics.median(self.unguarded_seconds)
+        return statistics.median(unchecked) / self.step_seconds_unguarded
 
     def to_dict(self) -> dict[str, Any]:
-        return {**{k: v for k, v in vars(self).items() if k != "checks"}, "guard_seconds": self.guard_seconds,
-                "amortized": self.amortized, "unchecked_step_ratio": self.unchecked_step_ratio,
-                "checks": [c.to_dict() for c in self.checks]}
+        return {**{k: v for k, v in vars(self).items() if k != "checks"},
+                "first_check_seconds": self.first_check_seconds, "recheck_seconds": self.recheck_seconds,
+                "amortized_1000": self.amortized(), "rechecks_amortized_1000": self.amortized(first=False),
+                "unchecked_step_ratio": self.unchecked_step_ratio, "checks": [c.to_dict() for c in self.checks]}
 
 
 def cost(workload: Workload, preset: str = "hyclora-4bit", *, steps: int = 200, every: int = 100,
