@@ -100,9 +100,9 @@ def test_a_guarded_config_compiled_without_compile_says_no_check_ran():
     model, batch = llama()
     backend = fxmem.Backend(Config.from_preset("hyclora-4bit"), lowering="eager")
     torch.compile(model, backend=backend)(**batch).loss.backward()
-    assert backend.report().guard_notes() == [
+    assert backend.report().guard_notes() == [(
         "guard: no check ran; it runs through fxmem.compile_ (and fxmem.inspect): torch.compile(model, backend=...) "
-        "hands fxmem graphs, not the batch it checks on"]
+        "hands fxmem graphs, not the batch it checks on")]
 
 
 def test_without_the_guard_nothing_is_checked():
