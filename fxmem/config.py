@@ -144,10 +144,11 @@ class Config:
         Unsloth do in training), so that chunk_loss applies to a model that returns them, such as every HF
         ``...ForCausalLM``; True keeps them, and such a loss is left whole.
     guard: check the plan on the training batch and mend it (fxmem/guard.py; ``fxmem.compile_`` runs it): at the
-        first training forward, after each recompile and every ``guard_every`` forwards, a slice of the batch (its
+        first training forward, after each recompile (not under torch.distributed) and every ``guard_every`` forwards, a slice of the batch (its
         first tokens) runs eagerly and under the plan, and every trainable gradient is compared. Where the worst
-        cosine is below ``guard_cosine``, each compressed tensor's effect alone is measured (as
-        ``fxmem.check_fidelity`` does) and the worst are demoted, one notch at a time (more bits, then exact; the
+        cosine is below ``guard_cosine``, each layer's compressed tensors, then each tensor of the worst layers, are
+        measured alone (as ``fxmem.check_fidelity`` does) and the worst demoted, one notch at a time (more bits, then
+        exact; the
         planner then weighs a replay or a recomputation against the new bytes), until the slice's worst cosine is
         within half the bound's distance from 1 (the slice is a sample of the batch). The report and ``inspect``
         list what was demoted, with the cosines before and after. On in the lossy presets.

@@ -4,14 +4,16 @@ A preset's error depends on the model and the data: its published bound comes fr
 user's. So, on a slice of the training batch (its first tokens), the guard compares every trainable gradient under
 the plan with eager's, as ``fxmem.check_fidelity`` does. Where the worst cosine is below ``Config.guard_cosine``
 (with a margin: the slice is a sample, SLICE_MARGIN), it
-measures each compressed tensor alone (the rest exact, through fidelity probes: one forward, a backward per tensor)
-and demotes the ones that break it alone, or else the worst one, by a notch (the planner's
+measures each layer's compressed tensors alone, then each tensor of the layers that miss it alone (the rest exact,
+through fidelity probes: one forward, a backward per layer and per tensor tried), and demotes the tensors that miss
+it alone, or else the worst one, by a notch (the planner's
 ``less_lossy``: more bits, then exact; a replay or a recomputation where the cost model finds one within the new
 bytes), then checks again, until the bound is met or nothing lossy is left.
 
 The slice bounds the guard's memory: eager's activations for an eighth of the tokens, beside the plan's for the
 same slice with its exact copies. Its compiles run fxmem's graphs without code generation (lowering="eager"), on a
-function of their own, so that dynamo's cache for the training model is not touched. Under torch.distributed
+function of their own, so that dynamo's cache for the training model's top frame is not touched (frames after a
+graph break share theirs). Under torch.distributed
 every rank measures its own slice and the ranks take the worst figure of each, so that they demote the same.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -72,7 +75,7 @@ class GuardCheck:
 
     @property
     def met(self) -> bool:
-        return self.cosine_after >= self.bound
+        return not self.note and self.cosine_after >= self.bound
 
     def to_dict(self) -> dict[str, Any]:
         return {**{k: v for k, v in vars(self).items() if k != "demotions"}, "met": self.met,
@@ -98,35 +101,42 @@ class _Round:
 
 def check_plan(model: torch.nn.Module, batch: Mapping[str, Any], config: Config, demotions: dict[str, int], *,
                forward: int = 1, why: str = "first forward", loss: Callable[[Any], torch.Tensor] | None = None,
-               compiled: dict[tuple, Callable] | None = None) -> GuardCheck:
-    """Check ``config``'s plan (with ``demotions``, updated in place) on a slice of ``batch`` and demote until
-    ``config.guard_cosine`` is met with SLICE_MARGIN. The model's gradients (``.grad``) and the global RNG are left as they were.
-    ``compiled``: the last plan's probed compile, by its demotions, kept there for the next check (a re-check of
-    an unchanged plan compiles nothing)."""
-    compiled = {} if compiled is None else compiled
+               probed: dict[tuple, tuple[Backend, Callable]] | None = None) -> GuardCheck:
+    """Check ``config``'s plan (with ``demotions``) on a slice of ``batch`` and demote until ``config.guard_cosine``
+    is met with SLICE_MARGIN; ``demotions`` is updated only where the check ran to its end. The model's gradients
+    (``.grad``) and the global RNG are left as they were. ``probed``: the last plan's probed compile, by its
+    demotions and the slice's shapes, kept there for the next check (a re-check of an unchanged plan compiles
+    nothing). A check that cannot compare (no supervised token in the slice, no nonzero gradient, a loss that is not
+    finite) returns with a note and demotes nothing."""
+    probed = {} if probed is None else probed
     start = time.perf_counter()
     loss = loss or output_loss
     sliced, tokens = slice_batch(batch)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    with _rng_kept(), prepared_for(model, config):
+    trial = dict(demotions)
+    with _rng_kept(), prepared_for(model, config), torch.enable_grad():
         reference = _gradients(lambda: loss(model._call_impl(**sliced)), params)
         compared = {name: g for name, g in reference.items() if g.any()}
-        if not compared:
-            return GuardCheck(forward, why, tokens, config.guard_cosine, 1.0, 1.0, "", seconds=0.0,
-                              note="no trainable gradient is nonzero on the batch: nothing to compare")
+        finite = all(bool(g.isfinite().all()) for g in compared.values())
+        [comparable] = _agreed([float(bool(compared) and finite)])  # every rank goes on, or none
+        if not comparable:
+            return GuardCheck(forward, why, tokens, config.guard_cosine, 0.0, 0.0, "",
+                              seconds=time.perf_counter() - start,
+                              note="not checked: no nonzero, finite gradient on the slice (labels all ignored "
+                                   "there, or a loss that is not finite)")
         target = 1 - (1 - config.guard_cosine) * SLICE_MARGIN
-        first = measured = _measure(model, sliced, config, demotions, compared, params, loss, compiled, target)
-        before_plans = dict(first.plans)
+        first = measured = _measure(model, sliced, config, trial, compared, params, loss, probed, target)
         demoted: dict[str, float] = {}
         for _ in range(MAX_ROUNDS):
             if measured.cosine >= target or not measured.alone:
                 break
             below = [a for a in measured.alone if a[0] < target] or measured.alone[:1]
             for cosine, key, _ in below:
-                demotions[key] = demotions.get(key, 0) + 1
+                trial[key] = trial.get(key, 0) + 1
                 demoted.setdefault(key, cosine)
-            measured = _measure(model, sliced, config, demotions, compared, params, loss, compiled, target)
-    after = [Demotion(key, before_plans[key], measured.plans.get(key, "no longer saved as such: the plan around it changed"), cosine)
+            measured = _measure(model, sliced, config, trial, compared, params, loss, probed, target)
+    demotions.update(trial)
+    after = [Demotion(key, first.plans.get(key, "?"), measured.plans.get(key, "no longer saved as such"), cosine)
              for key, cosine in demoted.items()]
     return GuardCheck(forward, why, tokens, config.guard_cosine, first.cosine, measured.cosine,
                       measured.worst_parameter, tuple(after), time.perf_counter() - start)
@@ -141,19 +151,23 @@ def slice_batch(batch: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
         raise ValueError("the guard slices the batch's tokens: it needs a batch of keyword tensors of (rows, tokens)"
                          ", such as input_ids and labels")
     length = (ids if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else tensors[0]).shape[1]
-    tokens = min(length, max(MIN_SLICE_TOKENS, length // SLICE_SHARE))
+    # under torch.distributed the ranks' rows may differ in length: every rank slices the shortest's count
+    [tokens] = _agreed([min(length, max(MIN_SLICE_TOKENS, length // SLICE_SHARE))])
+    tokens = int(tokens)
     return {k: v[:, :tokens] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length else v
             for k, v in batch.items()}, tokens
 
 
 def _measure(model: torch.nn.Module, sliced: dict[str, Any], config: Config, demotions: dict[str, int],
              reference: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter],
-             loss: Callable[[Any], torch.Tensor], cache: dict[tuple, Any], target: float) -> _Round:
+             loss: Callable[[Any], torch.Tensor], cache: dict[tuple, tuple[Backend, Callable]], target: float
+             ) -> _Round:
     """One compile of the plan with fidelity probes (``cache``'s where it has this plan), one forward, a backward with
     everything compressed, and, where that is below ``target``, one with each layer's tensors alone compressed (the
     rest exact), then one with each tensor alone of the layers below it (or of the worst layer); the ranks' figures
     agreed."""
-    plan = tuple(sorted(demotions.items()))
+    shapes = tuple((k, tuple(v.shape)) for k, v in sliced.items() if isinstance(v, torch.Tensor))
+    plan = (tuple(sorted(demotions.items())), shapes)
     if plan not in cache:
         cache.clear()
         # offload moves the same bytes and back (its copies are not probed), and a diagnostic compile's fallback
@@ -228,7 +242,7 @@ def _worst(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | N
 
 def _agreed(values: list[float]) -> list[float]:
     """Each figure the worst over the ranks (torch.distributed), so that every rank demotes the same."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if not _distributed():
         return values
     device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
@@ -246,8 +260,9 @@ def _rng_kept() -> Iterator[None]:
 
 class GuardedCall:
     """The guard in a training loop: wraps a model's compiled call (``fxmem.compile_``), and checks the plan before
-    the first training forward, before the next after a recompile, and every ``guard_every`` training forwards. A
-    demotion made once the model has compiled recompiles it, and warns."""
+    the first training forward, before the next after a recompile of a training graph (not under torch.distributed,
+    where one rank's recompile is its own and every rank must check at the same forwards), and every
+    ``guard_every`` training forwards. A demotion made once the model has compiled recompiles it, and warns."""
 
     def __init__(self, model: torch.nn.Module, backend: Backend) -> None:
         self.model = model
@@ -255,9 +270,10 @@ class GuardedCall:
         self.compiled = model._compiled_call_impl
         self.forwards = 0  # training forwards so far
         self.last_check: int | None = None
-        self.regions_seen = 0
+        self.trained_regions = 0  # the training regions compiled when the last training forward returned
         self.recompiled = False
-        self.probed: dict[tuple, Callable] = {}  # the last check's compile (check_plan)
+        self.recompiling = False  # the guard's own recompile, checked already: not one to check again
+        self.probed: dict[tuple, tuple[Backend, Callable]] = {}  # the last check's compile (check_plan)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         training = self.model.training and torch.is_grad_enabled()
@@ -265,51 +281,70 @@ class GuardedCall:
             self.forwards += 1
             why = self._due()
             if why is not None:
-                self._check(kwargs, why)
+                self._check(args, kwargs, why)
         output = self.compiled(*args, **kwargs)
         if training:
-            self.recompiled = self.recompiled or (self.regions_seen > 0 and len(self.backend.regions) > self.regions_seen)
-            self.regions_seen = len(self.backend.regions)
+            trained = sum(r.kind == "training" for r in self.backend.regions)
+            grew = 0 < self.trained_regions < trained
+            self.recompiled = self.recompiled or (grew and not self.recompiling)
+            self.recompiling = self.recompiling and not grew
+            self.trained_regions = trained
         return output
 
     def _due(self) -> str | None:
         every = self.backend.config.guard_every
         if self.last_check is None:
             return "first forward"
-        if self.recompiled:
+        if self.recompiled and not _distributed():
             return "after a recompile"
         if every is not None and self.forwards - self.last_check >= every:
             return f"every {every} forwards"
         return None
 
-    def _check(self, batch: Mapping[str, Any], why: str) -> None:
+    def _check(self, args: tuple, kwargs: dict[str, Any], why: str) -> None:
         self.last_check, self.recompiled = self.forwards, False
         config = self.backend.config
         before = dict(self.backend.demotions)
         try:
-            check = check_plan(self.model, batch, config, self.backend.demotions, forward=self.forwards, why=why,
-                               compiled=self.probed)
+            check = check_plan(self.model, _keywords(self.model, args, kwargs), config, self.backend.demotions, forward=self.forwards, why=why,
+                               probed=self.probed)
         except FallbackError:
             raise
         except Exception as error:  # noqa: BLE001 - a batch it cannot slice, an output without a loss, a failed
             # compile: the step runs as planned, and the report and a warning (strict mode: an error) say so
-            check = GuardCheck(self.forwards, why, 0, config.guard_cosine, 1.0, 1.0, "",
+            check = GuardCheck(self.forwards, why, 0, config.guard_cosine, 0.0, 0.0, "",
                                note=f"not checked: {type(error).__name__}: {error}")
-            self.backend.guard_checks.append(check)
+        self.backend.guard_checks.append(check)
+        if check.note:
             fall_back(f"fxmem {check.summary()}", config, stacklevel=3)
             return
-        self.backend.guard_checks.append(check)
         if not check.met:
             fall_back(f"fxmem guard: the worst gradient cosine stays {check.cosine_after:.4f} below the bound "
-                      f"{check.bound} with every compressed tensor demoted it could be ({check.worst_parameter})",
-                      config, stacklevel=3)
-        if self.backend.demotions != before and self.regions_seen:
+                      f"{check.bound} after {len(check.demotions)} demotion(s) ({check.worst_parameter}): every "
+                      "compressed tensor demoted as far as it goes, or the rounds spent", config, stacklevel=3)
+        if self.backend.demotions != before and self.trained_regions:
             warnings.warn(f"fxmem: {check.summary()}; the model compiles again with them", stacklevel=3)
             # dynamo keeps compiled code per backend object: a new callable of the same backend compiles afresh
             self.model.compile(backend=functools.partial(Backend.__call__, self.backend))
             self.compiled = self.model._compiled_call_impl
             self.model._compiled_call_impl = self
-            self.regions_seen = len(self.backend.regions)
+            self.recompiling = True
+
+
+def _keywords(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments as keywords, positional ones named by the model's forward (a PEFT model's takes
+    ``*args``: its base model's), as the guard slices and passes them."""
+    base = getattr(model, "get_base_model", None)
+    forward = base().forward if callable(base) else model.forward
+    named = [p.name for p in inspect.signature(forward).parameters.values()
+             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if len(args) > len(named):
+        raise TypeError(f"{len(args)} positional arguments, and forward names {len(named)}")
+    return {**dict(zip(named, args)), **kwargs}
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def guard(model: torch.nn.Module, backend: Backend) -> None:

@@ -39,8 +39,8 @@ class Report:
         notes = [check.summary() for check in self.guard_checks]
         if not self.guard_checks and any(r.kind == "training" and r.config.guard and r.config.compresses
                                          for r in self.regions):
-            notes.append("guard: no check ran; it runs through fxmem.compile_ (and fxmem.inspect): "
-                         "torch.compile(model, backend=...) hands fxmem graphs, not the batch it checks on")
+            notes.append("guard: no check of this plan ran (the guard checks training batches through fxmem.compile_ "
+                         "and fxmem.inspect; torch.compile(model, backend=...) hands fxmem graphs, not batches)")
         applied = {key for region in self.regions for key in region.demoted}
         missing = sorted({d.tensor for check in self.guard_checks for d in check.demotions} - applied)
         if missing and any(r.kind == "training" for r in self.regions):

@@ -69,6 +69,18 @@ def test_a_bent_plan_is_mended_on_the_slice_and_the_models_state_is_left_as_it_w
     assert "0.99" in check.summary() and "->" in check.summary()
 
 
+def test_demoting_q_under_an_integer_rank_ends_exact():
+    # loract keeps q, k and v at 8-bit codes: an integer rank's doubling never raises their bytes
+    model, batch = llama()
+    config = Config.from_preset("loract", lowrank=2)
+    q = next(s for s in fxmem.inspect(model, config=config, guard=False, **batch).regions[0].saved
+             if s.feeds_attention == "q")
+    backend = fxmem.Backend(config, lowering="eager", demotions={q.key: 1})
+    torch.compile(model, backend=backend)(**batch)
+    plans = {s.key: p for r in backend.regions for s, p in zip(r.saved, r.plans, strict=True)}
+    assert plans[q.key].action == "keep" and backend.regions[0].demoted == {q.key: 1}
+
+
 def test_a_plan_within_the_bound_is_left_alone():
     model, batch = llama()
     demotions = {}
@@ -101,8 +113,8 @@ def test_a_guarded_config_compiled_without_compile_says_no_check_ran():
     backend = fxmem.Backend(Config.from_preset("hyclora-4bit"), lowering="eager")
     torch.compile(model, backend=backend)(**batch).loss.backward()
     assert backend.report().guard_notes() == [(
-        "guard: no check ran; it runs through fxmem.compile_ (and fxmem.inspect): torch.compile(model, backend=...) "
-        "hands fxmem graphs, not the batch it checks on")]
+        "guard: no check of this plan ran (the guard checks training batches through fxmem.compile_ and "
+        "fxmem.inspect; torch.compile(model, backend=...) hands fxmem graphs, not batches)")]
 
 
 def test_without_the_guard_nothing_is_checked():
@@ -154,6 +166,20 @@ def test_a_batch_the_guard_cannot_check_is_noted_and_training_goes_on(lenient):
     guarded(model, strict=True)
     with pytest.raises(FallbackError, match="not checked"):
         model(input_ids=batch["input_ids"])
+    model, batch = llama()
+    backend = guarded(model)
+    masked = batch["labels"].clone()
+    masked[:, :64] = -100  # a prompt masked past the slice: no supervised token to compare on
+    with pytest.warns(FallbackWarning, match="not checked: no nonzero, finite gradient on the slice"):
+        model(input_ids=batch["input_ids"], labels=masked)
+    assert not backend.guard_checks[0].met and not backend.demotions
+
+
+def test_positional_arguments_are_checked_by_their_names():
+    model, batch = llama()
+    backend = guarded(model, **BENDING)
+    model(batch["input_ids"], labels=batch["labels"]).loss.backward()
+    assert backend.guard_checks[0].demotions and not backend.guard_checks[0].note
 
 
 def test_the_slice_is_each_rows_first_tokens():

@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(0)
         model = build_lora_model(model_config, args.lora_rank, torch.float32, device=args.device)
         batch = example_batch(model_config, args.batch or 4, args.seq or 512, args.device)
-    report = inspect_model(model, config=config, **batch)
+    # a config.json's model has random weights and an example batch: no data for the guard to check on
+    report = inspect_model(model, config=config, guard=args.model in workload_names(), **batch)
     console.print(*report.renderables(include_all=args.all))
     data = report.to_dict()
     if args.fidelity:

@@ -218,6 +218,8 @@ def _demoted_plan(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
             if demoted is None:
                 return Plan("keep", f"exact: demoted by the guard ({steps} step{'s' if steps > 1 else ''})")
             candidate = _configured_plan(owner, group, analysis, demoted, set(tables_saved), techniques)
+            if candidate.action != "lowrank" and demoted.lowrank is not None:  # factors no longer its plan: an
+                demoted = demoted.replace(lowrank=None, prenorm_sharing=True)  # integer rank would double forever
             if stored_bytes(owner, candidate) > stored_bytes(owner, plan):
                 plan = candidate
                 break
