@@ -18,6 +18,7 @@ from typing import Any
 
 from fxmem.bench.compare import MethodResult
 from fxmem.bench.context import ContextResult
+from fxmem.bench.figure import Panel, panel
 from fxmem.bench.frontier import wins
 from fxmem.config import PUBLISHED_MIN_COSINE
 from fxmem.fidelity import short_name
@@ -85,13 +86,16 @@ class Report:
 
     page: str  # docs/benchmarks.md
     history: str  # the history file
-    summary: str  # the README's block, between README_START and README_END
+    summary: str  # the page's summary
+    readme: str  # the README's block, between README_START and README_END: the figure, then the families
+    panels: tuple[Panel, ...]  # the figure's
 
 
 def build(files: Sequence[ResultFile], commits: Sequence[str], *, links_from: pathlib.Path,
-          history_path: pathlib.Path, command: str) -> Report:
+          history_path: pathlib.Path, command: str, figure_link: str = "docs/step-peak-time.png") -> Report:
     """The page of the result files of ``commits`` (links relative to ``links_from``, the page's folder), the
-    history of the others, and the README's summary. Each section says its commit: an experiment rerun at a later
+    history of the others, the page's summary and the README's block (the figure at ``figure_link`` and the
+    families). Each section says its commit: an experiment rerun at a later
     commit (a change that moves only its figures) joins the page without rerunning the others.
 
     Raises ValueError when no renderable result file has one of those commits, naming the commits that have one."""
@@ -110,31 +114,34 @@ def build(files: Sequence[ResultFile], commits: Sequence[str], *, links_from: pa
     # in the order asked, oldest first: a later commit's figures supersede an earlier one's in the summary
     commit = ", ".join(dict.fromkeys(f.commit for f in sorted(on_page, key=lambda f: rank[f.path])))
     sections = [_rendered(f) for f in on_page]
-    summary = _summary(sorted(on_page, key=lambda f: -rank[f.path]))
+    newest_first = sorted(on_page, key=lambda f: -rank[f.path])
+    summary = _summary(newest_first)
+    panels = tuple(_panels(newest_first))
     machines = sorted({f.machine for f in on_page})
     lines = ["# Benchmarks", "",
              (f"Written by `{command}` from the result files in benchmarks/results/ measured at fxmem "
              f"commit{'s' if ',' in commit else ''} {commit} (do not edit by hand: rerun the commands below, then the report). Older results: "
-             f"[{history_path.name}]({_relative(history_path, links_from)})."), "",
+             f"[{history_path.name}]({relative_link(history_path, links_from)})."), "",
              f"Machine{'s' if len(machines) > 1 else ''}: {'; '.join(machines)}.", "", *_HOW_TO_READ, "",
              "## Summary", "", *summary, ""]
     for file, section in zip(on_page, sections, strict=True):
         lines += [f"## {RENDERERS[file.kind].title(file)}", "", f"Command: `{file.command}`", "",
                   (f"{file.date}, {file.machine}, fxmem at {file.commit}; results: "
-                  f"[{file.path.name}]({_relative(file.path, links_from)})."), "",
+                  f"[{file.path.name}]({relative_link(file.path, links_from)})."), "",
                   *section, ""]
     history = ["# Benchmark history", "",
                (f"Every result file in benchmarks/results/ not on the current page ([benchmarks.md]"
-               f"({_relative(links_from / 'benchmarks.md', history_path.parent)}), commit{'s' if ',' in commit else ''} "
+               f"({relative_link(links_from / 'benchmarks.md', history_path.parent)}), commit{'s' if ',' in commit else ''} "
                f"{commit}), newest first, "
                "with the command that wrote it and where and when it ran. A commit with '+' ran with uncommitted "
                "changes. The pages written by hand before the report, with the tables of these runs and what each "
                "change was for, are beside this file."), "",
                *_table(("file", "date", "commit", "machine", "command"),
-                       [[f"[{f.path.name}]({_relative(f.path, history_path.parent)})", f.date, f.commit, f.machine,
+                       [[f"[{f.path.name}]({relative_link(f.path, history_path.parent)})", f.date, f.commit, f.machine,
                          f"`{f.command}`" if f.command else "(not recorded)"] for f in _newest_first(files, on_page)])]
     return Report(page="\n".join(lines).rstrip() + "\n", history="\n".join(history).rstrip() + "\n",
-                  summary="\n".join(summary))
+                  summary="\n".join(summary), readme="\n".join(_readme_block(newest_first, panels, figure_link)),
+                  panels=panels)
 
 
 def _same_commit(recorded: str, asked: str) -> bool:
@@ -159,7 +166,7 @@ def _rendered(file: ResultFile) -> list[str]:
 
 
 def with_summary(readme: str, summary: str) -> str:
-    """``readme`` with the text between its two report markers replaced by ``summary``."""
+    """``readme`` with the text between its two report markers replaced by ``summary`` (the README's block)."""
     start, end = readme.find(README_START), readme.find(README_END)
     if start < 0 or end < start:
         raise ValueError(f"the README has no block to write: add the lines {README_START!r} and {README_END!r} "
@@ -181,7 +188,8 @@ _HOW_TO_READ = [
     "exact method, held to none).")]
 
 
-def _relative(path: pathlib.Path, start: pathlib.Path) -> str:
+def relative_link(path: pathlib.Path, start: pathlib.Path) -> str:
+    """``path`` as a markdown link from the folder ``start``."""
     return pathlib.Path(os.path.relpath(path.resolve(), start.resolve())).as_posix()
 
 
@@ -278,17 +286,12 @@ def _summary(files: Sequence[ResultFile]) -> list[str]:
     summarized from the newest; the page keeps each file's section."""
     rows = []
     summarized: set[tuple[str, ...]] = set()
-    for file in (f for f in files if f.kind == "compare"):
-        for workload, results in _by_workload(_method_results(file)).items():
-            ours = next((r for r in results if r.method == "fxmem"), None)
-            if ours is None or ("compare", workload, file.data.get("preset", "exact")) in summarized:
-                continue
-            summarized.add(("compare", workload, file.data.get("preset", "exact")))
-            time = claim if ours.meets_fidelity_bound else _no_claim
-            rows += [[workload, file.data.get("preset", "exact"),
-                      f"{_cosine(ours)} ({_bound(ours)}), {_compared(ours)} gradients", _label(theirs),
-                      f"{ours.peak_bytes / theirs.peak_bytes:.2f}x", time(ours, theirs)]
-                     for theirs in results if theirs is not ours]
+    for workload, preset, results in _newest_compares(files):
+        ours = next(r for r in results if r.method == "fxmem")
+        time = claim if ours.meets_fidelity_bound else _no_claim
+        rows += [[workload, preset, f"{_cosine(ours)} ({_bound(ours)}), {_compared(ours)} gradients", _label(theirs),
+                  f"{ours.peak_bytes / theirs.peak_bytes:.2f}x", time(ours, theirs)]
+                 for theirs in results if theirs is not ours]
     lines = _table(("workload", "fxmem preset", "fxmem's min grad cos (published bound)", "against",
                     "step peak: fxmem / theirs", "step time: fxmem / theirs"), rows) if rows else [
         "(no compare table at this commit)"]
@@ -308,6 +311,40 @@ def _summary(files: Sequence[ResultFile]) -> list[str]:
         lines += ["", *context]
     if families := _coverage_summary(files):
         lines += ["", *families]
+    return lines
+
+
+def _newest_compares(files: Sequence[ResultFile]) -> list[tuple[str, str, list[MethodResult]]]:
+    """(workload, preset, results) of every compare table with an fxmem row, each workload and preset from the
+    newest file (``files`` newest first) that measured it."""
+    found: dict[tuple[str, str], list[MethodResult]] = {}
+    for file in (f for f in files if f.kind == "compare"):
+        preset = file.data.get("preset", "exact")
+        for workload, results in _by_workload(_method_results(file)).items():
+            if any(r.method == "fxmem" for r in results):
+                found.setdefault((workload, preset), results)
+    return [(workload, preset, results) for (workload, preset), results in found.items()]
+
+
+def _panels(files: Sequence[ResultFile]) -> list[Panel]:
+    return [p for workload, preset, results in _newest_compares(files)
+            if (p := panel(workload, preset, results, _label)) is not None]
+
+
+def _readme_block(files: Sequence[ResultFile], panels: Sequence[Panel], figure_link: str) -> list[str]:
+    """The README's figures: the step-peak/step-time figure, then every family's worst cosine and bytes."""
+    lines = []
+    if panels:
+        lines += [f"![Step peak against step time of every method, as ratios to torch.compile's]({figure_link})", "",
+                  ("Every method of `fxmem bench compare` on "
+                   f"{', '.join(p.workload for p in panels)} (LoRA on every linear, B past init, real text), in one "
+                   "process with interleaved rounds; both axes are ratios to torch.compile's; fxmem's worst gradient "
+                   "cosine against eager is in each title. The tables: [docs/benchmarks.md](docs/benchmarks.md)."),
+                  ""]
+    if families := _coverage_summary(files):
+        lines += [("Supported families (`fxmem bench coverage`: a tiny config of each, LoRA on every linear, B past "
+                   "init, real text). Each cell: the worst LoRA-gradient cosine against eager PEFT, then eager's "
+                   "saved bytes over fxmem's; (missed): below the preset's published bound."), "", *families]
     return lines
 
 
@@ -492,24 +529,20 @@ def _coverage(file: ResultFile) -> list[str]:
 
 
 def _coverage_summary(files: Sequence[ResultFile]) -> list[str]:
-    """The lossy presets on every family: worst cosine and fewer saved bytes, per dtype; a family's row from the
-    newest file (``files`` newest first), and from an older one only where that measured a cell the newer did not."""
-    lines: list[str] = []
-    shown: set[tuple[str, str, str]] = set()  # (family, dtype, preset) cells a newer file gave
+    """The lossy presets on every family, one table: worst cosine and fewer saved bytes, per dtype. Each cell from
+    the newest file that measured it (``files`` newest first); families in the order the newest file ran them."""
+    cells: dict[tuple[str, str, str], dict[str, Any]] = {}  # (family, preset, dtype)
     for file in (f for f in files if f.kind == "coverage"):
-        _, grid = _coverage_grid(file)
-        dtypes = list(dict.fromkeys(dtype for _, dtype in grid))
-        columns = [(p, d) for d in dtypes for p in LOSSY_PRESETS if any(p in v for (_, dt), v in grid.items()
-                                                                       if dt == d)]
-        cells = {(family, d, p) for (family, d), results in grid.items() for p in results if p in LOSSY_PRESETS}
-        families = [family for family in dict.fromkeys(family for family, _ in grid)
-                    if {c for c in cells if c[0] == family} - shown]
-        shown |= cells
-        rows = [[family, *(_coverage_cell(grid.get((family, d), {}).get(p)) for p, d in columns)]
-                for family in families]
-        if rows:
-            lines += [*([""] if lines else []), *_table(("family", *(f"{p}, {d}" for p, d in columns)), rows)]
-    return lines
+        for r in file.results:
+            if r["preset"] in LOSSY_PRESETS:
+                cells.setdefault((r["family"], r["preset"], r["dtype"]), r)
+    if not cells:
+        return []
+    dtypes = list(dict.fromkeys(d for _, _, d in cells))
+    columns = [(p, d) for d in dtypes for p in LOSSY_PRESETS if any(c[1:] == (p, d) for c in cells)]
+    families = list(dict.fromkeys(family for family, _, _ in cells))
+    return _table(("family", *(f"{p}, {d}" for p, d in columns)),
+                  [[family, *(_coverage_cell(cells.get((family, p, d))) for p, d in columns)] for family in families])
 
 
 @dataclass(frozen=True)

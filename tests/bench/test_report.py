@@ -39,8 +39,10 @@ def test_the_page_history_and_readme_summary_are_what_the_results_at_the_pages_c
     assert cli.main(["bench", "report", "--commit", *commits, "--check"]) == 0
     assert page.count("\n") <= PAGE_LIMIT
     readme = (ROOT / "README.md").read_text()
-    summary = readme[readme.index(README_START) + len(README_START):readme.index(README_END)].strip()
-    assert summary and summary in page  # every figure of the README's summary is the page's
+    block = readme[readme.index(README_START) + len(README_START):readme.index(README_END)]
+    families = [line for line in block.splitlines() if line.startswith("| ")]
+    assert families and all(line in page for line in families)  # the README's table is the page's summary's
+    assert "](docs/step-peak-time.png)" in block and (ROOT / "docs/step-peak-time.png").exists()
 
 
 def test_the_configuration_reference_describes_every_field_and_what_each_preset_sets():
@@ -210,8 +212,43 @@ def test_families_are_tabled_per_dtype_against_llamas_reduction_and_join_a_page_
                    history_path=tmp_path / "h.md", command="report")
     assert "| gemma2 | 0.9990, 11.00x |" in report.summary and "| gemma2 | 0.9900" not in report.summary
     assert "| llama | 0.9970, 8.00x |" in report.summary  # measured by the earlier commit alone
-    # a newer file of another dtype hides none of the older one's cells
+    # a newer file of another dtype hides none of the older one's cells: one table, a column per dtype
     later.data["results"] = [coverage("gemma2", "bf16", "hyclora-4bit", 0.999, 11.0)]
     report = build([compare, file, later], ["abc1234", "def5678", "0123abc"], links_from=tmp_path,
                    history_path=tmp_path / "h.md", command="report")
-    assert "| gemma2 | 0.9990, 11.00x |" in report.summary and "| gemma2 | 0.9900 (missed), 6.00x |" in report.summary
+    table = ["| family | hyclora-4bit, bf16 | hyclora-4bit, fp32 |", "|---|---|---|",
+             "| gemma2 | 0.9990, 11.00x | 0.9900 (missed), 6.00x |", "| llama | — | 0.9970, 8.00x |"]
+    assert "\n".join(table) in report.summary and "\n".join(table) in report.readme
+
+
+def test_the_figure_plots_every_method_against_torch_compile_and_check_finds_it_stale(tmp_path, monkeypatch):
+    from fxmem.bench.figure import digest, recorded_digest
+
+    results = [result("compile", [1.0, 1.0, 1.0], peak=200), result("eager", [1.2, 1.3, 1.1], peak=220),
+               result("fxmem", [1.1, 1.2, 1.15], peak=50, cosine=0.999, bound=0.995)]
+    folder = tmp_path / "results"
+    folder.mkdir()
+    result_file(folder, "compare.json", "fxmem bench compare --workloads llama-tiny", "abcdef1", results,
+                preset="hyclora-4bit")
+    report = build([ResultFile(folder / "compare.json", json.loads((folder / "compare.json").read_text()))],
+                   ["abcdef1"], links_from=tmp_path, history_path=tmp_path / "history.md", command="report")
+    (panel,) = report.panels
+    assert [(p.label, p.peak, p.time, p.time_low, p.time_high, p.is_fxmem) for p in panel.points] == [
+        ("compile", 1.0, 1.0, 1.0, 1.0, False), ("eager", 1.1, 1.2, 1.1, 1.3, False),
+        ("fxmem", 0.25, 1.15, 1.1, 1.2, True)]
+    assert panel.title == "llama-tiny: fxmem hyclora-4bit, worst grad cos 0.9990 over 56 gradients (bound 0.995)"
+    assert report.readme.startswith("![Step peak against step time")
+    readme, figure = tmp_path / "README.md", tmp_path / "figure.png"
+    readme.write_text(f"{README_START}\n{README_END}\n")
+    arguments = ["bench", "report", "--commit", "abcdef1", "--results", str(folder), "--page", str(tmp_path / "b.md"),
+                 "--history", str(tmp_path / "h.md"), "--readme", str(readme), "--config-reference",
+                 str(tmp_path / "c.md"), "--figure", str(figure)]
+    assert cli.main(arguments) == 0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and recorded_digest(figure) == digest(report.panels)
+    assert "![Step peak against step time of every method, as ratios to torch.compile's](figure.png)" in (
+        readme.read_text())
+    assert cli.main([*arguments, "--check"]) == 0
+    results[2].peak_bytes = 60  # a new result: the figure no longer plots it
+    result_file(folder, "compare.json", "fxmem bench compare --workloads llama-tiny", "abcdef1", results,
+                preset="hyclora-4bit")
+    assert cli.main([*arguments, "--check"]) == 1

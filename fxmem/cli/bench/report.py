@@ -23,23 +23,28 @@ def add_parser(experiments: argparse._SubParsersAction) -> None:
     parser.add_argument("--history", type=pathlib.Path, default=pathlib.Path("docs/history/results.md"))
     parser.add_argument("--readme", type=pathlib.Path, default=pathlib.Path("README.md"))
     parser.add_argument("--config-reference", type=pathlib.Path, default=pathlib.Path("docs/config.md"))
+    parser.add_argument("--figure", type=pathlib.Path, default=pathlib.Path("docs/step-peak-time.png"),
+                        help="the README's figure: step peak against step time of every method, per workload")
     parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if the page, the history, the README's summary or the "
-                             "configuration's reference differ from what the results and the code make")
+                        help="write nothing; exit 1 if the page, the history, the README's block, its figure "
+                             "(by the figures it plots) or the configuration's reference differ from what the "
+                             "results and the code make")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from fxmem.bench.config_reference import config_reference
-    from fxmem.bench.report import PAGE_LIMIT, build, load_results, with_summary
+    from fxmem.bench.figure import digest, draw, recorded_digest
+    from fxmem.bench.report import PAGE_LIMIT, build, load_results, relative_link, with_summary
 
     if not args.results.is_dir():
         console.print(f"[red]--results {args.results}: no such folder[/red]")
         return 2
     try:
         report = build(load_results(args.results), args.commit, links_from=args.page.parent,
-                       history_path=args.history, command=f"fxmem bench report --commit {' '.join(args.commit)}")
-        readme = with_summary(args.readme.read_text(), report.summary)
+                       history_path=args.history, command=f"fxmem bench report --commit {' '.join(args.commit)}",
+                       figure_link=relative_link(args.figure, args.readme.parent))
+        readme = with_summary(args.readme.read_text(), report.readme)
     except (ValueError, OSError) as error:
         console.print(f"[red]{error}[/red]")
         return 2
@@ -50,12 +55,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     outputs = {args.page: report.page, args.history: report.history, args.readme: readme,
                args.config_reference: config_reference()}
+    figure_stale = bool(report.panels) and recorded_digest(args.figure) != digest(report.panels)
     if args.check:
         stale = [str(path) for path, text in outputs.items() if not path.exists() or path.read_text() != text]
+        stale += [str(args.figure)] if figure_stale else []
         for path in stale:
             console.print(f"{path} differs from what the results at {', '.join(args.commit)} and the code make")
         return 1 if stale else 0
     for path, text in outputs.items():
         path.write_text(text)
         console.print(f"wrote {path}")
+    if figure_stale:  # drawn only when its figures change: the PNG's pixels vary with matplotlib's version
+        draw(report.panels, args.figure)
+        console.print(f"wrote {args.figure}")
     return 0
