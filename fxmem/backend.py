@@ -360,9 +360,9 @@ def _lower_or_run_as_is(region: Region) -> Callable:
 
 
 def _fx_sources() -> set[str]:
-    """The names of the generated sources torch.fx keeps, for tracebacks, of every GraphModule it ever compiled
-    (about 25 KiB each). torch never frees them, and fxmem's passes and partition recompile some twenty graphs a
-    region, where torch.compile alone makes two: 0.56 MiB a compile of a one-layer Llama, measured."""
+    """The names of the generated sources torch.fx keeps, for tracebacks, of every GraphModule it ever compiled.
+    torch never frees them, and fxmem's passes and partition recompile many graphs a region where torch.compile
+    alone makes two, so they would add up with every compile (measured: docs/recipes.md)."""
     return set(fx_source_loader.eval_cache)
 
 

@@ -61,8 +61,7 @@ class Config:
         8 bits or more), and the norm's input is not rebuilt.
     fused_epilogue: with ``lora_reorder``, on CUDA, run each rebuilt LoRA output's SwiGLU or GELU (forward and
         backward) in fxmem's hand-written Triton kernel (kernels/lora_epilogue.py) instead of inductor's code. Off by
-        default: on an H200 (llama-small, bf16, hyclora-4bit) the step took 1.76x torch.compile's with the kernels
-        and 1.54x with inductor's code (benchmarks/cuda_check.py, docs/gpu.md).
+        default: on a GPU the step ran slower with the kernels than with inductor's code (measured: docs/gpu.md).
     intra: quantize every saved activation whose role allows it (HyC-LoRA's intra-operator compression);
         False quantizes only the X W that lora_reorder saves (needs lora_reorder).
     lowrank: low-rank saved activations, as a ratio of the last dimension in (0, 1)
@@ -113,7 +112,7 @@ class Config:
         rebuilt from its output's codes: more saved bytes unless blocks are checkpointed (block_checkpoint), where
         nothing inside a block is saved. "auto": as ``linear_chunk``'s. None (every preset) is off.
     block_checkpoint: checkpoint every repeated block (``model.layers.N``) from its output: only the residual
-        stream between blocks is saved (at no fewer than 8 bits under a quantizing preset), and backward recomputes
+        stream between blocks is saved (at 8 bits under a quantizing preset, or ``block_input_bits``), and backward recomputes
         each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
         with ``mlp_chunk`` the recomputed block holds one chunk of its MLP at a time. A block's dropout drawn from
         inductor's per-step seeds (LoRA's, hidden states', an eager attention's) is drawn again with the same
@@ -328,9 +327,9 @@ def _check_fraction(name: str, value: Any, *, low_open: bool, high: float, high_
 
 
 # The worst LoRA-gradient cosine against eager each preset is published at (README): a benchmark point of the
-# preset wins nothing below it, and the lossy presets' guard holds it. hyclora: llama-pretrained over 200 steps
-# (0.995, 0.993); loract: its lowest real-text figure, llama-pretrained (0.7947); exact and runlora compute what torch
-# does, to rounding.
+# preset wins nothing below it, and the lossy presets' guard holds it. hyclora: its llama-pretrained figure over 200
+# steps; loract: its lowest real-text figure, llama-pretrained, rounded down (measured:
+# docs/history/benchmarks-2026-11-26.md); exact and runlora compute what torch does, to rounding.
 PUBLISHED_MIN_COSINE: dict[str, float] = {"exact": 0.9999, "hyclora-4bit": 0.995, "hyclora-2bit": 0.993,
                                           "loract": 0.79, "runlora": 0.9999}
 

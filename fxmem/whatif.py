@@ -458,7 +458,7 @@ def layer_scaled_activation_bytes(config: Any, *, rank: int, dtype: torch.dtype,
     """Activation bytes of the whole model, with the fallbacks and region notes of every trace, and how they were
     found.
 
-    Tracing costs time linear in the depth (about 2 s a llama-7b block on two CPU cores), so a deep model is
+    Tracing costs time linear in the depth (seconds a block at llama-7b's width on a CPU), so a deep model is
     traced at ``SCALING_DEPTHS`` blocks, and one block more at a time up to ``MAX_SCALING_DEPTH``: when two
     consecutive steps add the same bytes, saved and transient, the blocks save alike and each total is the deepest
     trace plus that step per further block (whatever a block adds to backward's peak: the LoRA gradients of every

@@ -2,8 +2,8 @@
 
 Under torch.compile, HF transformers builds the whole (batch, 1, tokens, tokens) boolean mask and passes it to
 SDPA, which saves it for backward: its check that would pass ``is_causal=True`` instead reads values, so it is
-skipped while tracing. At long context that mask outgrows everything else (2 bytes a token pair in bf16 where a
-kernel converts it; 110 GiB as bool at 342,733 tokens). Its values depend on no input of the graph, only on
+skipped while tracing. At long context that mask outgrows everything else (a byte a token pair as bool, 2 in bf16
+where a kernel converts it: quadratic in the length). Its values depend on no input of the graph, only on
 aranges of the sequence length, so they can be read here without building it:
 
 - every tensor of its construction narrower than the mask (a vector of positions, a (batch, tokens) row of

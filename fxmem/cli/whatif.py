@@ -208,10 +208,8 @@ def _run_max_context(model: object, args: argparse.Namespace) -> int:
               "reuse, and the kernels between two library calls run as one call, as inductor runs them on this "
               "CPU, where whatif traces (a GPU launches each kernel apart; analysis/liveness.py): backward's "
               "gradients and intermediates at its peak, or forward's transients. Inductor places kernels otherwise: "
-              "under the compressing presets it holds more at once (llama-small's "
-              "hyclora-4bit with mlp_chunk=512: the measured step 1.03x the predicted at 2,048 tokens and 1.01x at "
-              "11,520, 1.29x at 2,048 without mlp_chunk; exact within 0.1% with mlp_chunk and linear_chunk, 1.9% "
-              "without; docs/long-context.md), so a compiled step reaches a shorter length; `fxmem bench context` "
+              "under the compressing presets it holds more at once, most without the chunk options (measured: "
+              "docs/long-context.md), so a compiled step reaches a shorter length; `fxmem bench context` "
               "measures real steps.")
     if args.base == "nf4":
         legend += (" With an NF4 base, the transients include the float weights dequantized at once (one weight for "

@@ -35,9 +35,9 @@ if TYPE_CHECKING:
 # on a GPU).
 MIN_AUTO_ROWS = 128
 MAX_AUTO_ROWS = 2048
-# The least cut of the predicted peak worth the chunked ops' products again: the liveness model was within a few
-# percent of measured steps with chunks, and 1.29x below one without (docs/long-context.md), so a smaller predicted
-# cut is within its error.
+# The least cut of the predicted peak worth the chunked ops' products again: the liveness model is close to measured
+# steps with chunks and well below them without (measured: docs/long-context.md), so a smaller predicted cut is within
+# its error.
 MIN_PEAK_CUT = 0.10
 
 

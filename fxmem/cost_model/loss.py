@@ -10,9 +10,8 @@ Two ways (kernels/linear_cross_entropy.py):
 - A frozen head (a LoRA fine-tune): blocks of ``BLOCK_ROWS`` tokens by ``VOCAB_CHUNK`` classes, the softmax
   accumulated online. Both products stay as thick as the whole-vocabulary ones (a 256 x hidden by hidden x 1024
   GEMM), and a block's logits, inputs and sums (about 4 MiB at hidden 1024) stay in a CPU's last-level cache.
-  On this project's CPU at 2,048 tokens, hidden 1024, vocabulary 128,256, the op took 0.97x torch.compile's
-  unfused loss (`fxmem bench loss`, docs/history/benchmarks-2026-11-26.md); other block sizes were not measured
-  in the op.
+  The op runs as fast as torch.compile's unfused loss on the CPU (measured: docs/loss.md); other block sizes were
+  not measured in the op.
   In a narrower model dtype on CUDA the rows chunks stay: the online sums take the head's second product in
   float32 (summed over the vocabulary, its roundings would add up), which a GPU runs several times slower than
   in bf16, and no GPU here has measured the trade.
@@ -61,9 +60,8 @@ def logits_bytes(tokens: int, vocab: int) -> int:
 def unfused_loss_bytes(tokens: int, vocab: int, element_size: int) -> int:
     """What a model's unfused loss holds at its peak, early in backward, when the model returns its logits (every
     HF ``...ForCausalLM``): the logits in the model's dtype, the float32 log-probabilities saved for backward and
-    the float32 gradient of the logits. Checked on llama-small, fp32, ``exact``: the step peak fell by 655 MiB
-    with the loss chunked in rows (docs/history/benchmarks-2026-11-26.md), 694 MiB with that chunked loss's own
-    39 MiB, against 750 MiB here.
+    the float32 gradient of the logits. An estimate, a little above the drop measured on a step with the loss
+    chunked (measured: docs/history/benchmarks-2026-11-26.md).
     """
     return tokens * vocab * (element_size + 2 * LOGITS_ELEMENT_SIZE)
 

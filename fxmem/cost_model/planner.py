@@ -66,15 +66,15 @@ LOWRANK_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, 
 # where gamma == 0 and amplifies the factors' error where |gamma| is small. One channel in 256, at least one.
 PRENORM_EXACT_SHARE = 1 / 256
 # Outlier values (Config.outlier_values) at this width and below. At 4 bits the clamp they come with cost more
-# than they kept: after 5 AdamW steps, minimum LoRA-gradient cosine 0.967 (llama-tiny) and 0.963 (minilm-real)
-# with them, 0.996 and 0.987 on the channel's whole range without them, as with them unclamped.
+# than they kept: clamped, the worst gradient fell; on the channel's whole range they changed nothing (measured:
+# docs/quantization.md).
 OUTLIER_VALUE_BITS = 2
 # LoRA outputs feeding these are not rebuilt below 8 bits. Without the rebuild torch saves the activation's
 # derivative (and output), which are bounded; rounding the wide-ranged input instead and replaying the
-# activation doubles the derivative's error (pretrained MiniLM's FFN at 2 bits: 0.49 against 0.23 relative
-# error; docs/quantization.md). ReLU's derivative is its saved output's sign: rebuilt from X W, every value
-# rounded across zero flips it (OPT's worst LoRA-gradient cosine 0.915 at 4 bits, 0.680 at 2; its output saved
-# instead, 0.960 and 0.959). SiLU is rebuilt: there torch saves the input, the same value the rebuild rounds.
+# activation doubles the derivative's error (measured: docs/quantization.md). ReLU's derivative is its saved
+# output's sign: rebuilt from X W, every value rounded across zero flips it, and the worst LoRA gradient fell below
+# the one with its output saved (measured: docs/quantization.md). SiLU is rebuilt: there torch saves the input, the
+# same value the rebuild rounds.
 DERIVATIVE_SAVED_ACTIVATIONS = frozenset({"gelu", "tanh", "relu"})
 REBUILD_ALL_ACTIVATIONS_BITS = 8
 # x in x * s (one s per row: an expert's output and its routing weight) is read only for s's gradient, a sum over
@@ -83,15 +83,13 @@ REBUILD_ALL_ACTIVATIONS_BITS = 8
 # exact-tier and wins over these codes
 ROW_SCALED_BITS = 4
 # Backward ops that read which saved values are positive: ReLU's backward passes the gradient where its saved output
-# is, so a small positive value rounded to zero drops its gradient. OPT with its ReLU output saved: worst
-# LoRA-gradient cosine 0.960 at 4 bits and 0.959 at 2 rounded to nearest, 0.9999 and 0.9986 kept positive
-# (fxmem bench coverage, docs/history/benchmarks-2026-11-26.md).
+# is, so a small positive value rounded to zero drops its gradient; kept positive, the mask is exact (measured with
+# fxmem bench coverage: docs/quantization.md).
 POSITIVE_MASK_BACKWARDS = frozenset({"threshold_backward"})
 # An X W that backward rebuilds by replaying its matmul (Config.rebuild_from_x) reads its x, which is then
-# stored at no fewer bits than this. On llama-pretrained at hyclora-4bit, x left at 4 bits carried its error into
-# both the replayed X W and LoRA A's gradient: worst LoRA-gradient cosine 0.969 (a prototype probe,
-# benchmarks/pretrained_fidelity.py's three batches), against 0.983 with X W stored at 4 bits; x at 8 gives 0.995
-# over 200 steps (fxmem bench ablate, docs/quantization.md).
+# stored at no fewer bits than this: x left at 4 bits carried its error into both the replayed X W and LoRA A's
+# gradient, a worse gradient than X W stored at 4 bits, where x at 8 holds the preset's bound (measured with
+# fxmem bench ablate: docs/quantization.md).
 REBUILD_SOURCE_BITS = 8
 # memory_budget's ladder: (bits, sensitivity) stages, taken in order until the region fits. Sensitivity 0 is
 # activation and product inputs and X W; 1 norm inputs; 2 linear inputs; 3 attention's q, k, v. The least
@@ -501,8 +499,8 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
     (_choices): that compression, at REBUILD_SOURCE_BITS or more where backward rebuilds something from it;
     with ``rebuild_from_x`` the experts' products replayed from what is held at REBUILD_SOURCE_BITS or more;
     recomputed element-wise from storages the config keeps exact (from a quantized one it would carry that error
-    rather than its own, which is not less: a norm's output rebuilt from its input quantized per row lost
-    q_proj's A gradient cosine from 0.995 to 0.990 on the tiny Llama); with ``rebuild_from_x`` an X W replayed from its
+    rather than its own, which is not less: a norm's output rebuilt from its input quantized per row bent q_proj's
+    A gradient more than the output's own codes did); with ``rebuild_from_x`` an X W replayed from its
     x where its codes are coarser than 8 bits; a norm's input rebuilt from its output's factors (``prenorm_sharing``)
     or, with ``rebuild_from_x``, from its output's codes at 8 bits.
 
@@ -510,12 +508,11 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
     region: among the options within the ceiling, the least error tier (_tier), then the fewest seconds per byte
     saved, then the most bytes saved; where none is within it, the fewest bytes. A storage the config keeps is not
     moved. The X W replayed from one x are weighed with x (_replayable). The bytes a rebuilt norm input adds to its
-    output, raised to 8 bits, count against no ceiling: ``rebuild_from_x`` asks for them (llama-pretrained at
-    hyclora-2bit: worst LoRA-gradient cosine 0.93 with a norm's input at 2 bits, 0.995 rebuilt from its output at 8;
-    docs/quantization.md). A storage is chosen again when a plan it reads changes (its
-    x, its norm's output) or an option raises it. ``block_offload`` then puts a checkpointed block's input in host
-    memory, as its plan stores it. A storage the guard ``demoted`` (storage -> steps) has that many steps less lossy
-    a compression configured (_demoted_plan)."""
+    output, raised to 8 bits, count against no ceiling: ``rebuild_from_x`` asks for them (at 2 bits a norm's input
+    bends the gradient far more than one rebuilt from its output at 8; measured: docs/quantization.md). A storage
+    is chosen again when a plan it reads changes (its x, its norm's output) or an option raises it.
+    ``block_offload`` then puts a checkpointed block's input in host memory, as its plan stores it. A storage the
+    guard ``demoted`` (storage -> steps) has that many steps less lossy a compression configured (_demoted_plan)."""
     demoted = demoted or {}
     configured = {storage: plan or _demoted_plan(by_storage[storage][0], by_storage[storage], analysis, config,
                                                  tables_saved, techniques, demoted.get(storage, 0))
@@ -591,8 +588,8 @@ def _replayable(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], co
     REBUILD_SOURCE_BITS add to its configured ones: the ceilings of the move (the X W and x) hold it. Against 8-bit
     codes a matmul would buy bytes the config did not ask for, at the machine's measured flops per byte. Counted so
     because a replayed product is back in backward beside the rest: without the count, hyclora-2bit with
-    qkv_bits=None on whatif's Llama-3-8B replayed GQA's narrow q, k and v, for 13% fewer saved bytes and a step
-    predicted 7% higher at 16,384 tokens (62.23 against 57.91 GiB)."""
+    qkv_bits=None on whatif's Llama-3-8B replayed GQA's narrow q, k and v, for fewer saved bytes and a higher
+    predicted peak (measured: docs/cost_model.md)."""
     if not _rebuilds_from_x(config):
         return {}
     by_source: dict[str, list[str]] = {}

@@ -6,11 +6,10 @@ freezes the per-channel scales and the outlier channels (the top
 ``outlier_ratio`` channels by L2 norm) for the rest of training ("static"; values
 outside the calibrated range are clamped). fxmem's default, "dynamic", takes both
 from every batch inside the compiled graph and needs no state at all. Fine-tuning
-moves activations: on llama-tiny at lr 1e-3 they left the calibrated range by
-20-50% two steps after calibration, clamping made the gradients diverge, and the
-loss ended 10% above the uncompressed run's; widening the frozen ranges instead
-kept the loss but let the gradient error grow from 3% to 18% over 200 steps as
-the ranges only grew.
+moves activations past the calibrated ranges within a few steps: clamping then
+made the gradients diverge and the loss end above the uncompressed run's, and
+widening the frozen ranges instead kept the loss but let the gradient error grow
+as the ranges only grew (measured: docs/quantization.md).
 
 Each statically calibrated saved tensor has a ``QuantSlot``. The compiled forward
 computes the batch's per-channel statistics (fused by inductor with the tensor's

@@ -1,10 +1,9 @@
 """fp32 matrix products through oneDNN on the CPU, for CPUs where aten's BLAS (MKL) is the slower library.
 
 aten runs a CPU fp32 ``mm`` through MKL, which on AMD CPUs takes a generic
-code path: on a 2-core AMD EPYC (Zen 4) oneDNN's AVX-512 kernels run
-llama-small's 2048 x 1024 x 1024 product in 21 ms where MKL takes 31. Both are
-plain fp32 products (no reduced-precision accumulation), so the results agree
-to float rounding. Which library is faster is a property of the machine, so
+code path, where oneDNN's AVX-512 kernels can be the faster (measured:
+docs/cost_model.md). Both are plain fp32 products (no reduced-precision
+accumulation), so the results agree to float rounding. Which library is faster is a property of the machine, so
 fxmem/cost_model/matmul_library.py measures it per shape rather than assuming
 it; this file is the product itself and its torch reference (aten's ``mm``).
 

@@ -14,7 +14,7 @@ Codes are packed in planes along each row: a row of C channels takes W = ceil(C 
 byte j holds the codes of channels j, j + W, j + 2 W, ... (8 // bits of them, the first in the lowest bits). Each
 plane is a contiguous run of channels, so packing reads every channel at an affine offset and unpacking writes
 one: inductor vectorizes both (an interleaved layout, channels 2j and 2j + 1 in byte j, made it index by j // 2
-and j % 2, and its C++ fell back to scalar loops: 10-40x slower packing, 2x slower unpacking). The arithmetic is
+and j % 2, and its C++ fell back to scalar loops; measured: docs/quantization.md). The arithmetic is
 in float32, exact for bytes: a shift by a constant is a multiplication by a power of two, which vectorizes where
 inductor's uint8 shifts do not. The fused LoRA epilogue kernels (fxmem/kernels/lora_epilogue.py) read the same
 layout.
@@ -56,15 +56,12 @@ from fxmem.choices import BITS_CHOICES
 # The grids a channel's range is fitted among, at these widths: mean +- k standard deviations for each k, and the
 # channel's whole range. Four levels over a Gaussian channel's whole range (about +-3.3 std over a thousand rows)
 # leave half its values 0.5 std or more from their level; the least-squares grid of four is near +-1.5 std.
-# Measured at 2 bits on llama-tiny (a probe batch's LoRA gradients against eager's, 4 batches, after 6 and 200
-# steps; fixed mean +- 3 std with outlier values -> fitted, outlier values kept): median relative error 6.9% ->
-# 5.3% and 15.9% -> 13.0%, mean cosine 0.989 -> 0.991 and 0.980 -> 0.986. A 1.5 std candidate lowered the median
-# error further but the worst cosine after 6 steps too (0.903 -> 0.857): a clamp is a bias along the activation
-# itself. At 4 bits the whole range stays: clamps cost gradient cosine there (docs/quantization.md).
+# Fitting lowered the LoRA gradients' error at 2 bits against a fixed mean +- 3 std. A 1.5 std candidate lowered
+# the median error further but the worst gradient too: a clamp is a bias along the activation itself. At 4 bits the
+# whole range stays: clamps cost gradient cosine there (measured: docs/quantization.md).
 FITTED_SPREADS = {1: (1.0, 1.5, 2.0), 2: (2.0, 2.5, 3.0)}
-# The fit reads every 8th row: a choice among four grids needs no more. On llama-tiny at 2 bits it then adds 1.6%
-# of torch.compile's step instead of 5%, with the same gradient errors (median 13.0% against 13.1% reading every
-# row, after 200 steps).
+# The fit reads every 8th row: a choice among four grids needs no more, and reading every row cost a larger share
+# of the step for the same gradient errors (measured: docs/quantization.md).
 FIT_ROW_STRIDE = 8
 
 
@@ -175,7 +172,7 @@ def fitted_range(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, mean: t
     """Per channel, the (low, high) of the whole range [low, high] and of mean +- k std within it (k in
     FITTED_SPREADS[bits]) whose codes have the least squared error over every FIT_ROW_STRIDE-th row's finite
     values; the first on a tie. The candidates are stacked, so inductor computes every error in one reduction
-    (materializing each candidate's element-wise errors made it five times slower)."""
+    instead of materializing each candidate's element-wise errors."""
     spreads = FITTED_SPREADS[bits]
     lows = torch.stack([low, *(torch.maximum(low, mean - k * std) for k in spreads)])  # (candidates, channels)
     highs = torch.stack([high, *(torch.minimum(high, mean + k * std) for k in spreads)])

@@ -10,10 +10,10 @@ The widening cast to the adapters' dtype (and the views around it) is tagged mus
 gradients are unchanged. Where a lossy plan follows (``Config.compresses``), x is also tagged must-save: min-cut
 never recomputes a tensor that a backward matmul reads, but through the cast it no longer sees that matmul, and
 it recomputed x from the norm's input, which the plan then stored at 4 bits. The region is then partitioned as if
-the adapters had x's dtype: on a bf16 Llama with fp32 adapters (llama3-bf16-small, hyclora-4bit) the worst LoRA
-gradient cosine went from 0.950 to 0.992, the figure of the same model with bf16 adapters (0.958 with the cast
-alone recomputed). Under exact plans min-cut's choice stands: recomputing x from what it saves anyway costs no
-bytes (llama-7b at 4 x 1024, `fxmem whatif`: 516 MiB a layer with x must-save, 365 without).
+the adapters had x's dtype: on a bf16 Llama with fp32 adapters the gradients are then those of the same model with
+bf16 adapters, where recomputing the cast alone barely moved them (measured: docs/quantization.md). Under
+exact plans min-cut's choice stands: recomputing x from what it saves anyway costs no bytes, where x must-save
+would add them.
 
 A narrowing cast (autocast running an fp32 model's LoRA in bf16) is left alone: there the copy is the smaller.
 """

@@ -5,10 +5,10 @@ Runs on the graph dynamo captured, after causal_mask (``enable_gqa`` takes no ma
 repeats the heads only where it passes one). The key and value SDPA reads and returns gradients for are then the
 model's own, n_rep times fewer bytes than the copies (torch's min-cut saved the heads before the copies already, and
 copied them again in backward: the copies and their gradients are what is gone). Exact: the same heads meet; in
-half precision the kernel sums a key's gradient over its query heads in another order (0.4% relative on a bf16
-autocast step, where eager PEFT, whose SDPA takes enable_gqa without a mask, is 0.6% from torch.compile). Applied to each
-call only where SDPA runs a fused kernel for it (flash attention; torch's other fused kernels refuse ``enable_gqa``
-and its math kernel builds the tokens x tokens scores), else the call is left as HF wrote it.
+half precision the kernel sums a key's gradient over its query heads in another order (within the difference eager
+PEFT, whose SDPA takes enable_gqa without a mask, has from torch.compile; measured: docs/long-context.md). Applied
+to each call only where SDPA runs a fused kernel for it (flash attention; torch's other fused kernels refuse
+``enable_gqa`` and its math kernel builds the tokens x tokens scores), else the call is left as HF wrote it.
 """
 
 from __future__ import annotations

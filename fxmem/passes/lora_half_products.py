@@ -2,9 +2,9 @@
 
 PEFT keeps the adapters in fp32 on a bf16 model: x is cast to fp32, and the LoRA's products (x A^T, its
 product with B, and their backward products) run as fp32 GEMMs, on a GPU's CUDA cores instead of its tensor
-cores (about 17% of torch.compile's own step at Llama-3-8B's layer shape on an H100). This pass runs each such
-product as ``mm(a.to(half), b.to(half)).to(float32)``: the operands rounded to the model's dtype (x itself where
-the operand is x's cast), the product accumulated in float32, as tensor cores accumulate, and its result rounded
+cores, a sizeable share of the step (measured: docs/gpu.md). This pass runs each such product as
+``mm(a.to(half), b.to(half)).to(float32)``: the operands rounded to the model's dtype (x itself where the operand
+is x's cast), the product accumulated in float32, as tensor cores accumulate, and its result rounded
 to the model's dtype before it is widened again, so that the graphs around it are unchanged. The adapters, their
 gradients and the optimizer's state stay fp32.
 

@@ -2,8 +2,8 @@
 
 Two recipes save such tensors, each as large as what it is built from or larger:
 - autocast over an fp32 model (``Trainer(bf16=True)``) casts every weight to bf16 before its matmul, and autograd
-  saves each bf16 copy for the input's gradient: on llama-tiny, 8.2 MiB of the 19.7 hyclora-4bit planned, more
-  than its activations;
+  saves each bf16 copy for the input's gradient, a weight's size per matmul, which can outweigh the activations
+  (measured: docs/recipes.md);
 - packed sequences (``position_ids`` restarting per document, as TRL's ``padding_free`` makes them) give attention
   a tokens x tokens float mask that transformers builds from the position ids, saved for SDPA's backward: 4 MiB at
   1,024 tokens, 64 MiB at 4,096, from a few KiB of ids.
