@@ -9,7 +9,7 @@ and every LoRA gradient of the three batches against eager's at the same weights
 batches' median relative errors, the worst parameter). `fxmem bench ablate` measures the same through training,
 where every setting's weights differ; this compares plans on identical weights. `roles` raises one role at a
 time by patching the planner's bit choice (cost_model.planner._configured_bits): a diagnostic, not an option.
-Results: docs/quantization.md, "A pretrained decoder (issue 28)".
+Results: docs/quantization.md ("Why each setting"), and in full docs/history/quantization-notes-2026-11.md.
 """
 
 import sys

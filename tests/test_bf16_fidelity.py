@@ -7,8 +7,7 @@ import pytest
 from fxmem.bench.fidelity import measure
 from tests.bench.test_fidelity import TINY_BF16
 
-# The published floors (docs/benchmarks.md, docs/quantization.md: llama3-bf16-small, 0.992 and above at the hyclora
-# presets; this model measures 0.998). loract's rank-1/8 factors of random-weight activations lose what random
+# The published floors (docs/benchmarks.md: llama3-bf16-small at the hyclora presets; this model measures 0.998). loract's rank-1/8 factors of random-weight activations lose what random
 # activations hold outside any 1/8 of their dimensions (docs/loract.md): its bar is its own figure here, 0.853 at the
 # fidelity bench's seed (0.80 to 0.88 over seeds 0-5; 0.53 while q, k and v were factored too).
 BOUNDS = {"exact": 0.9995, "runlora": 0.9995, "hyclora-4bit": 0.992, "hyclora-2bit": 0.992, "loract": 0.8}
