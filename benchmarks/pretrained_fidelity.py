@@ -8,7 +8,7 @@ mid-way through a fine-tune), three batches of its fine-tuning text. For each pl
 and every LoRA gradient of the three batches against eager's at the same weights (worst cosine, mean of the
 batches' median relative errors, the worst parameter). `fxmem bench ablate` measures the same through training,
 where every setting's weights differ; this compares plans on identical weights. `roles` raises one role at a
-time by patching the planner's bit choice (cost_model.planner._configured_bits): a diagnostic, not an option.
+time by patching the planner's bit choice (cost_model.options.configured_bits): a diagnostic, not an option.
 Results: docs/quantization.md ("Why each setting"), and in full docs/history/quantization-notes-2026-11.md.
 """
 
@@ -20,7 +20,7 @@ import fxmem
 from fxmem.analysis import Role
 from fxmem.bench.workloads import get_workload
 from fxmem.config import Config
-from fxmem.cost_model import planner
+from fxmem.cost_model import options
 from fxmem.measure import gradient_fidelity, model_tensors, saved_bytes_and_gradients
 
 PAPER = {"rebuild_from_x": False}  # the presets before rebuild_from_x: X W and norm inputs stored at bits
@@ -61,13 +61,13 @@ def main() -> None:
         for name, preset, overrides in OPTIONS:
             measure(setup, batches, references, exclude, name, Config.from_preset(preset, **overrides))
         return
-    configured = planner._configured_bits
+    configured = options.configured_bits
     for role in RAISED:
-        planner._configured_bits = lambda owner, config, role=role: (
+        options.configured_bits = lambda owner, config, role=role: (
             8 if role is not None and role in (owner.role, *owner.also) else configured(owner, config))
         measure(setup, batches, references, exclude, f"{bits}-bit, {role.value if role else 'no role'} at 8 bits",
                 Config.from_preset(f"hyclora-{bits}bit", **PAPER))
-    planner._configured_bits = configured
+    options.configured_bits = configured
 
 
 def measure(setup, batches, references, exclude, name: str, config: Config) -> None:

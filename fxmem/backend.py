@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import itertools
 import linecache
-import pathlib
 import time
 import warnings
 import weakref
@@ -23,276 +22,29 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from functorch.compile import make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.fx import GraphModule
 from torch.fx.graph_module import _loader as fx_source_loader
 
-from fxmem.analysis import Analysis, SavedTensor, analyze
-from fxmem.analysis.blocks import find_blocks
-from fxmem.analysis.liveness import compiled_liveness, graph_liveness
-from fxmem.analysis.pinned import Pinned, pinned
 from fxmem.config import Config
 from fxmem.cost_model.auto import choose_auto, predicted_peak_bytes
-from fxmem.cost_model.memory import op_workspace_bytes
-from fxmem.cost_model.plan import Plan
-from fxmem.cost_model.planner import BLOCK_CHECKPOINT_REASON, budget_bytes, budget_note, plan_region, replay_sources
-from fxmem.fallback import fall_back, strict, unsupported
+from fxmem.fallback import fall_back, strict
 from fxmem.kernels import calibration
 from fxmem.kernels import probe as probe_kernel
-from fxmem.measure import format_bytes
-from fxmem.passes import PassManager, PassRecord, PipelineState
-from fxmem.passes.manager import copy_graph_module, tag_must_recompute
+from fxmem.passes import PassManager, PipelineState
+from fxmem.passes.manager import copy_graph_module
 from fxmem.passes.replay_dropout import SEEDED_DRAW
 from fxmem.peft_lora import prepare_peft
+from fxmem.pipeline import Partitioner
 from fxmem.region import Region
 from fxmem.report import Report
-from fxmem.techniques import default_passes, enabled_techniques
+from fxmem.techniques import default_passes
 
 if TYPE_CHECKING:
     from fxmem.guard import GuardCheck
 
 Lowering = Literal["inductor", "eager"]
 LOWERINGS = ("inductor", "eager")
-
-
-# Attention is recomputed in backward only so that its saved output agrees with compressed q, k and v
-# (passes/recompute_attention.py). A memory_budget plan is made first without it, and kept when q, k and v stay
-# exact; else it runs in the layers whose q, k or v that plan compressed, and the others keep theirs exact: an
-# attention forward per layer in backward is spent only where the budget needs those bytes. Block checkpoints
-# likewise: that first plan weighs each block's checkpoint among its options, and the region is partitioned again
-# with the blocks it chose checkpointed.
-_NO_BLOCK_CHECKPOINT = {"checkpoint_blocks": "not run: memory_budget's plan checkpoints no block"}
-_DEFERRED_UNDER_BUDGET = {"recompute_attention": "not run: q, k and v stay exact under memory_budget",
-                          **_NO_BLOCK_CHECKPOINT}
-
-
-@dataclasses.dataclass
-class _Partition:
-    """One way of partitioning and planning a region: the graphs, what the planner chose, and the records."""
-
-    state: PipelineState  # its fw and bw: the partitioned graphs
-    records: list[PassRecord]
-    recomputed: list[tuple[SavedTensor, Plan]] = dataclasses.field(default_factory=list)
-    failure: str | None = None  # the analysis or planning failed: the graphs are min-cut's, unplanned
-    demoted: dict[str, int] = dataclasses.field(default_factory=dict)  # the guard's demotions its plans applied
-
-    def checkpointed_blocks(self) -> dict[str, str]:
-        """The blocks the plan checkpoints (memory_budget's first plan), each with its name and price."""
-        return {saved.layer: plan.reason.removeprefix(BLOCK_CHECKPOINT_REASON).removesuffix(" (memory_budget)")
-                for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True)
-                if plan.reason.startswith(BLOCK_CHECKPOINT_REASON)}
-
-    def compressed_attention_layers(self) -> frozenset[str]:
-        """The layers (analysis.graph.layer_of) whose attention q, k or v the plan stores lossily."""
-        return frozenset(saved.layer for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True)
-                         if saved.feeds_attention is not None
-                         and plan.action not in ("keep", "recompute", "checkpoint"))
-
-    def keep_attention_inputs_outside(self, layers: frozenset[str]) -> None:
-        """Attention's q, k and v kept exact in the layers whose attention is not recomputed: backward reads them
-        beside its exact saved output, and the two must agree (passes/recompute_attention.py)."""
-        keep = Plan("keep", "attention's input in a layer whose attention is not recomputed (memory_budget): "
-                            "kept exact beside its saved output")
-        saved_plans = list(zip(self.state.analysis.saved, self.state.plans, strict=True))
-        # whole storages: the planner plans a storage once, for every saved view of it
-        storages = {saved.storage for saved, plan in saved_plans if saved.feeds_attention is not None
-                    and saved.layer not in layers and plan.action not in ("keep", "recompute")}
-        self.state.plans = [keep if saved.storage in storages and plan.action != "recompute" else plan
-                            for saved, plan in saved_plans]
-
-
-class _Partitioner(CustomPartitionerFn):
-    def __init__(self, region: Region, passes: PassManager, fidelity_probes: bool = False,
-                 demotions: Mapping[str, int] | None = None) -> None:
-        # Weakly: inductor's config cache keeps the last partitioner alive after its compile, which must not keep
-        # its region (the compile holds the region while it partitions).
-        self._region = weakref.ref(region)
-        self.config = region.config
-        self.passes = passes
-        self.fidelity_probes = fidelity_probes
-        self.demotions = dict(demotions or {})
-
-    @property
-    def region(self) -> Region:
-        region = self._region()
-        assert region is not None, "a region partitions while its compile holds it"
-        return region
-
-    def __call__(self, joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
-                 ) -> tuple[GraphModule, GraphModule]:
-        region, config = self.region, self.region.config
-        region.kind = "training"
-        exact_bytes = None
-        if config.memory_budget is not None and not config.budget_in_bytes():  # the budget's fraction is of this
-            try:
-                exact_fw, exact_bw = min_cut_rematerialization_partition(copy_graph_module(joint), joint_inputs,
-                                                                         **kwargs)
-                exact_bytes = sum(s.nbytes for s in self._analyze(exact_fw, exact_bw, kwargs).saved)
-            except Exception as error:
-                return self._unplanned(f"{type(error).__name__}: {error}",
-                                       *min_cut_rematerialization_partition(joint, joint_inputs, **kwargs))
-        if config.memory_budget is None:
-            chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes)
-        else:
-            chosen = self._budgeted(joint, joint_inputs, kwargs, exact_bytes)
-        region.add_passes(chosen.records)
-        state = chosen.state
-        if chosen.failure is not None:
-            return self._unplanned(chosen.failure, state.fw, state.bw)
-        budget = budget_note(state.analysis, state.plans, config)
-        if config.memory_budget is not None:
-            region.budget_bytes = (region.budget_bytes or 0) + budget_bytes(state.analysis, config)
-        if budget is not None:
-            note, met = budget
-            region.notes.append(note)
-            if not met:
-                warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
-        region.notes += pinned_notes(pinned(state.analysis, state.fw.graph, kwargs["num_fwd_outputs"], joint.graph))
-        region.add_passes(self.passes.run("partitioned", state))
-        region.liveness.append((graph_liveness(state.fw.graph, op_workspace_bytes),
-                                graph_liveness(state.bw.graph, op_workspace_bytes)))
-        try:
-            region.compiled_liveness.append(compiled_liveness(state.fw.graph, state.bw.graph,
-                                                              state.num_fwd_outputs, op_workspace_bytes))
-        except RuntimeError as error:  # a figure for reports: the region compiles without it
-            region.notes.append(f"transients as inductor runs the graphs not counted: {error}")
-            region.compiled_liveness.append(region.liveness[-1])
-        # Appended: inductor may partition nested subgraphs of the region through this same hook. Records: the
-        # region outlives the graphs, which it must not keep alive.
-        region.demoted.update(chosen.demoted)
-        region.saved += [saved.record() for saved in state.analysis.saved + [saved for saved, _ in chosen.recomputed]]
-        region.plans += [plan.record() for plan in state.plans + [plan for _, plan in chosen.recomputed]]
-        region.slots += state.slots
-        region.probes += state.probes or []
-        return state.fw, state.bw
-
-    def _budgeted(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
-                  exact_bytes: int | None) -> _Partition:
-        """memory_budget's partition: planned first without recompute_attention and checkpoint_blocks (each block's
-        checkpoint then one of the plan's options), then, where that plan compressed a layer's q, k or v or
-        checkpointed blocks, partitioned and planned again with attention recomputed in those layers alone (outside
-        the blocks) and those blocks checkpointed."""
-        region, config = self.region, self.region.config
-        first = self._partition(copy_graph_module(joint), joint_inputs, kwargs, exact_bytes,
-                                deferred=_DEFERRED_UNDER_BUDGET, offer_blocks=config.block_checkpoint)
-        if first.failure is not None:
-            note = (f"memory_budget's first plan failed ({first.failure}); the region is planned again with every "
-                    "enabled pass run")
-            fall_back(f"fxmem region {region.index}: {note}", config)
-            region.notes.append(note)
-            return self._partition(joint, joint_inputs, kwargs, exact_bytes)
-        left = [b.name for b in first.state.analysis.blocks if b.random is not None]
-        if left:
-            note = (f"block_checkpoint: {len(left)} block(s) not among memory_budget's options: they draw random "
-                    f"numbers ({', '.join(left)})")
-            unsupported(f"fxmem region {region.index}: {note}", config)
-            region.notes.append(note)
-        blocks = first.checkpointed_blocks()
-        layers = first.compressed_attention_layers()
-        if not blocks and not layers:
-            return first
-        if blocks:
-            region.notes.append("memory_budget checkpoints " + "; ".join(sorted(blocks.values())))
-        chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes, attention_layers=layers,
-                                 deferred=None if blocks else _NO_BLOCK_CHECKPOINT, blocks=frozenset(blocks) or None)
-        if chosen.failure is None:
-            chosen.keep_attention_inputs_outside(layers)
-        return chosen
-
-    def _unplanned(self, failure: str, fw: GraphModule, bw: GraphModule) -> tuple[GraphModule, GraphModule]:
-        """An unforeseen graph in the analysis or the plan: the region compiles min-cut's partition as inductor
-        would, and the report and a warning say why."""
-        note = f"saved-tensor analysis or planning failed ({failure}); this region compiles as plain inductor"
-        fall_back(f"fxmem region {self.region.index}: {note}", self.region.config, stacklevel=3)
-        self.region.notes.append(note)
-        return fw, bw
-
-    def _partition(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
-                   exact_bytes: int | None, deferred: Mapping[str, str] | None = None,
-                   attention_layers: frozenset[str] | None = None, blocks: frozenset[str] | None = None,
-                   offer_blocks: bool = False) -> _Partition:
-        """The joint passes but ``deferred`` (recompute_attention in ``attention_layers`` only, checkpoint_blocks in
-        ``blocks`` only, where given), torch's min-cut, the analysis and the plan (with a second min-cut for the
-        planner's recomputations). With ``offer_blocks`` the plan may checkpoint blocks: it is then returned as it
-        is, to be partitioned again with them."""
-        config = self.region.config
-        state = PipelineState(config=config, joint=joint, joint_inputs=joint_inputs,
-                              num_fwd_outputs=kwargs["num_fwd_outputs"], probes=[] if self.fidelity_probes else None,
-                              attention_layers=attention_layers, blocks=blocks)
-        records = self.passes.run("joint", state, skip=deferred)
-        offered = tuple(find_blocks(state.joint.graph)) if offer_blocks else ()
-        # min-cut marks the graph it partitions: a copy to partition again with the planner's recomputations
-        joint_for_recompute = copy_graph_module(state.joint) if config.compresses else None
-        state.fw, state.bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
-        try:
-            state.analysis = dataclasses.replace(self._analyze(state.fw, state.bw, kwargs, exact_bytes),
-                                                 blocks=offered)
-            state.plans = plan_region(state.analysis, config, enabled_techniques(config), self.demotions)
-            demoted = {s.key: self.demotions[s.key] for s in state.analysis.saved if s.key in self.demotions}
-            recomputed = [(s, p) for s, p in zip(state.analysis.saved, state.plans, strict=True)
-                          if p.action == "recompute"]
-            # partition again, those tensors' chains tagged, and plan what is saved then (not where blocks are
-            # checkpointed: the backend partitions again with them)
-            if recomputed and not any(p.action == "checkpoint" for p in state.plans):
-                names = {node.name for _, plan in recomputed for node in plan.chain}
-                tag_must_recompute(n for n in joint_for_recompute.graph.nodes if n.name in names)
-                state.fw, state.bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)
-                sources = replay_sources(recomputed)
-                analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=False)
-                state.analysis = dataclasses.replace(analysis, rebuild_sources=analysis.rebuild_sources | sources)
-                state.plans = plan_region(state.analysis, config, enabled_techniques(config), self.demotions)
-        except Exception as error:  # reported, and the region compiles as plain inductor
-            return _Partition(state, records, failure=f"{type(error).__name__}: {error}")
-        return _Partition(state, records, recomputed, demoted=demoted)
-
-    @staticmethod
-    def _analyze(fw: GraphModule, bw: GraphModule, kwargs: dict[str, Any], exact_bytes: int | None = None, *,
-                 recompute: bool = True) -> Analysis:
-        """The saved tensors of a partition; ``recompute=False``: none offered for recomputation, element-wise or by
-        a replayed matmul (the planner's recomputations are already in the partition)."""
-        analysis = analyze(fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices"))
-        saved = analysis.saved if recompute else [dataclasses.replace(s, recompute=None, rebuild_product=None)
-                                                  for s in analysis.saved]
-        return dataclasses.replace(analysis, saved=saved, exact_bytes=exact_bytes)
-
-    # Inductor deep-copies its config patches, and pickles them into its cache key. A copy would record into a
-    # copy of the region, and both would copy the graphs the region's records point into (fake tensors refuse):
-    # a copy is the partitioner itself, and its pickle is its uuid, which says all that decides the graphs.
-    def __deepcopy__(self, memo: dict) -> _Partitioner:
-        return self
-
-    def __reduce__(self) -> tuple:
-        return str, (self.uuid(),)
-
-    def uuid(self) -> str:
-        # Enters inductor's cache key: fxmem's code and this region's config decide the graphs.
-        return (f"{_source_hash()}:{self.config!r}:probes={self.fidelity_probes}:"
-                f"demotions={sorted(self.demotions.items())}")
-
-
-@functools.cache
-def _source_hash() -> str:
-    files = sorted(str(p) for p in pathlib.Path(__file__).parent.rglob("*.py"))
-    return get_hash_for_files(tuple(files)).hex()
-
-
-def pinned_notes(held: Pinned) -> list[str]:
-    """The report's lines on what the region holds that no plan can free."""
-    notes = []
-    if held.kv_cache_bytes:
-        notes.append(f"the forward returns attention's k and v, {format_bytes(held.kv_cache_bytes)} the caller "
-                     "holds: a KV cache (a model built with use_cache=True returns one); use_cache=False in training "
-                     "frees it")
-    if held.input_bytes:
-        notes.append(f"{format_bytes(held.input_bytes)} of saved tensors are inputs the caller holds")
-    if held.checkpointed_ops:
-        notes.append(f"activation checkpointing (torch.utils.checkpoint, e.g. HF's gradient_checkpointing_enable) "
-                     f"reruns {held.checkpointed_ops} forward ops of {held.checkpoint_regions} region(s) in "
-                     "backward; fxmem plans only what crosses their boundaries. Without it fxmem's plan covers "
-                     "the rest, without the rerun: compare fxmem.inspect with it off")
-    return notes
 
 
 def run_eagerly(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
@@ -325,12 +77,6 @@ def _lower_random_ops(gm: GraphModule) -> None:
         gm.recompile()
 
 
-def _draws_again(record: PassRecord) -> bool:
-    """A pass that has backward draw again dropout masks forward drew: replayed, or in a checkpointed block."""
-    return bool(record.summary) and (record.name == "replay_dropout" or (
-        record.name == "checkpoint_blocks" and "checkpointed from their outputs" in record.summary))
-
-
 def _lower_or_run_as_is(region: Region) -> Callable:
     """Inductor's lowering; a graph fxmem rewrote that inductor cannot lower runs as aten ops, with a note.
 
@@ -342,9 +88,10 @@ def _lower_or_run_as_is(region: Region) -> Callable:
             _lower_random_ops(gm)
             return compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as error:
-            if not any(p.summary for p in region.passes):
+            if not any(p.changed for p in region.passes):
                 raise  # fxmem changed nothing: torch's own error, as it would be without fxmem
-            if any(n.target is SEEDED_DRAW for n in gm.graph.nodes) and any(map(_draws_again, region.passes)):
+            redrawn = any(p.changed and p.result.redraws for p in region.passes)
+            if redrawn and any(n.target is SEEDED_DRAW for n in gm.graph.nodes):
                 # its other graph draws the same masks in inductor's code: eagerly they would differ
                 raise RuntimeError(f"fxmem region {region.index}: inductor could not lower a graph that draws the "
                                    "dropout masks backward draws again (replay_dropout, checkpoint_blocks), and run "
@@ -461,7 +208,7 @@ class Backend:
         state = PipelineState(config=config, dynamo=gm)
         region.add_passes(self.passes.run("dynamo", state))
         gm = state.dynamo
-        patches["custom_partitioner_fn"] = _Partitioner(region, self.passes, self.fidelity_probes, self.demotions)
+        patches["custom_partitioner_fn"] = Partitioner(region, self.passes, self.fidelity_probes, self.demotions)
         graphs = _CompiledGraphs(functools.partial(self._release, region))
         inner = graphs.compiling(_lower_or_run_as_is(region) if self.lowering == "inductor" else run_eagerly)
         try:
@@ -495,7 +242,7 @@ class Backend:
                 region.add_passes(self.passes.run("dynamo", state))
                 with torch._functorch.config.patch(enable_autograd_cache=False):
                     compile_fx(state.dynamo, example_inputs, inner_compile=stop, config_patches={
-                        **patches, "custom_partitioner_fn": _Partitioner(region, self.passes,
+                        **patches, "custom_partitioner_fn": Partitioner(region, self.passes,
                                                                          demotions=self.demotions)})
         except _Predicted:
             pass

@@ -50,7 +50,7 @@ class Config:
     lora_reorder: for a LoRA linear feeding SiLU/GELU, a Hadamard product or attention, save X W (quantized
         to ``bits``) and X A (exact) and rebuild the output and its element-wise epilogue in backward
         (HyC-LoRA's inter-operator compression). Needs ``bits``. GELU, tanh and ReLU consumers only at 8 bits or
-        with ``rebuild_from_x`` (cost_model.planner.rebuild_refusal says why).
+        with ``rebuild_from_x`` (cost_model.options.rebuild_refusal says why).
     rebuild_from_x: with ``lora_reorder``, rebuild in backward from a LoRA linear's input x, stored at 8 bits
         for it, what would be saved below 8 bits: an X W, by replaying its matmul with the frozen weight (one
         matmul per such layer; an aten mm or addmm, not a QLoRA 4-bit base), and, where x is a norm's output, the
@@ -78,7 +78,7 @@ class Config:
         and the fewest seconds per byte saved within it: exact ones (element-wise recomputation, an X W replayed
         from its x with ``rebuild_from_x``, a block's input in host memory with ``block_offload``), then
         quantization 8, 4, 2 bits, least sensitive roles first, then ``lowrank``'s factors
-        (cost_model.planner.fit_budget); the preset's structural passes (lora_reorder, the
+        (cost_model.budget.fit_budget); the preset's structural passes (lora_reorder, the
         recomputed logits) stay, and attention is recomputed only in the layers whose q, k or v the plan
         compresses. The report says whether the target was met. None is no target: the preset's plan.
     chunk_loss: compute an LM head and its cross-entropy a chunk of tokens at a time, so that the (tokens x
@@ -112,8 +112,8 @@ class Config:
         rebuilt from its output's codes: more saved bytes unless blocks are checkpointed (block_checkpoint), where
         nothing inside a block is saved. "auto": as ``linear_chunk``'s. None (every preset) is off.
     block_checkpoint: checkpoint every repeated block (``model.layers.N``) from its output: only the residual
-        stream between blocks is saved (at 8 bits under a quantizing preset, or ``block_input_bits``), and backward recomputes
-        each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
+        stream between blocks is saved (at 8 bits under a quantizing preset, or ``block_input_bits``), and backward
+        recomputes each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
         with ``mlp_chunk`` the recomputed block holds one chunk of its MLP at a time. A block's dropout drawn from
         inductor's per-step seeds (LoRA's, hidden states', an eager attention's) is drawn again with the same
         masks. Under ``memory_budget`` a block's checkpoint

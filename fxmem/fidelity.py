@@ -21,7 +21,7 @@ from rich.table import Table
 
 from fxmem.backend import Backend
 from fxmem.config import Config
-from fxmem.cost_model.plan import Plan
+from fxmem.cost_model.plan import Action, Plan
 from fxmem.kernels import probe as probe_kernel
 from fxmem.measure import cosine_and_error, gradient_fidelity, trainable_gradients
 from fxmem.peft_lora import prepared_for
@@ -182,15 +182,15 @@ def _saved_and_plan(region: Any, name: str) -> tuple[Any, Plan]:
 
 def describe_plan(plan: Plan) -> str:
     """The plan in a few words: what the tensor is stored as."""
-    if plan.action == "quantize":
+    if plan.action is Action.QUANTIZE:
         extras = [f"{plan.outliers} outlier channels" if plan.outliers else "",
                   f"1 exact value per {plan.chunk}" if plan.chunk else ""]
         return ", ".join([f"{plan.bits}-bit codes", *filter(None, extras)])
-    if plan.action == "lowrank":
+    if plan.action is Action.LOWRANK:
         return f"rank-{plan.rank} factors"
-    if plan.action == "prenorm":
+    if plan.action is Action.PRENORM:
         source = f"{plan.bits}-bit codes" if plan.bits else f"rank-{plan.rank} factors"
         return f"rebuilt from its norm output's {source}"
-    if plan.action == "sparsify":
+    if plan.action is Action.SPARSIFY:
         return f"{plan.keep} values per row"
-    return {"keep": "exact", "recompute": "recomputed in backward"}.get(plan.action, plan.action)
+    return {Action.KEEP: "exact", Action.RECOMPUTE: "recomputed in backward"}.get(plan.action, plan.action.value)

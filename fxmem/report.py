@@ -15,7 +15,7 @@ from rich.table import Table
 from fxmem import __version__
 from fxmem.analysis import ROLE_DESCRIPTIONS, Role, SavedRecord
 from fxmem.cost_model import host_bytes, planned_bytes
-from fxmem.cost_model.plan import Plan
+from fxmem.cost_model.plan import Action, Plan
 from fxmem.measure import format_bytes
 from fxmem.region import Region
 
@@ -89,7 +89,7 @@ class Report:
         tensor's own figures, so that one rule is one row."""
         totals: dict[str, dict[str, int]] = {}
         for _, saved, plan in self.rows():
-            if plan.action != "keep" or not saved.frees_memory or saved.shares_storage_with:
+            if plan.action is not Action.KEEP or not saved.frees_memory or saved.shares_storage_with:
                 continue
             entry = totals.setdefault(_FIGURES.sub("", plan.reason), {"count": 0, "bytes": 0})
             entry["count"] += 1
@@ -142,7 +142,7 @@ class Report:
                 f"(= {saved.shares_storage_with})" if saved.shares_storage_with else format_bytes(saved.nbytes))
             tensors.add_row(str(region.index), str(saved.index), saved.name, saved.role.value, saved.detail,
                             saved.module.removeprefix(prefix).lstrip(".") or "(top)", saved.shape_text,
-                            saved.dtype, shown, plan.action, str(plan.bits or ""), str(plan.outliers or ""),
+                            saved.dtype, shown, plan.action.value, str(plan.bits or ""), str(plan.outliers or ""),
                             str(plan.rank or ""), format_bytes(planned_bytes(saved, plan)),
                             f"{plan.seconds * 1e3:.2f} ms" if plan.seconds else "")
         parts: list[RenderableType] = [tensors,
@@ -168,11 +168,11 @@ class Report:
                 parts.append(f"region {region.index}: {len(region.slots)} quantized storages, {calibrated} with "
                              f"frozen scales (static, {region.config.calibration_steps} calibration steps)")
             else:
-                quantized = sum(p.action == "quantize" and p.nbytes is not None for p in region.plans)
+                quantized = sum(p.action is Action.QUANTIZE and p.nbytes is not None for p in region.plans)
                 if quantized:
                     parts.append(f"region {region.index}: {quantized} quantized storages, scales from every batch "
                                  "(dynamic)")
-            parts += [f"region {region.index}: pass {p.name} ({p.stage}): {p.error or p.summary or 'no change'}"
+            parts += [f"region {region.index}: pass {p.name} ({p.stage}): {p.error or p.note or 'no change'}"
                       for p in region.passes]
         return parts
 

@@ -1,6 +1,6 @@
 """Every technique as one registered unit: its section of ``Config``, its planner hook and its passes.
 
-Adding a technique means a Config section (fields, validation, presets), a planner hook in cost_model/planner.py,
+Adding a technique means a Config section (fields, validation, presets), a planner hook in cost_model/options.py,
 a pass in passes/, and one ``Technique`` here. The order passes run in is declared once: ``PASS_ORDER``.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fxmem.config import Config
-from fxmem.cost_model import planner
+from fxmem.cost_model import options
 from fxmem.passes import (
     CausalMaskAttention,
     CheckpointBlocks,
@@ -45,7 +45,7 @@ class Technique:
     fields: tuple[str, ...]  # its section of Config
     enabled: Callable[[Config], bool]
     passes: tuple[str, ...] = ()  # the passes it needs, by name (PASS_ORDER orders them; shared ones run once)
-    propose: planner.Propose | None = None  # the compression the config asks of one saved storage
+    propose: options.Propose | None = None  # the compression the config asks of one saved storage
 
 
 # Quantization and low-rank factors both recompute the logits and fused attention, so that those are not saved
@@ -57,11 +57,11 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("quantize", ("bits", "qkv_bits", "linear_input_bits", "outlier_ratio", "outlier_values", "rotation",
                            "stochastic_rounding", "calibration_steps", "calibration", "intra"),
               lambda config: config.bits is not None, (*_COMPRESSION_RECOMPUTES, "quantize"),
-              propose=planner.propose_quantized),
+              propose=options.propose_quantized),
     Technique("lowrank", ("lowrank", "prenorm_sharing"), lambda config: config.lowrank is not None,
-              (*_COMPRESSION_RECOMPUTES, "lowrank"), propose=planner.propose_lowrank),
+              (*_COMPRESSION_RECOMPUTES, "lowrank"), propose=options.propose_lowrank),
     Technique("attn_sparsity", ("attn_sparsity",), lambda config: config.attn_sparsity is not None,
-              ("sparsify_attention",), propose=planner.propose_sparse),
+              ("sparsify_attention",), propose=options.propose_sparse),
     Technique("lora_reorder", ("lora_reorder", "rebuild_from_x", "fused_epilogue"),
               lambda config: config.lora_reorder, ("lora_reorder", "fuse_epilogue")),
     Technique("runlora", ("runlora",), lambda config: config.runlora != "off", ("runlora", "onednn_matmul")),

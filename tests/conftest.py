@@ -150,7 +150,7 @@ def assert_matches_eager(reference, loss, grads) -> None:
 
 def pass_summary(backend, name: str) -> str:
     """What the pass ``name`` reported in each region the backend compiled, joined."""
-    return "; ".join(p.summary for r in backend.regions for p in r.passes if p.name == name)
+    return "; ".join(p.note for r in backend.regions for p in r.passes if p.name == name)
 
 
 def worst_cosine(reference_grads, grads) -> float:

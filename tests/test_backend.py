@@ -204,7 +204,7 @@ def test_an_analysis_failure_falls_back_to_inductor_and_says_so(monkeypatch, ove
     def broken(*args, **kwargs):
         raise RuntimeError("synthetic analysis bug")
 
-    monkeypatch.setattr(backend_module, "analyze", broken)
+    monkeypatch.setattr(importlib.import_module("fxmem.pipeline"), "analyze", broken)
     model, batch = tiny_model("llama", lora=True, layers=1)
     reference = loss_and_grads(torch.compile(model), model, batch)
     torch._dynamo.reset()
@@ -220,9 +220,9 @@ def test_the_partitioner_pickles_to_its_cache_identity_and_copies_to_itself():
     import copy
     import pickle
 
-    from fxmem.backend import _Partitioner
+    from fxmem.pipeline import Partitioner
     from fxmem.region import Region
-    partitioner = _Partitioner(Region(index=0, config=fxmem.Config(bits=4)), None)
+    partitioner = Partitioner(Region(index=0, config=fxmem.Config(bits=4)), None)
     assert copy.deepcopy(partitioner) is partitioner
     assert pickle.loads(pickle.dumps(partitioner)) == partitioner.uuid()
     assert "bits=4" in partitioner.uuid()

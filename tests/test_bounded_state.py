@@ -18,20 +18,21 @@ from fxmem.kernels import calibration, probe
 from tests.conftest import tiny_model
 
 backend_module = importlib.import_module("fxmem.backend")
+pipeline = importlib.import_module("fxmem.pipeline")
 
 
 def _partitioned_graphs(monkeypatch) -> list[weakref.ref]:
     """Weak references to every graph the partitioner splits and returns (joint, forward, backward): the modules and
     their graphs (a node holds its graph, not its module)."""
     refs = []
-    partition = backend_module.min_cut_rematerialization_partition
+    partition = pipeline.min_cut_rematerialization_partition
 
     def recording(joint, joint_inputs, **kwargs):
         fw, bw = partition(joint, joint_inputs, **kwargs)
         refs.extend(weakref.ref(graph) for gm in (joint, fw, bw) for graph in (gm, gm.graph))
         return fw, bw
 
-    monkeypatch.setattr(backend_module, "min_cut_rematerialization_partition", recording)
+    monkeypatch.setattr(pipeline, "min_cut_rematerialization_partition", recording)
     return refs
 
 

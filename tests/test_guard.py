@@ -8,6 +8,7 @@ import fxmem
 from fxmem import guard as guard_module
 from fxmem.bench import coverage
 from fxmem.config import Config
+from fxmem.cost_model.plan import Action
 from fxmem.cost_model.planner import less_lossy
 from fxmem.fallback import FallbackError, FallbackWarning
 from fxmem.guard import GuardedCall, check_plan, guard, slice_batch
@@ -78,7 +79,7 @@ def test_demoting_q_under_an_integer_rank_ends_exact():
     backend = fxmem.Backend(config, lowering="eager", demotions={q.key: 1})
     torch.compile(model, backend=backend)(**batch)
     plans = {s.key: p for r in backend.regions for s, p in zip(r.saved, r.plans, strict=True)}
-    assert plans[q.key].action == "keep" and backend.regions[0].demoted == {q.key: 1}
+    assert plans[q.key].action is Action.KEEP and backend.regions[0].demoted == {q.key: 1}
 
 
 def test_a_plan_within_the_bound_is_left_alone():

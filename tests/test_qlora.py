@@ -5,6 +5,7 @@ import torch
 
 import fxmem
 from fxmem.bench.workloads import LlamaShape, Workload
+from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity, model_tensors, saved_activation_bytes
 from tests.conftest import loss_and_grads, randomize_lora_b
 
@@ -44,5 +45,5 @@ def test_fxmem_trains_qlora_as_eager_does(preset, min_cosine):
         assert saved * 3 < eager_saved
         # the NF4 base's X W replayed from x in backward (gate and up: they feed SiLU and the product), as a
         # full-precision base's is
-        rebuilt = [s for _, s, p in backend.report().rows() if s.producer == "gemm_4bit" and p.action == "recompute"]
+        rebuilt = [s for _, s, p in backend.report().rows() if s.producer == "gemm_4bit" and p.action is Action.RECOMPUTE]
         assert len(rebuilt) == 4 and all(s.rebuilt_for in ("silu", "product") for s in rebuilt)

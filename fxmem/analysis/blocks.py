@@ -9,7 +9,7 @@ from torch._inductor import inductor_prims
 from torch.fx import Graph, Node
 
 from fxmem.analysis.graph import layer_of, module_path
-from fxmem.analysis.roles import dropout_probability, is_fused_attention
+from fxmem.analysis.ops import dropout_probability, is_fused_attention
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from fxmem.analysis.graph import (
     tensor_args,
     tensor_val,
 )
-from fxmem.analysis.roles import BATCHED_MATMULS, SOFTMAXES
+from fxmem.analysis.ops import BATCHED_MATMULS, SOFTMAXES
 
 aten = torch.ops.aten
 

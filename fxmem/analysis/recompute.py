@@ -6,7 +6,7 @@ tensor from the saved tensors and parameters it already has, with a few element-
 it: no saved byte more, no matmul. This module finds those chains; the planner prices them against compression.
 
 It also finds the one matmul that rebuilds a LoRA linear's frozen product x W^T from the saved x and the frozen
-weight: not free, but exact up to x's own storage (cost_model.planner._replayed prices it). A mixture of experts'
+weight: not free, but exact up to x's own storage (cost_model.options.replayed_plan prices it). A mixture of experts'
 chains may replay the experts' grouped products too (their routed rows gathered from x, each expert's frozen weight
 and its LoRA): the planner prices those by their flops.
 """
@@ -20,7 +20,7 @@ from torch.fx import Node
 
 from fxmem.analysis.graph import DTYPE_CASTS, is_replayable_pointwise, is_view, schema_name, tensor_val
 from fxmem.analysis.lora import is_linear_product
-from fxmem.analysis.roles import GROUPED_MATMULS
+from fxmem.analysis.ops import GROUPED_MATMULS
 
 # Ops a recomputation may replay: past this the chain is not the cheap kind.
 MAX_CHAIN = 16

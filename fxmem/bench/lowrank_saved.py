@@ -18,6 +18,7 @@ import torch
 from fxmem.backend import Backend
 from fxmem.bench.workloads import Workload
 from fxmem.config import Config
+from fxmem.cost_model.plan import Action
 from fxmem.measure import Fidelity, gradient_fidelity, model_tensors, saved_bytes_and_gradients
 
 
@@ -48,7 +49,7 @@ def measure_ratios(workload: Workload, ratios: Sequence[float | int], *, lora_ra
         backend = Backend(Config(lowrank=ratio), lowering=lowering)
         saved, grads = run(torch.compile(setup.model, backend=backend))
         report = backend.report()
-        shared = sum(1 for _, s, p in report.rows() if p.action == "prenorm" and s.nbytes > 0)
+        shared = sum(1 for _, s, p in report.rows() if p.action is Action.PRENORM and s.nbytes > 0)
         results.append(RatioResult(str(ratio), saved, report.planned_bytes, gradient_fidelity(reference, grads),
                                    shared))
     torch._dynamo.reset()

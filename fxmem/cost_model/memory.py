@@ -11,6 +11,7 @@ from torch.fx import Node
 
 from fxmem.analysis.graph import hint
 from fxmem.cost_model.loss import LossChunks, chunked_loss_bytes
+from fxmem.cost_model.plan import Action
 from fxmem.kernels import chunked_lora_linear, chunked_mlp, chunked_rms_norm
 from fxmem.kernels.lowrank import factor_numel
 from fxmem.kernels.quantize import packed_width
@@ -75,10 +76,10 @@ def host_bytes(saved: SavedRecord, plan: Plan) -> int:
 
 def stored_bytes(saved: SavedRecord, plan: Plan) -> int:
     """Bytes ``plan`` stores for ``saved`` between forward and backward, on the device or the host."""
-    if plan.action == "keep" or saved.nbytes == 0:  # a view shares its owner's (already counted) storage
+    if plan.action is Action.KEEP or saved.nbytes == 0:  # a view shares its owner's (already counted) storage
         return saved.nbytes
     if plan.nbytes is None:
-        raise ValueError(f"plan {plan.action!r} for {saved.name} carries no byte count")
+        raise ValueError(f"plan {plan.action.value!r} for {saved.name} carries no byte count")
     return plan.nbytes
 
 

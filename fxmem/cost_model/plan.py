@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal
+from enum import Enum
 
 from torch.fx import Node
 
 from fxmem.analysis.norm import NormUnit
 from fxmem.analysis.rope import Replay
 
-# checkpoint: made by a block memory_budget checkpoints, recomputed with it (a first plan's, backend.py)
-Action = Literal["keep", "recompute", "quantize", "sparsify", "lowrank", "prenorm", "checkpoint"]
+
+class Action(str, Enum):
+    """What a plan does with a saved tensor (a str: reports and golden plans write its value)."""
+
+    KEEP = "keep"
+    RECOMPUTE = "recompute"  # a chain of forward ops replayed in backward
+    QUANTIZE = "quantize"
+    SPARSIFY = "sparsify"
+    LOWRANK = "lowrank"
+    PRENORM = "prenorm"  # a norm's input rebuilt from its output's stored form
+    CHECKPOINT = "checkpoint"  # inside a block memory_budget checkpoints: recomputed with it (backend.py)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,7 @@ class Plan:
     source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "action", Action(self.action))  # frozen: a plan named by its value is typed
         if self.source is None and (self.replay is not None or self.norm is not None):
             node = self.replay.source if self.replay is not None else self.norm.output
             object.__setattr__(self, "source", node.name)  # frozen: set once, as it is made
@@ -52,4 +68,5 @@ class Plan:
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("replay", "norm", "chain")}
+        data["action"] = self.action.value
         return {k: v for k, v in data.items() if v not in (None, 0, False) or k in ("action", "reason")}

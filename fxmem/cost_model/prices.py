@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fxmem.analysis.graph import hint, is_view, numel_hint, schema_name, tensor_val
 from fxmem.analysis.lora import MATMULS, is_linear_product, matmul_operands
+from fxmem.analysis.ops import BATCHED_MATMULS, GROUPED_LORA, is_fused_attention, op_argument
 from fxmem.analysis.recompute import is_grouped_product
-from fxmem.analysis.roles import BATCHED_MATMULS, GROUPED_LORA, is_fused_attention, op_argument
 from fxmem.kernels.quantize import fit_reads
 from fxmem.timing import median, step_times
 

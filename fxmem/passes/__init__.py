@@ -14,7 +14,7 @@ from fxmem.passes.gqa_attention import GqaAttention
 from fxmem.passes.lora_half_products import LoraHalfProducts
 from fxmem.passes.lora_reorder import LoraReorder
 from fxmem.passes.lowrank import LowRankSaved
-from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PipelineState
+from fxmem.passes.manager import GraphPass, PassManager, PassRecord, PassResult, PipelineState
 from fxmem.passes.merge_casts import MergeCasts
 from fxmem.passes.offload_blocks import OffloadBlocks
 from fxmem.passes.onednn_matmul import OnednnMatmul
@@ -28,6 +28,6 @@ from fxmem.passes.sparsify import SparsifyAttention
 
 __all__ = ["CausalMaskAttention", "CheckpointBlocks", "ChunkLinears", "ChunkLoss", "ChunkMlp", "ChunkNorm",
            "DequantizeBases", "FuseEpilogue", "GqaAttention", "GraphPass", "LoraHalfProducts", "LoraReorder",
-           "LowRankSaved", "MergeCasts", "OffloadBlocks", "OnednnMatmul", "PassManager", "PassRecord",
+           "LowRankSaved", "MergeCasts", "OffloadBlocks", "OnednnMatmul", "PassManager", "PassRecord", "PassResult",
            "PipelineState", "QuantizeSaved", "RecomputeAdapterCast", "RecomputeAttention", "RecomputeInputs",
            "RecomputeLogits", "ReplayDropout", "RunLora", "SparsifyAttention"]

@@ -29,7 +29,7 @@ from fxmem.analysis.graph import DTYPE_CASTS, is_view, storage_base, storage_byt
 from fxmem.analysis.lora import find_lora_linears, matmul_operands
 from fxmem.analysis.meta import RECOMPUTE
 from fxmem.config import Config
-from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
+from fxmem.passes.manager import UNCHANGED, GraphPass, PassResult, PipelineState, joint_primals, tag_must_recompute
 
 
 def keep_x_saved(x: Node, config: Config) -> None:
@@ -47,7 +47,7 @@ class RecomputeAdapterCast(GraphPass):
     name = "recompute_adapter_cast"
     stage = "joint"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.joint.graph
         casts: dict[Node, list[Node]] = {}  # the cast -> its chain, once for LoRA linears reading one cast
         for lora in find_lora_linears(graph, joint_primals(graph)):
@@ -59,11 +59,12 @@ class RecomputeAdapterCast(GraphPass):
             tag_must_recompute(chain)
             keep_x_saved(cast.args[0], state.config)
         if not casts:
-            return ""
+            return UNCHANGED
         copies = sum(storage_bytes(tensor_val(cast)) for cast in casts)
         saved = "x saved" if state.config.compresses else "x saved or recomputed as min-cut chooses"
-        return (f"{len(casts)} cast(s) of x to the adapters' dtype ({copies / 2**20:.1f} MiB of copies) recomputed "
+        note = (f"{len(casts)} cast(s) of x to the adapters' dtype ({copies / 2**20:.1f} MiB of copies) recomputed "
                 f"in backward; {saved}")
+        return PassResult(True, note)
 
 
 def widening_cast(x_lora: Node) -> list[Node]:

@@ -9,14 +9,14 @@ summary says why.
 from __future__ import annotations
 
 from fxmem.analysis.mask import SDPA_PARAMETERS, CausalMask, find_attention_masks, sdpa_arguments
-from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, eliminate_dead_code, pass_result
 
 
 class CausalMaskAttention(GraphPass):
     name = "causal_mask"
     stage = "dynamo"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         lines, rewritten = [], False
         for found in find_attention_masks(state.dynamo):
             if not isinstance(found, CausalMask):
@@ -32,4 +32,4 @@ class CausalMaskAttention(GraphPass):
                          f"{len(found.attention)} attention call(s) run with is_causal=True, the mask never built")
         if rewritten:
             eliminate_dead_code(state.dynamo.graph)
-        return "; ".join(lines)
+        return pass_result(rewritten, *lines)

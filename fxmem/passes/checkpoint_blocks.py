@@ -23,14 +23,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fxmem.analysis.blocks import find_blocks
 from fxmem.analysis.meta import BLOCK_SOURCE, RECOMPUTE
 from fxmem.fallback import unsupported
-from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, pass_result, tag_must_recompute
 
 
 class CheckpointBlocks(GraphPass):
     name = "checkpoint_blocks"
     stage = "joint"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         blocks = find_blocks(state.joint.graph)
         chosen = [b for b in blocks if state.blocks is None or b.name in state.blocks]
         checkpointed = [b for b in chosen if b.random is None]
@@ -50,7 +50,9 @@ class CheckpointBlocks(GraphPass):
         if left:
             parts.append(f"{len(left)} block(s) left as they are: they draw random numbers ({left[0].random})")
             unsupported(f"checkpoint_blocks: {parts[-1]}", state.config)
-        return "; ".join(parts) if blocks else "no repeated blocks (model.layers.N) found in the forward"
+        if not blocks:
+            return PassResult(False, "no repeated blocks (model.layers.N) found in the forward")
+        return pass_result(bool(checkpointed), *parts, redraws=bool(checkpointed))
 
 
 def _must_save(node: Node, block: str) -> None:

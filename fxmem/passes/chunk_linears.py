@@ -19,14 +19,14 @@ from fxmem.analysis.loss import example_tensor
 from fxmem.analysis.meta import EXAMPLE_VALUE, MODULE_STACK
 from fxmem.cost_model.auto import chunk_rows
 from fxmem.kernels.chunked_lora_linear import LoraLinear, chunked_lora_linears, workspace_bytes
-from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, eliminate_dead_code
 
 
 class ChunkLinears(GraphPass):
     name = "chunk_linears"
     stage = "dynamo"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.dynamo.graph
         groups, other_dtype = find_lora_linear_groups(graph)
         replaced: dict[Node, Node] = {}  # an output already rewritten, and the item that now stands for it
@@ -52,14 +52,15 @@ class ChunkLinears(GraphPass):
         left = (f"; {other_dtype} LoRA linear(s) left whole, their output or base weight in another dtype than "
                 "their input (as under autocast)") if other_dtype else ""
         if not groups:
-            return ("no PEFT LoRA linear (no dropout) on a frozen weight (float, or bitsandbytes 4-bit: "
-                    f"dequantize_bases), outside a chunked MLP{left}")
+            return PassResult(False, "no PEFT LoRA linear (no dropout) on a frozen weight (float, or bitsandbytes "
+                                     f"4-bit: dequantize_bases), outside a chunked MLP{left}")
         eliminate_dead_code(graph)
         counts = ", ".join(str(len(group.linears)) for group in groups)
         chunks = "/".join(map(str, sorted(set(sizes))))
-        return (f"{sum(len(g.linears) for g in groups)} LoRA linear(s) in {len(groups)} op(s) of one input each "
+        note = (f"{sum(len(g.linears) for g in groups)} LoRA linear(s) in {len(groups)} op(s) of one input each "
                 f"({counts} linears), {groups[0].tokens} tokens in chunks of {chunks}: each group's input the only "
                 f"tensor it saves, its d x one buffer{left}")
+        return PassResult(True, note)
 
 
 def _rows(setting: int | str, group: LoraLinearGroup) -> int:

@@ -17,7 +17,7 @@ from torch.fx import GraphModule
 from fxmem.analysis.loss import HeadLoss, UnchunkedLoss, find_head_losses
 from fxmem.cost_model.loss import LossChunks, logits_bytes, loss_chunks
 from fxmem.kernels.linear_cross_entropy import linear_cross_entropy
-from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, eliminate_dead_code, pass_result
 
 LOGITS_RETURNED = ("the logits are also a forward output (the model returns them); return_logits=False returns "
                    "an empty tensor in their place and chunks the loss")
@@ -27,7 +27,7 @@ class ChunkLoss(GraphPass):
     name = "chunk_loss"
     stage = "dynamo"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         lines, chunked = [], 0
         for found in find_head_losses(state.dynamo.graph):
             if isinstance(found, HeadLoss) and found.logits_outputs and state.config.return_logits:
@@ -46,7 +46,7 @@ class ChunkLoss(GraphPass):
                          f"{logits_bytes(found.tokens, found.vocab) / 2**20:.1f} MiB of float32 logits never whole")
         if chunked:  # the head's matmul and the logits' reshapes, now unused
             eliminate_dead_code(state.dynamo.graph)
-        return "; ".join(lines)
+        return pass_result(chunked > 0, *lines)
 
 
 def _rewrite(gm: GraphModule, found: HeadLoss, chunks: LossChunks) -> None:

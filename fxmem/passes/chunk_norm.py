@@ -13,19 +13,19 @@ from fxmem.analysis.meta import EXAMPLE_VALUE, RECOMPUTE
 from fxmem.analysis.rms_norm import find_rms_norms
 from fxmem.cost_model.auto import chunk_rows
 from fxmem.kernels.chunked_rms_norm import chunked_rms_norm, workspace_bytes
-from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code, replace_with_call
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, eliminate_dead_code, replace_with_call
 
 
 class ChunkNorm(GraphPass):
     name = "chunk_norm"
     stage = "dynamo"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.dynamo.graph
         found = find_rms_norms(graph)
         if not found:
-            return ("no RMSNorm of Llama's form (weight * (u * rsqrt(mean(u**2) + eps)).to(x.dtype), "
-                    "u = x.to(torch.float32), over (batch, tokens, hidden))")
+            return PassResult(False, "no RMSNorm of Llama's form (weight * (u * rsqrt(mean(u**2) + eps))"
+                                     ".to(x.dtype), u = x.to(torch.float32), over (batch, tokens, hidden))")
         norm = found[0]
         rows = chunk_rows(state.config.norm_chunk, norm.tokens, norm.hidden * norm.element_size,
                           lambda backward: workspace_bytes(1, 1, norm.hidden, norm.element_size, backward=backward))
@@ -39,5 +39,6 @@ class ChunkNorm(GraphPass):
             chunked.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
         eliminate_dead_code(graph)
         wide = norm.tokens * norm.hidden * 4
-        return (f"{len(found)} RMSNorm(s) of {norm.tokens} tokens x {norm.hidden} in chunks of {rows} tokens: "
+        note = (f"{len(found)} RMSNorm(s) of {norm.tokens} tokens x {norm.hidden} in chunks of {rows} tokens: "
                 f"{wide / 2**20:.1f} MiB per float32 tensor never whole, its input the only tensor saved")
+        return PassResult(True, note)

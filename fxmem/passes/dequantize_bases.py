@@ -16,7 +16,7 @@ from torch.fx import Graph, Node
 
 from fxmem.analysis.meta import EXAMPLE_VALUE, MODULE_STACK
 from fxmem.analysis.nf4_bases import Nf4Base, find_nf4_bases
-from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code, tag_must_recompute
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, eliminate_dead_code, tag_must_recompute
 
 # bitsandbytes' nested quantization scales blocks of 256 absmax values (its gemm_4bit refuses any other)
 _NESTED_BLOCKSIZE = 256
@@ -26,7 +26,7 @@ class DequantizeBases(GraphPass):
     name = "dequantize_bases"
     stage = "dynamo"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.dynamo.graph
         found, left = find_nf4_bases(graph)
         order = {node: position for position, node in enumerate(graph.nodes)}
@@ -40,10 +40,10 @@ class DequantizeBases(GraphPass):
         left_note = (f"; {left} left as bitsandbytes runs it (a bias, autocast, or no LoRA sum the chunked ops take: "
                      "dropout)") if left else ""
         if not found:
-            return f"no bitsandbytes 4-bit product (gemm_4bit){left_note}"
+            return PassResult(False, f"no bitsandbytes 4-bit product (gemm_4bit){left_note}")
         eliminate_dead_code(graph)
-        return (f"{len(found)} bitsandbytes 4-bit product(s) as a linear on the weight dequantized by bitsandbytes, "
-                f"recomputed in backward, for the chunked ops to read{left_note}")
+        return PassResult(True, f"{len(found)} bitsandbytes 4-bit product(s) as a linear on the weight dequantized "
+                                f"by bitsandbytes, recomputed in backward, for the chunked ops to read{left_note}")
 
 
 def _linear(graph: Graph, base: Nf4Base, weight: Node) -> Node:

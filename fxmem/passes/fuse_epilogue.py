@@ -35,7 +35,7 @@ import fxmem.kernels.lora_epilogue as epilogue
 from fxmem.analysis.graph import CONSTANT_FILLS, DTYPE_CASTS, is_replayable_pointwise, is_view, numel_hint, tensor_val
 from fxmem.analysis.lora import LoraSum, lora_sums
 from fxmem.cost_model.memory import epilogue_traffic_saved
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, pass_result
 from fxmem.passes.saved_rewrite import call
 
 aten = torch.ops.aten
@@ -65,7 +65,7 @@ class FuseEpilogue(GraphPass):
     def __init__(self, *, on_reference: bool = False) -> None:
         self.on_reference = on_reference
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         found = [(f"{e.kind} ({side})", e) for side, gm in (("forward", state.fw), ("backward", state.bw))
                  for e in fuse_graph(gm, backward=side == "backward", on_reference=self.on_reference,
                                      dequantized=state.dequantized, triton=state.config.fused_epilogue)]
@@ -82,7 +82,7 @@ class FuseEpilogue(GraphPass):
                 traffic = _mib(sum(e.traffic_saved for _, e in found if e.fused is fused))
                 parts.append(text.format(kinds=", ".join(f"{count}x {what}" for what, count in sorted(kinds.items())),
                                          traffic=traffic))
-        return "; ".join(parts)
+        return pass_result(any(e.fused for _, e in found), *parts)
 
 
 @dataclass(frozen=True)

@@ -21,17 +21,17 @@ from fxmem.analysis.gqa import RepeatedHeadsAttention, find_repeated_heads_atten
 from fxmem.analysis.graph import hint
 from fxmem.analysis.loss import example_tensor
 from fxmem.analysis.mask import SDPA_PARAMETERS, sdpa_arguments
-from fxmem.passes.manager import GraphPass, PipelineState, eliminate_dead_code
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, eliminate_dead_code, pass_result
 
 
 class GqaAttention(GraphPass):
     name = "gqa_attention"
     stage = "dynamo"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         found = find_repeated_heads_attention(state.dynamo.graph)
         if not found:
-            return "no attention with repeated key and value heads (and no mask)"
+            return PassResult(False, "no attention with repeated key and value heads (and no mask)")
         backends = {match.attention: _backend(match) for match in found}
         rewritten = [m for m in found if backends[m.attention] is not None]
         for match in rewritten:
@@ -48,7 +48,7 @@ class GqaAttention(GraphPass):
         if len(rewritten) < len(found):
             lines.append(f"{len(found) - len(rewritten)} attention call(s) keep their repeated key and value heads: "
                          "SDPA has no fused kernel with enable_gqa for their device, dtype and head size")
-        return "; ".join(lines)
+        return pass_result(bool(rewritten), *lines)
 
 
 def _backend(match: RepeatedHeadsAttention) -> str | None:

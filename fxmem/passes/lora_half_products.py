@@ -30,7 +30,7 @@ from fxmem.analysis.graph import DTYPE_CASTS, aten, is_view, prims, strip, tenso
 from fxmem.analysis.lora import matmul_operands
 from fxmem.cost_model.matmul_library import half_tensor_cores
 from fxmem.passes.adapter_cast import widening_cast
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import UNCHANGED, GraphPass, PassResult, PipelineState
 from fxmem.passes.saved_rewrite import call
 
 # bf16 only: fp16's range (65504) could overflow in a product fp32 holds (a gradient under loss scaling)
@@ -41,25 +41,26 @@ class LoraHalfProducts(GraphPass):
     name = "lora_half_products"
     stage = "partitioned"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         operands = _lora_operands(state)
         if not operands:
-            return ""
+            return UNCHANGED
         products = [(gm, node) for gm in (state.fw, state.bw)
                     for node in gm.graph.find_nodes(op="call_function", target=aten.mm.default)
                     if _lora_product(node, operands)]
         if not products:
-            return ""
+            return UNCHANGED
         auto = state.config.lora_half_products == "auto"
         if auto and not half_tensor_cores(tensor_val(products[0][1]).device):
-            return ""  # 'auto' changes them only on bf16 tensor cores: they stay as PEFT runs them
+            return UNCHANGED  # 'auto' changes them only on bf16 tensor cores: they stay as PEFT runs them
         for gm, node in products:
             _half_product(gm.graph, node)
         for gm in (state.fw, state.bw):
             gm.graph.eliminate_dead_code()
         reason = "the device has bf16 tensor cores" if auto else "as configured"
-        return (f"{len(products)} LoRA product(s) of fp32 adapters run with bfloat16 inputs and float32 accumulation "
+        note = (f"{len(products)} LoRA product(s) of fp32 adapters run with bfloat16 inputs and float32 accumulation "
                 f"({reason})")
+        return PassResult(True, note)
 
 
 def strip_views(node: object) -> Node:

@@ -16,7 +16,7 @@ x A^T of the dropped x, saved, and x W^T of x itself; the mask and the dropped x
 are replay_dropout's. A LoRA linear whose output feeds
 no non-linear operator (o_proj, down_proj: a residual add saves nothing), and,
 below 8 bits, one feeding GELU or tanh, whose saved derivative quantizes better
-than their input (cost_model.planner.rebuild_refusal).
+than their input (cost_model.options.rebuild_refusal).
 """
 
 from __future__ import annotations
@@ -38,15 +38,18 @@ from fxmem.analysis.graph import (
 )
 from fxmem.analysis.lora import NF4_LINEAR, LoraLinear, find_lora_linears
 from fxmem.analysis.meta import LORA_REORDERED
-from fxmem.analysis.roles import (
-    ACTIVATIONS,
-    NONLINEAR_POINTWISE,
-    eager_attention_operand,
-    is_fused_attention,
-    rope_trig,
+from fxmem.analysis.ops import ACTIVATIONS, NONLINEAR_POINTWISE, is_fused_attention
+from fxmem.analysis.roles import eager_attention_operand, rope_trig
+from fxmem.cost_model.options import rebuild_refusal
+from fxmem.passes.manager import (
+    UNCHANGED,
+    GraphPass,
+    PassResult,
+    PipelineState,
+    joint_primals,
+    pass_result,
+    tag_must_recompute,
 )
-from fxmem.cost_model.planner import rebuild_refusal
-from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
 
 aten = torch.ops.aten
 # Non-pointwise ops an epilogue may pass through: RoPE's rotate_half is slice, neg, cat.
@@ -57,7 +60,7 @@ class LoraReorder(GraphPass):
     name = "lora_reorder"
     stage = "joint"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.joint.graph
         params = joint_primals(graph)
         loras = [lora for lora in find_lora_linears(graph, params) if schema_name(lora.base.target) != NF4_LINEAR]
@@ -79,7 +82,7 @@ class LoraReorder(GraphPass):
             tag_must_recompute([*_lora_branch(lora), *reach])
             kinds[kind] += 1
         if not kinds and not refused:
-            return ""
+            return UNCHANGED
         parts = []
         if kinds:
             rebuilt = ", ".join(f"{count}x {kind}" for kind, count in sorted(kinds.items()))
@@ -87,7 +90,7 @@ class LoraReorder(GraphPass):
         parts += [f"{count} {refusal}" for refusal, count in refused.items()]
         if linear_consumers:
             parts.append(f"{linear_consumers} feeding no activation, Hadamard product or fused attention left as is")
-        return "; ".join(parts)
+        return pass_result(bool(kinds), *parts)
 
 
 def _backward_nodes(graph: Graph) -> set[Node]:

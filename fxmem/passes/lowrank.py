@@ -28,9 +28,9 @@ import torch
 from torch.fx import Node
 
 from fxmem.analysis.graph import memory_order, storage_base
-from fxmem.cost_model.plan import Plan
+from fxmem.cost_model.plan import Action, Plan
 from fxmem.kernels.lowrank import DEFAULT_NITER
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, pass_result
 from fxmem.passes.saved_rewrite import (
     SavedTensorEditor,
     call,
@@ -52,15 +52,15 @@ class LowRankSaved(GraphPass):
     name = "lowrank"
     stage = "partitioned"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         rebuilt: dict[Node, list[Node]] = {}  # forward storage -> the backward nodes that rebuild it, last = value
-        factored = rewrite_planned(state, "lowrank", lambda editor, members, plan: _factor(
+        factored = rewrite_planned(state, Action.LOWRANK, lambda editor, members, plan: _factor(
             editor, members, plan, rebuilt))
-        shared = rewrite_planned(state, "prenorm", lambda editor, members, plan: rebuild_norm_input(
+        shared = rewrite_planned(state, Action.PRENORM, lambda editor, members, plan: rebuild_norm_input(
             editor, members, plan, rebuilt), where=lambda plan: plan.rank > 0)
         parts = [f"{len(factored)} storage(s) stored as low-rank factors" if factored else "",
                  f"{len(shared)} norm input(s) rebuilt from their output's factors" if shared else ""]
-        return "; ".join(p for p in parts if p)
+        return pass_result(bool(factored or shared), *parts)
 
 
 def _factor(editor: SavedTensorEditor, members: list[Node], plan: Plan, rebuilt: dict[Node, list[Node]]) -> Node:

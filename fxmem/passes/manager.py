@@ -25,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fxmem.analysis import Analysis
 from fxmem.analysis.meta import MODULE_STACK, RECOMPUTE
 from fxmem.config import Config
-from fxmem.cost_model.plan import Plan
+from fxmem.cost_model.plan import Action, Plan
 from fxmem.fallback import FallbackError, fall_back
 from fxmem.kernels import calibration
 from fxmem.kernels import probe as probe_kernel
@@ -67,15 +67,40 @@ class PipelineState:
 
 
 @dataclass(frozen=True)
+class PassResult:
+    """What one pass did to a region's graphs."""
+
+    changed: bool  # it rewrote a graph: the region is no longer what inductor alone would compile
+    note: str = ""  # what it changed, or why it left the graphs as torch runs them ('' where there is nothing to say)
+    redraws: bool = False  # backward draws again random numbers forward drew (a replayed dropout, a recomputed block)
+
+
+def pass_result(changed: bool, *notes: str, redraws: bool = False) -> PassResult:
+    """A result whose note is the non-empty ``notes`` joined."""
+    return PassResult(changed, "; ".join(note for note in notes if note), redraws)
+
+
+UNCHANGED = PassResult(False)
+
+
+@dataclass(frozen=True)
 class PassRecord:
     name: str
     stage: Stage
-    summary: str  # what the pass changed, '' if nothing
+    result: PassResult
     seconds: float
     error: str | None = None
 
+    @property
+    def changed(self) -> bool:
+        return self.error is None and self.result.changed
+
+    @property
+    def note(self) -> str:
+        return self.result.note
+
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "stage": self.stage, "summary": self.summary,
+        return {"name": self.name, "stage": self.stage, "changed": self.changed, "note": self.note,
                 "seconds": round(self.seconds, 4), "error": self.error}
 
 
@@ -94,8 +119,8 @@ class GraphPass(ABC):
         return not self.techniques or any(technique.enabled(config) for technique in self.techniques)
 
     @abstractmethod
-    def run(self, state: PipelineState) -> str:
-        """Rewrite ``state``'s graphs in place; return a one-line summary ('' if nothing changed)."""
+    def run(self, state: PipelineState) -> PassResult:
+        """Rewrite ``state``'s graphs in place; say whether it changed them, and how or why not."""
 
 
 def copy_graph_module(gm: GraphModule) -> GraphModule:
@@ -162,7 +187,7 @@ class PassManager:
         """Run the stage's enabled passes in order; ``skip``: passes left out, each recorded with its reason."""
         skip = skip or {}
         enabled = [p for p in self.passes if p.stage == stage and p.enabled(state.config)]
-        skipped = [PassRecord(p.name, stage, skip[p.name], 0.0) for p in enabled if p.name in skip]
+        skipped = [PassRecord(p.name, stage, PassResult(False, skip[p.name]), 0.0) for p in enabled if p.name in skip]
         active = [p for p in enabled if p.name not in skip]
         if not active:
             return skipped
@@ -174,7 +199,7 @@ class PassManager:
         for position, graph_pass in enumerate(active):
             start = time.perf_counter()
             try:
-                summary = graph_pass.run(state)
+                result = graph_pass.run(state)
                 for gm in state.graphs(stage).values():
                     gm.graph.lint()
                     gm.recompile()
@@ -190,15 +215,16 @@ class PassManager:
                 calibration.release(slot for slot in state.slots if slot.id not in kept_slots)
                 state.slots, state.dequantized, state.stored, state.probes = slots, dequantized, stored, probes
                 # what the stage would have moved to host memory (block_offload) stays on the device too
-                state.plans = [p if p.action == "keep" and not p.host
-                               else Plan("keep", f"pass {graph_pass.name} failed: rolled back") for p in plans]
-                records.append(PassRecord(graph_pass.name, stage, "", time.perf_counter() - start,
+                state.plans = [p if p.action is Action.KEEP and not p.host
+                               else Plan(Action.KEEP, f"pass {graph_pass.name} failed: rolled back") for p in plans]
+                records.append(PassRecord(graph_pass.name, stage, UNCHANGED, time.perf_counter() - start,
                                           error=f"{type(error).__name__}: {error}"))
-                records.extend(PassRecord(p.name, stage, "not run: an earlier pass of this stage failed", 0.0)
+                records.extend(PassRecord(p.name, stage, PassResult(False, "not run: an earlier pass of this stage "
+                                                                           "failed"), 0.0)
                                for p in active[position + 1:])
                 # strict mode raises here, the pass's own error chained; otherwise the region warns (Region.add)
                 fall_back(f"pass {graph_pass.name} ({stage} stage) failed: {type(error).__name__}: {error}",
                           state.config, warn=False)
                 return records + skipped
-            records.append(PassRecord(graph_pass.name, stage, summary, time.perf_counter() - start))
+            records.append(PassRecord(graph_pass.name, stage, result, time.perf_counter() - start))
         return records + skipped

@@ -13,14 +13,14 @@ from torch.fx import Node
 
 from fxmem.analysis.blocks import is_forward
 from fxmem.analysis.graph import DTYPE_CASTS
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import UNCHANGED, GraphPass, PassResult, PipelineState
 
 
 class MergeCasts(GraphPass):
     name = "merge_casts"
     stage = "joint"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.joint.graph
         first: dict[tuple, Node] = {}
         merged = 0
@@ -34,4 +34,4 @@ class MergeCasts(GraphPass):
             node.replace_all_uses_with(first[key])
             graph.erase_node(node)
             merged += 1
-        return f"{merged} duplicate cast(s) merged" if merged else ""
+        return PassResult(True, f"{merged} duplicate cast(s) merged") if merged else UNCHANGED

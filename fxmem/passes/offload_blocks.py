@@ -1,8 +1,8 @@
 """Move each checkpointed block's stored input to host memory between forward and backward (block_offload).
 
-The planner marks the plans (cost_model/planner.fit_ceilings, or fit_budget under a budget); this moves what each
-stores: the saved tensor itself where it is kept exact, or the tensors the quantize or lowrank pass saved in its
-place. Forward copies each to host memory after its last forward reader and saves the copy; backward copies it
+The planner marks the plans (cost_model/planner.fit_ceilings, or cost_model/budget.fit_budget under a budget);
+this moves what each stores: the saved tensor itself where it is kept exact, or the tensors the quantize or
+lowrank pass saved in its place. Forward copies each to host memory after its last forward reader and saves the copy; backward copies it
 back to the device before its first reader. Both copies are ``prims.device_put``, as torch's own activation
 offloading inserts them (torch/_functorch/_activation_offloading), and run on the compute stream in the graph's
 order: the device holds one block's input at a time, for the time of two copies over the host link per block.
@@ -25,9 +25,10 @@ from torch.fx import Node
 from fxmem.analysis.graph import is_view, storage_bytes
 from fxmem.analysis.meta import HOST, VALUE
 from fxmem.analysis.saved import stashed_unchecked
-from fxmem.cost_model.planner import on_device
+from fxmem.cost_model.options import on_device
+from fxmem.cost_model.plan import Action
 from fxmem.fallback import fall_back
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, pass_result
 from fxmem.passes.saved_rewrite import SavedTensorEditor, call
 
 aten = torch.ops.aten
@@ -39,7 +40,7 @@ class OffloadBlocks(GraphPass):
     name = "offload_blocks"
     stage = "partitioned"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         editor = SavedTensorEditor(state)
         storages: dict[str, list[int]] = {}
         for index, (saved, plan) in enumerate(zip(state.analysis.saved, state.plans, strict=True)):
@@ -50,7 +51,7 @@ class OffloadBlocks(GraphPass):
         position = {n: i for i, n in enumerate(editor.fw.graph.nodes)}
         for indices in storages.values():
             owner, plan = state.analysis.saved[indices[0]], state.plans[indices[0]]  # the owner carries the plan
-            parts = [owner.node] if plan.action == "keep" else state.stored.get(owner.base.name, [])
+            parts = [owner.node] if plan.action is Action.KEEP else state.stored.get(owner.base.name, [])
             parts = [p for p in parts if storage_bytes(p.meta[VALUE])]  # an empty one (no outliers) holds nothing
             why = _unmovable(state, editor, parts)
             if why is not None:  # the plan says what stays: the device holds it whole
@@ -69,7 +70,7 @@ class OffloadBlocks(GraphPass):
         summary = [f"{len(moved)} stored tensor(s) of {len(storages) - len(left)} block input(s) in host memory "
                    f"between forward and backward ({nbytes / 2**20:.2f} MiB)" if moved else "",
                    f"left on the device: {', '.join(left)} (their plans say why)" if left else ""]
-        return "; ".join(p for p in summary if p)
+        return pass_result(bool(moved), *summary)
 
 
 def _unmovable(state: PipelineState, editor: SavedTensorEditor, parts: list[Node]) -> str | None:

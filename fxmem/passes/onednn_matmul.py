@@ -18,7 +18,7 @@ from torch.fx import Graph, Node
 from fxmem.analysis.graph import aten, hint, tensor_val
 from fxmem.cost_model.matmul_library import cpu_matmul_library
 from fxmem.kernels.onednn_matmul import ONEDNN_MM, onednn_applies
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import UNCHANGED, GraphPass, PassResult, PipelineState
 from fxmem.passes.saved_rewrite import call
 
 PRODUCTS = (aten.mm.default, aten.addmm.default)
@@ -29,7 +29,7 @@ class OnednnMatmul(GraphPass):
     stage = "partitioned"
     speed_only = True
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         moved = total = 0
         for gm in (state.fw, state.bw):
             products = [node for node in gm.graph.nodes if node.op == "call_function" and node.target in PRODUCTS]
@@ -39,8 +39,9 @@ class OnednnMatmul(GraphPass):
                 moved += operands is not None and _swap_if_faster(gm.graph, node, *operands)
             gm.graph.eliminate_dead_code()
         if not moved:
-            return ""
-        return f"{moved} of {total} CPU matrix product(s) run by oneDNN (measured faster than aten's here)"
+            return UNCHANGED
+        note = f"{moved} of {total} CPU matrix product(s) run by oneDNN (measured faster than aten's here)"
+        return PassResult(True, note)
 
 
 def _operands(node: Node) -> tuple[Node, Node, Node | None] | None:

@@ -21,10 +21,10 @@ import torch
 from torch.fx import Node
 
 from fxmem.analysis.graph import memory_order
-from fxmem.cost_model.plan import Plan
+from fxmem.cost_model.plan import Action, Plan
 from fxmem.kernels import quantize as kernel
 from fxmem.kernels.calibration import QuantSlot, register, release
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, pass_result
 from fxmem.passes.saved_rewrite import (
     SavedTensorEditor,
     call,
@@ -43,15 +43,15 @@ class QuantizeSaved(GraphPass):
     name = "quantize"
     stage = "partitioned"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         restored: dict[Node, list[Node]] = {}  # forward storage -> the backward nodes that restore it, last = value
-        done = rewrite_planned(state, "quantize", lambda editor, members, plan: _rewrite(
+        done = rewrite_planned(state, Action.QUANTIZE, lambda editor, members, plan: _rewrite(
             editor, members, plan, state, restored))
-        shared = rewrite_planned(state, "prenorm", lambda editor, members, plan: rebuild_norm_input(
+        shared = rewrite_planned(state, Action.PRENORM, lambda editor, members, plan: rebuild_norm_input(
             editor, members, plan, restored), where=lambda plan: plan.bits is not None)
         parts = [f"{len(done)} storage(s) quantized" if done else "",
                  f"{len(shared)} norm input(s) rebuilt from their output's codes" if shared else ""]
-        return "; ".join(p for p in parts if p)
+        return pass_result(bool(done or shared), *parts)
 
 
 def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan, state: PipelineState,

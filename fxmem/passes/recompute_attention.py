@@ -32,17 +32,17 @@ from torch.fx import Node
 
 from fxmem.analysis.eager_attention import eager_attention_chains
 from fxmem.analysis.graph import layer_of, module_path, tensor_val
-from fxmem.analysis.roles import dropout_probability, is_fused_attention
+from fxmem.analysis.ops import dropout_probability, is_fused_attention
 from fxmem.cost_model.prices import attention_op_seconds, forward_seconds
 from fxmem.fallback import unsupported
-from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, pass_result, tag_must_recompute
 
 
 class RecomputeAttention(GraphPass):
     name = "recompute_attention"
     stage = "joint"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         tagged = skipped = exact = whole = 0
         seconds = 0.0
 
@@ -94,4 +94,4 @@ class RecomputeAttention(GraphPass):
             parts.append(f"{unreplayable} eager attention(s) with dropout from a stateful generator left saving their "
                          "probabilities")
             unsupported(f"recompute_attention: {parts[-1]}", state.config)
-        return "; ".join(parts)
+        return pass_result(bool(tagged or eager), *parts)

@@ -22,16 +22,16 @@ from torch.fx import Node
 from fxmem.analysis.blocks import is_forward
 from fxmem.analysis.graph import DTYPE_CASTS, storage_bytes, strip, tensor_val, users_through_views
 from fxmem.analysis.meta import RECOMPUTE
+from fxmem.analysis.ops import op_argument
 from fxmem.analysis.recompute import input_derived
-from fxmem.analysis.roles import op_argument
-from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
+from fxmem.passes.manager import UNCHANGED, GraphPass, PassResult, PipelineState, joint_primals, tag_must_recompute
 
 
 class RecomputeInputs(GraphPass):
     name = "recompute_inputs"
     stage = "joint"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.joint.graph
         primals = joint_primals(graph)
         derived = input_derived((n for n in graph.nodes if is_forward(n)), primals)
@@ -40,7 +40,7 @@ class RecomputeInputs(GraphPass):
         masks = [n for n in derived if any(_reads_as_mask(user, n) for user in n.users) and _read_by_backward(n)]
         rebuilt = [n for n in casts + masks if RECOMPUTE not in n.meta]
         if not rebuilt:
-            return ""
+            return UNCHANGED
         chains: set[Node] = set()
         stack = list(rebuilt)
         while stack:
@@ -52,7 +52,7 @@ class RecomputeInputs(GraphPass):
         parts = [f"{len(group)} {what} ({sum(storage_bytes(tensor_val(n)) for n in group) / 2**20:.1f} MiB)"
                  for what, group in (("cast(s) of the inputs", [n for n in rebuilt if n in casts]),
                                      ("attention mask(s)", [n for n in rebuilt if n not in casts])) if group]
-        return f"{' and '.join(parts)} built from the graph's inputs alone, recomputed in backward"
+        return PassResult(True, f"{' and '.join(parts)} built from the graph's inputs alone, recomputed in backward")
 
 
 def _read_by_backward(node: Node) -> bool:

@@ -26,15 +26,15 @@ from fxmem.analysis.graph import (
     tensor_val,
 )
 from fxmem.analysis.lora import MATMULS, matmul_operands
-from fxmem.analysis.roles import LOG_SOFTMAXES
-from fxmem.passes.manager import GraphPass, PipelineState, tag_must_recompute
+from fxmem.analysis.ops import LOG_SOFTMAXES
+from fxmem.passes.manager import UNCHANGED, GraphPass, PassResult, PipelineState, tag_must_recompute
 
 
 class RecomputeLogits(GraphPass):
     name = "recompute_logits"
     stage = "joint"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         heads: dict[Node, set[Node]] = {}
         for node in state.joint.graph.nodes:
             if node.op != "call_function" or original_op(node) not in LOG_SOFTMAXES:
@@ -46,9 +46,10 @@ class RecomputeLogits(GraphPass):
         for chain in heads.values():
             tag_must_recompute(chain)
         if not heads:
-            return ""
+            return UNCHANGED
         freed = sum(storage_bytes(tensor_val(head)) for head in heads)
-        return f"{len(heads)} logits tensor(s) ({freed / 2**20:.1f} MiB) tagged to be recomputed from the LM head input"
+        note = f"{len(heads)} logits tensor(s) ({freed / 2**20:.1f} MiB) tagged to be recomputed from the LM head input"
+        return PassResult(True, note)
 
 
 def _chain_to_matmul(node: Node) -> list[Node] | None:

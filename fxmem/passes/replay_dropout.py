@@ -25,7 +25,7 @@ from fxmem.analysis.graph import original_op, storage_base, tensor_val
 from fxmem.analysis.lora import find_lora_linears, matmul_operands
 from fxmem.fallback import unsupported
 from fxmem.passes.adapter_cast import keep_x_saved
-from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
+from fxmem.passes.manager import GraphPass, PassResult, PipelineState, joint_primals, pass_result, tag_must_recompute
 
 prims = torch.ops.prims
 SEEDED_DRAW = prims.inductor_random.default  # what inductor turns aten's random ops into
@@ -36,7 +36,7 @@ class ReplayDropout(GraphPass):
     name = "replay_dropout"
     stage = "joint"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.joint.graph
         replayed: dict[Node, tuple[list[Node], Node]] = {}  # x' -> its dropout's nodes and x, once per x'
         stateful = []
@@ -62,7 +62,7 @@ class ReplayDropout(GraphPass):
         if stateful:
             parts.append(f"left as is, a dropout mask not drawn from a seed alone: {', '.join(stateful)}")
             unsupported(f"replay_dropout: {parts[-1]}", state.config)
-        return "; ".join(parts)
+        return pass_result(bool(replayed), *parts, redraws=bool(replayed))
 
 
 def dropout_nodes(x_lora: Node, x: Node) -> list[Node]:

@@ -32,7 +32,7 @@ from fxmem.analysis.meta import LORA_REORDERED
 from fxmem.cost_model.lora_orders import BACKWARD_ASSOCIATIONS, LoraShape, OrderChoice, choose_by_flops
 from fxmem.cost_model.lora_timing import choose_by_time
 from fxmem.fallback import unsupported
-from fxmem.passes.manager import GraphPass, PipelineState, joint_primals, tag_must_recompute
+from fxmem.passes.manager import UNCHANGED, GraphPass, PassResult, PipelineState, joint_primals, tag_must_recompute
 from fxmem.passes.saved_rewrite import call
 
 MM = aten.mm.default
@@ -64,7 +64,7 @@ class RunLora(GraphPass):
     name = "runlora"
     stage = "joint"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.joint.graph
         params = joint_primals(graph)
         decisions: dict[tuple[LoraShape, str, str], int] = {}
@@ -89,7 +89,7 @@ class RunLora(GraphPass):
             decisions[key] = decisions.get(key, 0) + 1
         graph.eliminate_dead_code()
         if not decisions and not skipped:
-            return ""
+            return UNCHANGED
         parts = [f"{count}x n={s.tokens} {s.in_features}->{s.out_features} r={s.rank}: {fwd}/{bwd}"
                  for (s, fwd, bwd), count in decisions.items()]
         summary = f"{sum(decisions.values())} LoRA linear(s) reordered, x A^T recomputed, not saved ({'; '.join(parts)})"
@@ -97,7 +97,7 @@ class RunLora(GraphPass):
             summary += f"; left as traced: {', '.join(skipped)}"
             if unsupported_loras:
                 unsupported(f"runlora: left as traced: {', '.join(unsupported_loras)}", state.config)
-        return summary
+        return PassResult(bool(decisions), summary)
 
 
 def _shape(lora: LoraLinear) -> LoraShape:

@@ -23,7 +23,7 @@ from fxmem.analysis.meta import VALUE
 from fxmem.analysis.norm import scale_source
 from fxmem.analysis.rope import Replay
 from fxmem.analysis.saved import SYMBOLIC, saved_placeholders, stashed_unchecked
-from fxmem.cost_model.plan import Plan
+from fxmem.cost_model.plan import Action, Plan
 from fxmem.fallback import fall_back
 from fxmem.kernels import probe as probe_kernel
 from fxmem.passes.manager import PipelineState
@@ -134,7 +134,7 @@ class SavedTensorEditor:
         return twin
 
 
-def rewrite_planned(state: PipelineState, action: str,
+def rewrite_planned(state: PipelineState, action: Action,
                     rewrite: Callable[[SavedTensorEditor, list[Node], Plan], object],
                     where: Callable[[Plan], bool] = lambda plan: True) -> list[object]:
     """Call ``rewrite(editor, members, owner_plan)`` for every storage planned ``action`` whose owner's plan is
@@ -145,7 +145,7 @@ def rewrite_planned(state: PipelineState, action: str,
     editor = SavedTensorEditor(state)
     groups: dict[str, list[int]] = {}
     for index, (saved, plan) in enumerate(zip(state.analysis.saved, state.plans, strict=True)):
-        if plan.action == action:
+        if plan.action is action:
             groups.setdefault(saved.storage, []).append(index)
     done, left = [], []
     for indices in groups.values():
@@ -157,7 +157,7 @@ def rewrite_planned(state: PipelineState, action: str,
             done.append(rewrite(editor, members, owner_plan))
         except Unmappable as error:
             for i in indices:
-                state.plans[i] = Plan("keep", f"planned {action}, left as it was: {error}")
+                state.plans[i] = Plan(Action.KEEP, f"planned {action}, left as it was: {error}")
             left.append(f"{', '.join(m.name for m in members)} ({error})")
     if left:  # one warning for the pass: each storage's reason is in its plan too
         fall_back(f"planned {action} left undone, the tensors kept exact: {'; '.join(left)}", state.config,

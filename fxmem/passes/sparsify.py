@@ -12,8 +12,8 @@ from torch.fx import Node
 
 from fxmem.analysis.graph import storage_base
 from fxmem.cost_model.memory import sparse_index_bytes
-from fxmem.cost_model.plan import Plan
-from fxmem.passes.manager import GraphPass, PipelineState
+from fxmem.cost_model.plan import Action, Plan
+from fxmem.passes.manager import UNCHANGED, GraphPass, PassResult, PipelineState
 from fxmem.passes.saved_rewrite import SavedTensorEditor, call, compress_storage, rewrite_planned
 
 aten = torch.ops.aten
@@ -24,9 +24,9 @@ class SparsifyAttention(GraphPass):
     name = "sparsify_attention"
     stage = "partitioned"
 
-    def run(self, state: PipelineState) -> str:
-        pruned = rewrite_planned(state, "sparsify", _rewrite)
-        return f"{len(pruned)} attention map(s) pruned" if pruned else ""
+    def run(self, state: PipelineState) -> PassResult:
+        pruned = rewrite_planned(state, Action.SPARSIFY, _rewrite)
+        return PassResult(True, f"{len(pruned)} attention map(s) pruned") if pruned else UNCHANGED
 
 
 def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan) -> Node:

@@ -4,6 +4,7 @@ import torch
 
 import fxmem
 from fxmem.analysis import Role
+from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity
 from tests.conftest import compiled_step, randomize_lora_b, tiny_model
 
@@ -21,7 +22,7 @@ def test_a_routers_scores_are_kept_exact_where_attention_probabilities_would_be_
     rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes]
     routers = [(s, p) for s, p in rows if s.role is Role.ROUTER]
     assert {s.detail for s, _ in routers} == {"scores a top-k chooses from", "the chosen experts' weights"}
-    assert all(p.action == "keep" and p.reason == "kept exact: router" for _, p in routers)
+    assert all(p.action is Action.KEEP and p.reason == "kept exact: router" for _, p in routers)
     assert not [s for s, _ in rows if s.role is Role.ATTN_PROBS]  # the model's attention is fused (sdpa)
     router_grads = [name for name in exact if ".mlp.gate." in name]
     assert len(router_grads) == 2  # the router's LoRA A and B

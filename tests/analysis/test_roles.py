@@ -9,6 +9,7 @@ import fxmem
 from fxmem.analysis import Role, find_lora_linears
 from fxmem.analysis.graph import clean_module_path, layer_of, tensor_val
 from fxmem.backend import Backend
+from fxmem.cost_model.plan import Action
 from fxmem.measure import model_tensors, saved_activation_bytes
 from fxmem.passes import PassManager
 from fxmem.techniques import default_passes
@@ -82,8 +83,8 @@ def test_a_norm_over_each_head_of_q_and_k_is_a_norm_input_that_feeds_attention(a
     torch._dynamo.reset()
     model, batch = tiny_model("qwen3", lora=True, attn=attn)
     plans = {s.name: p for _, s, p in fxmem.inspect(model, **batch, config=fxmem.Config.from_preset(
-        "hyclora-2bit")).rows()}
-    assert all(plans[s.name].action == "prenorm" and plans[s.name].bits == 8 for s in per_head)
+        "hyclora-2bit"), guard=False).rows()}
+    assert all(plans[s.name].action is Action.PRENORM and plans[s.name].bits == 8 for s in per_head)
 
 
 @pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
@@ -97,8 +98,8 @@ def test_the_input_of_the_q_k_v_projections_reaches_attention_and_takes_qkv_bits
     inputs = [(s, p) for _, s, p in report.rows() if s.nbytes and Role.LINEAR_INPUT in (s.role, *s.also)]
     projected = [(s, p) for s, p in inputs if s.reaches_attention]
     assert len(projected) == LAYERS and {s.reaches_attention for s, _ in projected} <= {"q", "k", "v"}
-    assert all(p.action == "quantize" and p.bits == 8 for _, p in projected)
-    assert all(p.bits == 4 for s, p in inputs if not s.reaches_attention and p.action == "quantize")
+    assert all(p.action is Action.QUANTIZE and p.bits == 8 for _, p in projected)
+    assert all(p.bits == 4 for s, p in inputs if not s.reaches_attention and p.action is Action.QUANTIZE)
 
 
 def test_bert_roles_with_dropout_and_layer_norm():
@@ -139,8 +140,8 @@ def test_predicted_bytes_equal_measured_compiled_bytes(family):
 def _fw_graph_and_params(monkeypatch, model, batch):
     """The partitioned forward graph and its parameter placeholders, as fxmem's analysis receives them."""
     captured = {}
-    backend_module = importlib.import_module("fxmem.backend")
-    analyze = backend_module.analyze
+    pipeline = importlib.import_module("fxmem.pipeline")
+    analyze = pipeline.analyze
 
     def capture(fw, bw, num_fwd_outputs, static_input_indices):
         placeholders = list(fw.graph.find_nodes(op="placeholder"))
@@ -148,7 +149,7 @@ def _fw_graph_and_params(monkeypatch, model, batch):
         captured["params"] = frozenset(placeholders[i] for i in static_input_indices)
         return analyze(fw, bw, num_fwd_outputs, static_input_indices)
 
-    monkeypatch.setattr(backend_module, "analyze", capture)
+    monkeypatch.setattr(pipeline, "analyze", capture)
     fxmem.inspect(model, **batch)
     return captured["graph"], captured["params"]
 

@@ -156,7 +156,7 @@ def test_a_region_left_unplanned_is_no_peak_of_zero_bytes(monkeypatch):
         raise RuntimeError("no plan")
 
     # every plan fails: each prediction's region compiles unplanned, and so does the region itself
-    monkeypatch.setattr(importlib.import_module("fxmem.backend"), "plan_region", fail)
+    monkeypatch.setattr(importlib.import_module("fxmem.pipeline"), "plan_region", fail)
     monkeypatch.delenv("FXMEM_STRICT", raising=False)
     model, batch = tiny_model("llama", lora=True, layers=1)
     backend = fxmem.backend("exact", mlp_chunk="auto")

@@ -102,7 +102,7 @@ def test_the_runlora_pass_in_time_mode_times_real_tensors_once_per_layer_shape(m
     backend = Backend(Config(runlora="time"), lowering="eager")
     torch.compile(model, backend=backend)(**batch).loss.backward()
     [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
-    assert record.summary.startswith("14 LoRA linear(s) reordered")  # 2 layers x 7 linears
+    assert record.note.startswith("14 LoRA linear(s) reordered")  # 2 layers x 7 linears
     # compile time runs inside AOTAutograd's fake mode; the timing must not measure fake tensors
     assert timed and not any(isinstance(x, FakeTensor) for _, x in timed)
     # measured once per (shape, gradients needed), not once per layer: 3 shapes, fewer than 14 linears

@@ -1,7 +1,16 @@
 import pytest
 
-from fxmem.cost_model.loss import (BLOCK_ROWS, MIN_CHUNK_ROWS, VOCAB_CHUNK, LossChunks, chunked_loss_bytes,
-                                   logits_bytes, loss_chunk_rows, loss_chunks, unfused_loss_bytes)
+from fxmem.cost_model.loss import (
+    BLOCK_ROWS,
+    MIN_CHUNK_ROWS,
+    VOCAB_CHUNK,
+    LossChunks,
+    chunked_loss_bytes,
+    logits_bytes,
+    loss_chunk_rows,
+    loss_chunks,
+    unfused_loss_bytes,
+)
 
 
 @pytest.mark.parametrize("tokens, vocab, hidden, element_size, rows", [

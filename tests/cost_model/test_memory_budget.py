@@ -1,5 +1,5 @@
 """memory_budget: from the exact plan, the planner spends each region down to its target over typed options, one
-rule for all (cost_model.planner.fit_budget): the least error class first (exact: recompute, replay, offload; then
+rule for all (cost_model.budget.fit_budget): the least error class first (exact: recompute, replay, offload; then
 quantization, least sensitive tensors first; then low-rank factors), the fewest seconds per byte saved within it."""
 
 import re
@@ -9,6 +9,7 @@ import torch
 
 import fxmem
 from fxmem.analysis import Role
+from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity
 from tests.conftest import compiled_step, loss_and_grads, randomize_lora_b, tiny_model
 
@@ -26,7 +27,7 @@ def _budget_run(config):
 
 
 def _quantized(region):
-    return [(s, p) for s, p in zip(region.saved, region.plans, strict=True) if p.action == "quantize" and s.nbytes]
+    return [(s, p) for s, p in zip(region.saved, region.plans, strict=True) if p.action is Action.QUANTIZE and s.nbytes]
 
 
 def _compile_saved():
@@ -47,14 +48,14 @@ def test_a_fraction_is_of_what_torch_compile_saves_and_is_spent_on_free_recomput
     assert saved == _planned(region) <= region.budget_bytes < exact_saved
     assert any(n.startswith("memory_budget 0.6: planned") for n in region.notes), region.notes
     spent = [(s, p) for s, p in zip(region.saved, region.plans, strict=True) if p.reason.endswith("(memory_budget)")]
-    recomputed = [p for _, p in spent if p.action == "recompute"]
+    recomputed = [p for _, p in spent if p.action is Action.RECOMPUTE]
     assert recomputed and all(p.reason.startswith("rebuilt element-wise") for p in recomputed)  # exact, nearly free
     quantized = _quantized(region)
     assert all(p.bits == 8 and p.reason.endswith("(memory_budget)") for _, p in quantized)
     # linear, activation and product inputs suffice here: norm inputs and q, k, v stay exact
     assert {s.role for s, _ in quantized} <= {Role.LINEAR_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT}
     # q, k and v stay exact, so attention's output is saved as torch saves it: no attention forward in backward
-    passes = {p.name: p.summary for p in region.passes}
+    passes = {p.name: p.note for p in region.passes}
     assert passes["recompute_attention"] == "not run: q, k and v stay exact under memory_budget"
     assert any(s.role is Role.ATTN_OUT for s in region.saved)
     assert gradient_fidelity(exact_grads, grads).min_cosine > 0.999
@@ -78,14 +79,14 @@ def test_an_unreachable_budget_takes_every_quantizable_tensor_to_2_bits_warns_an
 
 
 def test_the_ladder_finishes_each_stage_before_the_next_and_lowers_q_k_v_last():
-    from fxmem.cost_model.planner import BUDGET_STAGES
+    from fxmem.cost_model.budget import BUDGET_STAGES
     _, _, region = _budget_run(fxmem.Config(memory_budget=LADDER_BUDGET))  # reaches q, k, v at 4 bits here
     sensitivity = {Role.ATTN_QKV: 3, Role.LINEAR_INPUT: 2, Role.NORM_INPUT: 1}  # no lora_reorder: no X W here
     bits = {s.name: (p.bits, sensitivity.get(s.role, 0)) for s, p in _quantized(region)}
     reached = max(BUDGET_STAGES.index((b, group)) for b, group in bits.values())
     assert reached >= BUDGET_STAGES.index((4, 3))
     # q, k and v compressed: attention reruns in backward on the values backward uses, its output not saved
-    passes = {p.name: p.summary for p in region.passes}
+    passes = {p.name: p.note for p in region.passes}
     assert passes["recompute_attention"].startswith("2 attention op(s) recomputed in backward (about ")
     assert not any(s.role is Role.ATTN_OUT for s in region.saved)
     for stage_bits, group in BUDGET_STAGES[:reached]:
@@ -96,13 +97,13 @@ def test_attention_is_recomputed_only_in_the_layers_whose_q_k_v_the_budget_compr
     # the ladder's budget compresses both layers' q, k and v; the first plan is read as if it had compressed only
     # layer 0's: attention reruns there alone, and layer 1 saves its q, k, v and output exact
     import importlib
-    backend_module = importlib.import_module("fxmem.backend")  # the module: fxmem.backend is also a function
+    pipeline = importlib.import_module("fxmem.pipeline")
     first = "base_model.model.model.layers.0"
-    monkeypatch.setattr(backend_module._Partition, "compressed_attention_layers", lambda self: frozenset({first}))
+    monkeypatch.setattr(pipeline.Partition, "compressed_attention_layers", lambda self: frozenset({first}))
     _, exact_grads, _ = _budget_run(fxmem.Config())
     with pytest.warns(UserWarning, match="not met"):  # layer 1's q, k and v kept exact: the target is out of reach
         _, grads, region = _budget_run(fxmem.Config(memory_budget=LADDER_BUDGET))
-    passes = {p.name: p.summary for p in region.passes}
+    passes = {p.name: p.note for p in region.passes}
     assert passes["recompute_attention"].startswith("1 attention op(s) recomputed in backward (about ")
     assert passes["recompute_attention"].endswith("; 1 left saving q, k, v and the output exact (memory_budget: "
                                                   "their q, k and v stay exact)")
@@ -159,7 +160,7 @@ def test_exact_options_come_first_an_x_w_replayed_from_its_x_before_any_quantiza
     assert not _quantized(region)
     replayed = [(s, p) for s, p in zip(region.saved, region.plans, strict=True)
                 if p.reason.startswith("rebuilt in backward as x W^T from")]
-    assert replayed and all(s.role is Role.LORA_BASE_OUTPUT and p.action == "recompute" and p.seconds > 0
+    assert replayed and all(s.role is Role.LORA_BASE_OUTPUT and p.action is Action.RECOMPUTE and p.seconds > 0
                             for s, p in replayed)
     assert gradient_fidelity(_exact_grads(), grads).min_cosine > 0.9999
 
@@ -172,7 +173,7 @@ def test_the_x_an_x_w_is_replayed_from_stays_at_8_bits_however_tight_the_budget(
     plans = {s.name: p for s, p in zip(region.saved, region.plans, strict=True)}
     sources = {re.search(r"x W\^T from (\S+) and", p.reason).group(1) for p in region.plans
                if p.reason.startswith("rebuilt in backward as x W^T")}
-    assert sources and all(plans[x].action == "keep" or plans[x].bits >= 8 for x in sources)
+    assert sources and all(plans[x].action is Action.KEEP or plans[x].bits >= 8 for x in sources)
     assert {p.bits for s, p in _quantized(region) if s.name not in sources} == {2}  # the rest went to 2 bits
     assert saved == _planned(region)
 
@@ -182,7 +183,7 @@ def test_low_rank_factors_come_after_every_quantizable_tensor_reaches_2_bits():
     assert "lowrank" not in {p.action for p in reachable.plans} and _quantized(reachable)
     with pytest.warns(UserWarning, match="memory_budget 0.05 not met"):
         saved, _, region = _budget_run(fxmem.Config(lowrank=1, memory_budget=0.05))
-    factored = [p for p in region.plans if p.action == "lowrank"]
+    factored = [p for p in region.plans if p.action is Action.LOWRANK]
     assert factored and all(p.rank == 1 and p.reason.endswith("(memory_budget)") for p in factored)
     assert {p.bits for _, p in _quantized(region)} <= {2}  # rank-1 factors of these rows are fewer bytes than 2 bits
     assert saved == _planned(region) < _planned(reachable)
@@ -193,7 +194,7 @@ def test_a_checkpointed_blocks_input_waits_in_host_memory_before_anything_is_rou
     # on a CPU the host is the device: offloading would meet the target in name only, so the budget rounds instead
     _, _, on_cpu = _budget_run(config)
     assert not any(p.host for p in on_cpu.plans) and _quantized(on_cpu)
-    monkeypatch.setattr(fxmem.cost_model.planner, "_host_apart", lambda owner: True)  # as on a GPU
+    monkeypatch.setattr(fxmem.cost_model.budget, "_host_apart", lambda owner: True)  # as on a GPU
     saved, grads, region = _budget_run(config)
     offloaded = [p for p in region.plans if p.host]
     assert offloaded and all("in host memory between forward and backward" in p.reason for p in offloaded)
@@ -205,7 +206,7 @@ def test_a_checkpointed_blocks_input_waits_in_host_memory_before_anything_is_rou
 
 
 def _block_summaries(region):
-    return {p.name: p.summary for p in region.passes if p.name in ("checkpoint_blocks", "recompute_attention")}
+    return {p.name: p.note for p in region.passes if p.name in ("checkpoint_blocks", "recompute_attention")}
 
 
 def test_a_block_checkpoint_is_one_of_the_budgets_exact_options_taken_block_by_block():
@@ -256,9 +257,9 @@ def test_what_a_checkpointed_block_is_recomputed_from_keeps_its_floor_when_the_b
     # the first plan is read as if it had checkpointed layer 1 alone: layer 0's output, which layer 1 is recomputed
     # from, stays at 8 bits while the rest of layer 0 goes to 2
     import importlib
-    backend_module = importlib.import_module("fxmem.backend")
+    pipeline = importlib.import_module("fxmem.pipeline")
     second = "base_model.model.model.layers.1"
-    monkeypatch.setattr(backend_module._Partition, "checkpointed_blocks", lambda self: {second: f"{second}: priced"})
+    monkeypatch.setattr(pipeline.Partition, "checkpointed_blocks", lambda self: {second: f"{second}: priced"})
     with pytest.warns(UserWarning, match="memory_budget 0.01 not met"):
         _, _, region = _budget_run(fxmem.Config(block_checkpoint=True, memory_budget=0.01))
     assert f"memory_budget checkpoints {second}: priced" in region.notes
@@ -271,7 +272,7 @@ def test_a_first_plan_that_fails_is_reported_and_the_region_planned_with_every_p
     def fail(*args, **kwargs):
         raise RuntimeError("a planner bug")
 
-    monkeypatch.setattr(fxmem.cost_model.planner, "_block_move", fail)
+    monkeypatch.setattr(fxmem.cost_model.budget, "_block_move", fail)
     with pytest.warns(fxmem.FallbackWarning, match=r"memory_budget's first plan failed \(RuntimeError: a planner bug"):
         _, grads, region = _budget_run(fxmem.Config(block_checkpoint=True, memory_budget=0.5))
     assert any(n.startswith("memory_budget's first plan failed") for n in region.notes)

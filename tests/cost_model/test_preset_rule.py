@@ -10,9 +10,11 @@ import torch
 import fxmem
 from fxmem.analysis import Role
 from fxmem.analysis.recompute import rebuild_inputs
+from fxmem.cost_model.plan import Action
 from tests.conftest import tiny_model
 
 planner = importlib.import_module("fxmem.cost_model.planner")
+options = importlib.import_module("fxmem.cost_model.options")
 
 
 def _per_head_copies(config):
@@ -21,32 +23,32 @@ def _per_head_copies(config):
     torch._dynamo.reset()
     model, batch = tiny_model("gpt2", lora=True)
     report = fxmem.inspect(model, **batch, config=config)
-    return {s.name: p for _, s, p in report.rows() if s.role is Role.ATTN_QKV and p.action != "keep"
+    return {s.name: p for _, s, p in report.rows() if s.role is Role.ATTN_QKV and p.action is not Action.KEEP
             and s.name.startswith(("permute", "view"))}
 
 
 @pytest.fixture
 def dear_recompute(monkeypatch):
     """Every element-wise recomputation priced at a second: dearer per byte than any compression here."""
-    monkeypatch.setattr(planner, "recompute_seconds", lambda read, device="cpu": 1.0)
+    monkeypatch.setattr(options, "recompute_seconds", lambda read, device="cpu": 1.0)
 
 
 def test_within_a_tier_the_fewest_seconds_per_byte_wins(dear_recompute):
     # q, k and v at qkv_bits=8: their codes and their recomputation are one tier, so the price decides
     priced = _per_head_copies(fxmem.Config(bits=4))
-    assert len(priced) == 6 and all(p.action == "quantize" and p.bits == 8 for p in priced.values())
+    assert len(priced) == 6 and all(p.action is Action.QUANTIZE and p.bits == 8 for p in priced.values())
 
 
 def test_the_cheaper_exact_option_is_taken():
     recomputed = _per_head_copies(fxmem.Config(bits=4))
-    assert len(recomputed) == 6 and all(p.action == "recompute" and p.nbytes == 0 for p in recomputed.values())
+    assert len(recomputed) == 6 and all(p.action is Action.RECOMPUTE and p.nbytes == 0 for p in recomputed.values())
     assert all("against" in p.reason and "ms for its 8-bit codes" in p.reason for p in recomputed.values())
 
 
 def test_an_exact_option_beats_coarser_codes_whatever_it_costs(dear_recompute):
     # at 4 bits the codes are a coarser tier than recomputing them exactly, dear as that is
     recomputed = _per_head_copies(fxmem.Config(bits=4, qkv_bits=None))
-    assert len(recomputed) == 6 and all(p.action == "recompute" and p.seconds == 1.0 for p in recomputed.values())
+    assert len(recomputed) == 6 and all(p.action is Action.RECOMPUTE and p.seconds == 1.0 for p in recomputed.values())
 
 
 def test_a_storage_the_config_keeps_is_not_moved():
@@ -56,9 +58,9 @@ def test_a_storage_the_config_keeps_is_not_moved():
     torch._dynamo.reset()
     model, batch = tiny_model("llama", lora=True)
     rows = [(s, p) for _, s, p in fxmem.inspect(model, **batch, config=config).rows() if s.nbytes]
-    replayed = [p for s, p in rows if s.role is Role.LORA_BASE_OUTPUT and p.action == "recompute"]
+    replayed = [p for s, p in rows if s.role is Role.LORA_BASE_OUTPUT and p.action is Action.RECOMPUTE]
     assert len(replayed) == 4  # SwiGLU's gate and up in both layers; q, k and v at qkv_bits=8 keep their codes
-    assert all(p.action == "keep" for s, p in rows if s.role in (Role.LINEAR_INPUT, Role.NORM_INPUT))
+    assert all(p.action is Action.KEEP for s, p in rows if s.role in (Role.LINEAR_INPUT, Role.NORM_INPUT))
 
 
 @pytest.mark.parametrize(("family", "kv_heads", "config"), [
@@ -81,19 +83,19 @@ def test_every_plan_reads_what_stays_saved_as_it_needs(monkeypatch, family, kv_h
     monkeypatch.setattr(planner, "fit_ceilings", fit_ceilings)
     torch._dynamo.reset()
     model, batch = tiny_model(family, lora=True, **({"kv_heads": kv_heads} if family == "llama" else {}))
-    fxmem.inspect(model, **batch, config=config)
+    fxmem.inspect(model, **batch, config=config, guard=False)
     kinds = set()
     for by_storage, plans in chosen:
         for storage, plan in plans.items():
             owner = by_storage[storage][0]
-            if plan.action == "recompute" and plan.chain is owner.rebuild_product:  # an X W replayed from its x
-                x = plans[planner._replay_source_storage(owner, by_storage)]
-                assert x.action == "keep" or (x.action == "quantize" and x.bits >= planner.REBUILD_SOURCE_BITS)
-            elif plan.action == "recompute":  # element-wise, from storages kept exact
-                assert all(plans[n.name].action == "keep" for n in rebuild_inputs(plan.chain) if n.name in plans)
-            elif plan.action == "prenorm":  # from its output's factors, or its codes at the prenorm's width
+            if plan.action is Action.RECOMPUTE and plan.chain is owner.rebuild_product:  # an X W replayed from its x
+                x = plans[options.replay_source_storage(owner, by_storage)]
+                assert x.action is Action.KEEP or (x.action is Action.QUANTIZE and x.bits >= options.REBUILD_SOURCE_BITS)
+            elif plan.action is Action.RECOMPUTE:  # element-wise, from storages kept exact
+                assert all(plans[n.name].action is Action.KEEP for n in rebuild_inputs(plan.chain) if n.name in plans)
+            elif plan.action is Action.PRENORM:  # from its output's factors, or its codes at the prenorm's width
                 output = plans[plan.source]
-                assert output.action == "lowrank" if plan.bits is None else (
-                    output.action == "quantize" and output.bits == plan.bits >= planner.REBUILD_SOURCE_BITS)
+                assert output.action is Action.LOWRANK if plan.bits is None else (
+                    output.action is Action.QUANTIZE and output.bits == plan.bits >= options.REBUILD_SOURCE_BITS)
             kinds.add(plan.action)
     assert "recompute" in kinds or "prenorm" in kinds  # the rule had something to choose

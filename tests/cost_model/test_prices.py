@@ -3,6 +3,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxmem.cost_model import prices
+from fxmem.cost_model.plan import Action
 
 
 @pytest.mark.parametrize("causal, flops", [(False, 4 * 2 * 8 * 128 * 256 * 64), (True, 2 * 2 * 8 * 128 * 256 * 64)])
@@ -73,9 +74,9 @@ def test_the_experts_replayed_products_hold_what_they_read_through_the_gathers_b
 
     nodes = _experts_graph()
     rows, products = nodes["index"], nodes["grouped_lora"]
-    recomputed = [(SimpleNamespace(storage=rows.name, rebuild_product=None), Plan("recompute", "", chain=(rows,))),
+    recomputed = [(SimpleNamespace(storage=rows.name, rebuild_product=None), Plan(Action.RECOMPUTE, "", chain=(rows,))),
                   (SimpleNamespace(storage=products.name, rebuild_product=None),
-                   Plan("recompute", "", chain=(products,)))]
+                   Plan(Action.RECOMPUTE, "", chain=(products,)))]
     # x, not the routed rows (recomputed themselves): the second partition holds x at 8 bits or more
     x, index = rows.args[0].name, rows.args[1][0].name
     assert {x, index} <= replay_sources(recomputed) and rows.name not in replay_sources(recomputed)

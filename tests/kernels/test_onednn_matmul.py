@@ -111,8 +111,8 @@ def test_pass_hands_each_product_oneDNN_won_to_it_and_gradients_stay(monkeypatch
     backend = Backend(Config(runlora="flops"), lowering="eager")
     loss, grads = loss_and_grads(torch.compile(model, backend=backend), model, batch)
     [record] = [r for r in backend.regions[0].passes if r.name == "onednn_matmul"]
-    moved, total = (int(word) for word in record.summary.split()[:3:2])
-    assert record.error is None and record.summary.endswith("run by oneDNN (measured faster than aten's here)")
+    moved, total = (int(word) for word in record.note.split()[:3:2])
+    assert record.error is None and record.note.endswith("run by oneDNN (measured faster than aten's here)")
     # every product but those with a transposed left operand: the weight gradients (x^T G, G^T (x A^T))
     assert 0 < moved < total and len(calls) == moved  # each graph ran once
     torch.testing.assert_close(loss, reference_loss)
@@ -127,7 +127,7 @@ def test_pass_leaves_products_where_aten_won_and_stays_off_without_runlora(monke
     backend = Backend(Config(runlora="flops"), lowering="eager")
     loss_and_grads(torch.compile(model, backend=backend), model, batch)
     [record] = [r for r in backend.regions[0].passes if r.name == "onednn_matmul"]
-    assert record.summary == "" and calls == []
+    assert record.note == "" and calls == []
     _always(monkeypatch, "onednn")
     torch._dynamo.reset()
     backend = Backend(Config(), lowering="eager")
@@ -150,7 +150,7 @@ def test_inductor_keeps_the_onednn_product_as_one_extern_call(monkeypatch):
     _, (forward_code, backward_code) = run_and_get_code(
         lambda: torch.compile(model, backend=backend)(x).square().sum().backward())
     region = backend.regions[0]
-    assert "run by oneDNN" in {r.name: r.summary for r in region.passes}["onednn_matmul"]
+    assert "run by oneDNN" in {r.name: r.note for r in region.passes}["onednn_matmul"]
     # lowered by inductor, not run as aten ops after a failure
     assert not [note for note in region.notes if "could not lower" in note], region.notes
     assert "torch.ops.fxmem.onednn_mm.default" in forward_code  # X W^T

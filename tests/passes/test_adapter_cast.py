@@ -38,7 +38,7 @@ def test_exact_saves_x_not_its_fp32_copy_and_keeps_the_gradients_bit_for_bit():
     backend, saved, loss, grads = _compiled(model, batch, Config())
     [record] = [r for r in backend.regions[0].passes if r.name == "recompute_adapter_cast"]
     # PEFT casts x per LoRA linear; merge_casts leaves one per x: q, k, v's, o's, gate and up's, down's, in 2 layers
-    assert record.summary.startswith("8 cast(s) of x to the adapters' dtype"), record
+    assert record.note.startswith("8 cast(s) of x to the adapters' dtype"), record
     tensors = [s for s in backend.regions[0].saved if s.frees_memory]
     assert not [s for s in tensors if s.role.value == "linear_input" and s.dtype == "float32"]
     assert saved < copies_saved
@@ -67,7 +67,7 @@ def test_a_model_without_casts_is_left_alone():
     model, batch = tiny_model("llama", lora=True)
     backend, *_ = _compiled(model, batch, Config())
     [record] = [r for r in backend.regions[0].passes if r.name == "recompute_adapter_cast"]
-    assert record.summary == "" and record.error is None
+    assert record.note == "" and record.error is None
 
 
 def test_the_chain_stops_at_one_widening_cast_and_narrowing_casts_are_left_alone():
@@ -98,4 +98,4 @@ def test_autocast_over_an_fp32_model_casts_down_and_the_pass_leaves_it():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.compile(model, backend=backend)(**batch).loss.backward()
     [record] = [r for r in backend.regions[0].passes if r.name == "recompute_adapter_cast"]
-    assert record.summary == "" and record.error is None
+    assert record.note == "" and record.error is None

@@ -4,11 +4,12 @@ import torch
 import fxmem
 from fxmem.analysis.roles import FREES_NOTHING, Role
 from fxmem.config import PUBLISHED_MIN_COSINE
+from fxmem.cost_model.plan import Action
 from tests.conftest import assert_matches_eager, loss_and_grads, randomize_lora_b, tiny_model, worst_cosine
 
 
 def _summary(backend) -> str:
-    return "; ".join(p.summary for r in backend.regions for p in r.passes if p.name == "checkpoint_blocks")
+    return "; ".join(p.note for r in backend.regions for p in r.passes if p.name == "checkpoint_blocks")
 
 
 
@@ -41,7 +42,7 @@ def test_under_hyclora_the_blocks_sources_are_stored_at_their_bits_with_the_pres
                                       block_input_bits=block_input_bits)
     # the planner's plan: the guard would raise 4-bit block inputs to 8 (the preset's bound is not met at 4)
     [region] = fxmem.inspect(model, **batch, config=config, guard=False).regions
-    reasons = [p.reason for s, p in zip(region.saved, region.plans, strict=True) if p.action == "quantize"]
+    reasons = [p.reason for s, p in zip(region.saved, region.plans, strict=True) if p.action is Action.QUANTIZE]
     assert len(reasons) == 2 and all(r.startswith(f"{stored_bits}-bit") and "; block " in r for r in reasons), reasons
     reference = loss_and_grads(model, model, batch)
     _, grads = loss_and_grads(torch.compile(model, backend=fxmem.Backend(config)), model, batch)

@@ -167,14 +167,14 @@ def test_fused_training_step_gives_the_unfused_gradients(family, overrides, kind
     config = fxmem.Config.from_preset("hyclora-2bit", rebuild_from_x=False, **overrides)
     unfused = _backend(config, on_reference=False)
     _, expected = loss_and_grads(torch.compile(model, backend=unfused), model, batch)
-    summary = {p.name: p.summary for p in unfused.regions[0].passes}["fuse_epilogue"]
+    summary = {p.name: p.note for p in unfused.regions[0].passes}["fuse_epilogue"]
     assert summary.startswith(f"2x {kind} (backward), 2x {kind} (forward) left to inductor (Config.fused_epilogue "
                               "is off: on an H200 inductor's code measured faster than the fused Triton kernels, "
                               "which would save ")
     torch._dynamo.reset()
     asked = _backend(dataclasses.replace(config, fused_epilogue=True), on_reference=False)
     loss_and_grads(torch.compile(model, backend=asked), model, batch)
-    summary = {p.name: p.summary for p in asked.regions[0].passes}["fuse_epilogue"]
+    summary = {p.name: p.note for p in asked.regions[0].passes}["fuse_epilogue"]
     assert summary.startswith(f"2x {kind} (backward), 2x {kind} (forward) left to inductor: the fused kernels are "
                               "Triton (CUDA), where they would save ")
     traffic = summary.split("would save ")[1].split(" MiB")[0]
@@ -188,7 +188,7 @@ def test_fused_training_step_gives_the_unfused_gradients(family, overrides, kind
                             lambda *a, side=side, original=original: calls.append(side) or original(*a))
     fused = _backend(config, on_reference=True)
     _, grads = loss_and_grads(torch.compile(model, backend=fused), model, batch)
-    summary = {p.name: p.summary for p in fused.regions[0].passes}["fuse_epilogue"]
+    summary = {p.name: p.note for p in fused.regions[0].passes}["fuse_epilogue"]
     assert summary == (f"fused with the LoRA rebuild: 2x {kind} (backward), 2x {kind} (forward), {traffic} MiB less "
                        "memory traffic")
     assert sorted(calls) == ["backward"] * 2 + ["forward"] * 2  # one call per layer each way
@@ -208,7 +208,7 @@ def test_a_dynamic_sequence_length_is_fused_without_specializing_it():
     # the second length compiles a graph with a symbolic one and the third reuses it: a guard on the length
     # would have compiled a third
     assert len(fused.regions) == 2
-    summary = {p.name: p.summary for p in fused.regions[1].passes}["fuse_epilogue"]
+    summary = {p.name: p.note for p in fused.regions[1].passes}["fuse_epilogue"]
     assert summary.startswith("fused with the LoRA rebuild: 1x swiglu (backward), 1x swiglu (forward)")
     torch._dynamo.reset()
     unfused = torch.compile(model, backend=_backend(config, on_reference=False), dynamic=False)
@@ -227,7 +227,7 @@ def test_a_bf16_model_with_fp32_adapters_is_rebuilt_and_fused():
     for on_reference in (False, True):
         backend = _backend(config, on_reference)
         _, grads = loss_and_grads(torch.compile(model, backend=backend), model, batch)
-        summaries[on_reference] = {p.name: p.summary for p in backend.regions[0].passes}
+        summaries[on_reference] = {p.name: p.note for p in backend.regions[0].passes}
         cosines[on_reference] = sorted(torch.nn.functional.cosine_similarity(
             grads[name].flatten(), grad.flatten(), dim=0).item() for name, grad in eager.items())
         torch._dynamo.reset()

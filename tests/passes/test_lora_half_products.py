@@ -60,7 +60,7 @@ def test_every_lora_product_runs_with_bf16_inputs_and_the_gradients_stay_close()
     backend, products = _backend(Config(lora_half_products="on"))
     grads = _grads(model, batch, backend)
     [record] = [r for r in backend.regions[0].passes if r.name == "lora_half_products"]
-    assert record.summary == (f"{FORWARD + BACKWARD} LoRA product(s) of fp32 adapters run with bfloat16 inputs and "
+    assert record.note == (f"{FORWARD + BACKWARD} LoRA product(s) of fp32 adapters run with bfloat16 inputs and "
                               f"float32 accumulation (as configured)")
     # every fp32 product of the graphs was a LoRA product: none is left
     assert off_products.count == FORWARD + BACKWARD and products.count == 0
@@ -85,10 +85,10 @@ def test_auto_is_a_rule_on_the_device_not_a_timing(monkeypatch, tensor_cores):
     assert devices == [torch.device("cpu")]  # asked once per region, of the graph's device
     if tensor_cores:
         assert products.count == 0
-        assert record.summary == (f"{FORWARD + BACKWARD} LoRA product(s) of fp32 adapters run with bfloat16 inputs "
+        assert record.note == (f"{FORWARD + BACKWARD} LoRA product(s) of fp32 adapters run with bfloat16 inputs "
                                   f"and float32 accumulation (the device has bf16 tensor cores)")
     else:  # nothing changed, and nothing claims a measurement
-        assert products.count == FORWARD + BACKWARD and record.summary == ""
+        assert products.count == FORWARD + BACKWARD and record.note == ""
 
 
 def test_a_cpu_has_no_bf16_tensor_cores_whatever_its_instructions():
@@ -99,7 +99,7 @@ def test_an_fp32_model_is_left_alone():
     model, batch = tiny_model("llama", lora=True)
     backend = Backend(Config(lora_half_products="on"), lowering="eager")
     _grads(model, batch, backend)
-    assert not [r for r in backend.regions[0].passes if r.name == "lora_half_products" and r.summary]
+    assert not [r for r in backend.regions[0].passes if r.name == "lora_half_products" and r.note]
 
 
 def test_a_bad_choice_is_refused_naming_the_valid_ones():

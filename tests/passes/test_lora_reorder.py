@@ -4,6 +4,7 @@ import torch
 
 import fxmem
 from fxmem.analysis import Role
+from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity
 from tests.conftest import compiled_step, loss_and_grads, randomize_lora_b, tiny_model
 
@@ -13,7 +14,7 @@ def _saved_rows(backend):
 
 
 def _summary(backend, name="lora_reorder"):
-    return {p.name: p.summary for p in backend.regions[0].passes}[name]
+    return {p.name: p.note for p in backend.regions[0].passes}[name]
 
 
 def test_llama_saves_x_w_quantized_and_x_a_exact_instead_of_the_mlp_and_qkv_outputs():
@@ -30,8 +31,8 @@ def test_llama_saves_x_w_quantized_and_x_a_exact_instead_of_the_mlp_and_qkv_outp
         ["q", "k", "v", "silu", "product"] * 2)
     # x W at bits (q, k and v at qkv_bits), x A exact; SiLU's input and output, up, the product and q/k after RoPE
     # are not saved at all.
-    assert all(p.action == "quantize" and p.bits == (8 if s.detail[-1] in "qkv" else 2) for s, p in rebuilt)
-    assert all(p.action == "keep" for s, p in rows if s.role is Role.LORA_INTERMEDIATE)
+    assert all(p.action is Action.QUANTIZE and p.bits == (8 if s.detail[-1] in "qkv" else 2) for s, p in rebuilt)
+    assert all(p.action is Action.KEEP for s, p in rows if s.role is Role.LORA_INTERMEDIATE)
     assert not [s for s, _ in rows if s.role in (Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV)]
     # What down_proj reads (the product) is no longer a saved linear input: only the norm outputs are.
     widths = {s.shape[-1] for s, _ in rows if s.role is Role.LINEAR_INPUT}
@@ -119,8 +120,8 @@ def test_rebuild_from_x_rebuilds_gelu_from_a_replayed_x_w_never_a_coarse_one():
     plans = {s.detail.removeprefix("output rebuilt for "): p for s, p in _saved_rows(backend)
              if s.role is Role.LORA_BASE_OUTPUT}
     # GELU's X W is replayed from the 8-bit x; the pooler's tanh X W (one token per sequence) is too small to shrink
-    assert plans["gelu"].action == "recompute" and plans["gelu"].reason.startswith("rebuilt in backward as x W^T")
-    assert plans["tanh"].action == "keep"
+    assert plans["gelu"].action is Action.RECOMPUTE and plans["gelu"].reason.startswith("rebuilt in backward as x W^T")
+    assert plans["tanh"].action is Action.KEEP
     assert not [s for s, _ in _saved_rows(backend) if s.role is Role.ACT_INPUT]  # no GELU derivative saved
     torch._dynamo.reset()
     paper = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", attn_sparsity=None, rebuild_from_x=False),
@@ -143,13 +144,13 @@ def test_an_x_that_x_w_is_replayed_from_stays_quantized_beside_lowrank():
     saved, _, _ = compiled_step(model, batch, backend)
     assert saved == backend.report().planned_bytes
     rows = _saved_rows(backend)
-    assert sum(p.action == "recompute" for s, p in rows if s.role is Role.LORA_BASE_OUTPUT) == 2
+    assert sum(p.action is Action.RECOMPUTE for s, p in rows if s.role is Role.LORA_BASE_OUTPUT) == 2
     source = next(p for s, p in rows if s.module.endswith("post_attention_layernorm") and s.role is Role.LINEAR_INPUT)
     assert (source.action, source.bits) == ("quantize", 8), source
 
 
 def test_rebuild_refusal_depends_on_the_activation_and_the_bits():
-    from fxmem.cost_model.planner import rebuild_refusal
+    from fxmem.cost_model.options import rebuild_refusal
     for bits in (2, 4):
         assert rebuild_refusal("gelu", fxmem.Config(bits=bits)) is not None
         assert rebuild_refusal("tanh", fxmem.Config(bits=bits)) is not None
@@ -179,8 +180,8 @@ def test_rebuild_from_x_replays_x_w_below_8_bits_and_norm_inputs_from_x_at_8_bit
     plans = {s.detail.removeprefix("output rebuilt for "): p for s, p in rows if s.role is Role.LORA_BASE_OUTPUT}
     # SwiGLU's X W (2 bits) are replayed from their layer's x; q, k and v's (qkv_bits: 8) stay quantized
     assert sorted(plans) == ["k", "product", "q", "silu", "v"]
-    assert all(plans[kind].action == "quantize" and plans[kind].bits == 8 for kind in "qkv")
-    replayed = [p for s, p in rows if s.role is Role.LORA_BASE_OUTPUT and p.action == "recompute"]
+    assert all(plans[kind].action is Action.QUANTIZE and plans[kind].bits == 8 for kind in "qkv")
+    replayed = [p for s, p in rows if s.role is Role.LORA_BASE_OUTPUT and p.action is Action.RECOMPUTE]
     assert len(replayed) == 4 and all(p.nbytes == 0 and p.seconds > 0 for p in replayed)
     assert all(p.reason.startswith("rebuilt in backward as x W^T from ") and "a matmul" in p.reason
                for p in replayed)

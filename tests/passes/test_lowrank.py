@@ -5,7 +5,8 @@ import torch
 
 import fxmem
 from fxmem.analysis import Role
-from fxmem.cost_model import planner
+from fxmem.cost_model import options
+from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity
 from tests.conftest import compiled_step, randomize_lora_b, tiny_model, train_at_sequence_lengths
 
@@ -20,8 +21,8 @@ def _llama(seq: int = 64, **kwargs):
 
 def _no_byte_limit(monkeypatch):
     """Every candidate 'shrinks' the tensor: full-rank factors get planned, so the rebuild itself is what is tested."""
-    monkeypatch.setattr(planner, "lowrank_bytes", lambda shape, rank, element_size: 2)
-    monkeypatch.setattr(planner, "prenorm_bytes", lambda rows, exact, element_size: 1)
+    monkeypatch.setattr(options, "lowrank_bytes", lambda shape, rank, element_size: 2)
+    monkeypatch.setattr(options, "prenorm_bytes", lambda rows, exact, element_size: 1)
 
 
 def _exact(model, batch):
@@ -35,7 +36,7 @@ def _rebuilt_at_full_rank_as_exact(model, batch, formula: str, count: int = 3) -
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(lowrank=10_000), lowering="eager")  # clamped to the full width
     _, _, grads = compiled_step(model, batch, backend)
-    shared = [p for _, s, p in backend.report().rows() if p.action == "prenorm" and s.nbytes > 0]
+    shared = [p for _, s, p in backend.report().rows() if p.action is Action.PRENORM and s.nbytes > 0]
     assert len(shared) == count and all(p.reason.startswith(f"rebuilt as {formula}") for p in shared)
     for name, grad in exact_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
@@ -44,7 +45,7 @@ def _rebuilt_at_full_rank_as_exact(model, batch, formula: str, count: int = 3) -
 def _passes(backend):
     records = [p for r in backend.regions for p in r.passes]
     assert not [p for p in records if p.error], "a pass failed and was rolled back"
-    return {p.name: p.summary for p in records}
+    return {p.name: p.note for p in records}
 
 
 def test_loract_saves_what_the_plan_says_and_gradients_stay_close():
@@ -69,21 +70,21 @@ def test_loract_saves_what_the_plan_says_and_gradients_stay_close():
     rows = [(s, p) for _, s, p in report.rows() if s.nbytes > 0]
     # Norm inputs are rebuilt from their output's factors (below), or kept exact: the final norm's, which the
     # logits are recomputed from.
-    assert {s.role for s, p in rows if p.action == "lowrank"} == {Role.LINEAR_INPUT, Role.ACT_INPUT,
+    assert {s.role for s, p in rows if p.action is Action.LOWRANK} == {Role.LINEAR_INPUT, Role.ACT_INPUT,
                                                                    Role.PRODUCT_INPUT, Role.ATTN_QKV}
     for saved_tensor, plan in rows:
-        if plan.action == "lowrank":  # q, k, v as (rows, hidden): the rank is a share of the hidden size, 64
+        if plan.action is Action.LOWRANK:  # q, k, v as (rows, hidden): the rank is a share of the hidden size, 64
             width = 64 if saved_tensor.role is Role.ATTN_QKV else saved_tensor.shape[-1]
             assert plan.rank == width // 4 and plan.nbytes < saved_tensor.nbytes
         if saved_tensor.role in (Role.LORA_INTERMEDIATE, Role.SMALL, Role.LOSS_INPUT):
-            assert plan.action == "keep"
+            assert plan.action is Action.KEEP
         assert saved_tensor.role is not Role.ATTN_OUT  # recomputed with attention in backward
     # q and k are factored before RoPE, which backward replays; v is a view of its projection's output
     qkv = [(s, p) for s, p in rows if s.role is Role.ATTN_QKV]
     assert sorted(p.source is not None for _, p in qkv) == [False] * 2 + [True] * 4
     assert all("rotation replayed in backward" in p.reason for _, p in qkv if p.source is not None)
     # Both layers' post-attention norms and layer 1's input norm (layer 0's gets no gradient: embeddings frozen)
-    shared = [(s, p) for s, p in rows if p.action == "prenorm"]
+    shared = [(s, p) for s, p in rows if p.action is Action.PRENORM]
     assert len(shared) == 3 and all(s.role is Role.NORM_INPUT and p.exact_channels == 1 for s, p in shared)
     assert all(p.nbytes == 128 * 1 * 4 + 8 for _, p in shared)  # 128 rows x 1 exact fp32 channel + its id
     assert passes["lowrank"] == "16 storage(s) stored as low-rank factors; 3 norm input(s) rebuilt " \
@@ -96,9 +97,9 @@ def test_without_prenorm_sharing_norm_inputs_get_their_own_factors():
     saved, _, _ = compiled_step(model, batch, backend)
     rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
     assert saved == backend.report().planned_bytes
-    assert not [p for _, p in rows if p.action == "prenorm"]
+    assert not [p for _, p in rows if p.action is Action.PRENORM]
     # the three norm inputs above, each its own 128 x 64 matrix at rank 16
-    norms = [p for s, p in rows if s.role is Role.NORM_INPUT and p.action == "lowrank"]
+    norms = [p for s, p in rows if s.role is Role.NORM_INPUT and p.action is Action.LOWRANK]
     assert len(norms) == 3 and all(p.rank == 16 for p in norms)
     assert _passes(backend)["lowrank"] == "19 storage(s) stored as low-rank factors"
 
@@ -154,7 +155,7 @@ def test_per_head_copies_are_not_factored_and_q_k_v_keep_their_qkv_bits(monkeypa
     compiled_step(model, batch, backend)
     plans = [(s.detail, p) for _, s, p in backend.report().rows() if s.role is Role.ATTN_QKV and s.nbytes > 0]
     assert {p.bits for d, p in plans} == {8} and {d for d, _ in plans} == {"q", "k", "v"}
-    assert all(p.action == "quantize" for _, p in plans)
+    assert all(p.action is Action.QUANTIZE for _, p in plans)
 
 
 class TwoLinears(torch.nn.Module):
@@ -190,7 +191,7 @@ def test_a_tensor_whose_factors_would_not_shrink_it_is_kept_and_the_report_says_
     torch.compile(model, backend=backend)(torch.randn(4, 32, 64)).backward()
     [plan] = [p for _, s, p in backend.report().rows() if s.role is Role.LINEAR_INPUT]
     # rank floor(0.9 * 64) = 57: (128 + 64) x 57 x 4 bytes against 128 x 64 x 4
-    assert plan.action == "keep" and plan.reason == "rank-57 factors would not shrink it (43776 >= 32768 bytes)"
+    assert plan.action is Action.KEEP and plan.reason == "rank-57 factors would not shrink it (43776 >= 32768 bytes)"
     assert "lowrank" not in _passes(backend) or _passes(backend)["lowrank"] == ""
 
 
@@ -256,7 +257,7 @@ def test_a_half_precision_layer_norms_input_is_rebuilt_from_its_output_adding_ba
     torch._dynamo.reset()
     backend = fxmem.Backend(fxmem.Config(bits=8, lora_reorder=True, rebuild_from_x=True), lowering="eager")
     saved, _, grads = compiled_step(model, batch, backend)
-    shared = [p for _, s, p in backend.report().rows() if p.action == "prenorm" and s.nbytes > 0]
+    shared = [p for _, s, p in backend.report().rows() if p.action is Action.PRENORM and s.nbytes > 0]
     assert len(shared) == 3 and all(p.reason.startswith("rebuilt as (output - beta) / gamma / rstd + mean")
                                     for p in shared)
     assert saved == backend.report().planned_bytes
@@ -276,7 +277,7 @@ def test_a_layer_norm_over_rows_flattened_from_the_residual_has_its_input_rebuil
     norms = [(s, p) for _, s, p in backend.report().rows() if s.role is Role.NORM_INPUT and s.nbytes
              and p.reason != "kept exact: loss_input"]
     assert len(norms) == 3 and all(s.name != s.storage for s, _ in norms)  # each a view of its storage
-    assert all(p.action == "prenorm" for _, p in norms)
+    assert all(p.action is Action.PRENORM for _, p in norms)
     assert saved == backend.report().planned_bytes
     assert gradient_fidelity(exact_grads, grads).min_cosine > 0.999
 
@@ -300,7 +301,7 @@ def test_under_autocast_norm_inputs_are_rebuilt_from_the_cast_their_linears_read
     grads = gradients(torch.compile(model, backend=backend))
     norms = [p for _, s, p in backend.report().rows() if s.role is Role.NORM_INPUT and s.nbytes
              and p.reason != "kept exact: loss_input"]
-    assert len(norms) == 3 and all(p.action == "prenorm" for p in norms)
+    assert len(norms) == 3 and all(p.action is Action.PRENORM for p in norms)
     assert gradient_fidelity(reference, grads).min_cosine > 0.995
 
 
@@ -317,13 +318,13 @@ def test_with_bits_and_lowrank_each_tensor_gets_the_plan_with_fewer_bytes():
     for name, plan in both.items():
         if name not in quantized or name not in factored:  # saved under one of the configs only
             continue
-        options = [p for p in (quantized[name], factored[name]) if p.action != "keep"]
+        options = [p for p in (quantized[name], factored[name]) if p.action is not Action.KEEP]
         saved_tensor = plans[fxmem.Config(bits=8, lowrank=0.125)][name][0]
         if saved_tensor.role is Role.ATTN_QKV:
             assert plan == quantized[name], name  # at qkv_bits, never factored
-        elif plan.action in ("quantize", "lowrank"):
+        elif plan.action in (Action.QUANTIZE, Action.LOWRANK):
             assert plan.nbytes == min(p.nbytes for p in options), name
-        elif plan.action == "keep":  # the final norm's input: the logits are recomputed from it
+        elif plan.action is Action.KEEP:  # the final norm's input: the logits are recomputed from it
             assert not options or plan.reason == "kept exact: loss_input", name
 
 

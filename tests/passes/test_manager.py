@@ -1,12 +1,14 @@
 import copy
 import dataclasses
+import sys
 import warnings
 
 import pytest
 import torch
 
 from fxmem import Backend, Config, FallbackError, FallbackWarning
-from fxmem.passes import GraphPass, PassManager, PassRecord, PipelineState
+from fxmem.cost_model.plan import Action
+from fxmem.passes import GqaAttention, GraphPass, PassManager, PassRecord, PassResult, PipelineState
 from fxmem.region import Region
 
 
@@ -14,15 +16,15 @@ class CountSavedTensors(GraphPass):
     """Reads the analysis, rewrites nothing."""
     name, stage = "count-saved", "partitioned"
 
-    def run(self, state: PipelineState) -> str:
-        return f"{len(state.analysis.saved)} saved"
+    def run(self, state: PipelineState) -> PassResult:
+        return PassResult(False, f"{len(state.analysis.saved)} saved")
 
 
 class NegateTwice(GraphPass):
     """A real joint rewrite that keeps the math: x -> neg(neg(x)) on the first matmul's output."""
     name, stage = "negate-twice", "joint"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.joint.graph
         mm = next(n for n in graph.nodes if n.target is torch.ops.aten.mm.default)
         with graph.inserting_after(mm):
@@ -32,13 +34,13 @@ class NegateTwice(GraphPass):
         mm.replace_all_uses_with(second, delete_user_cb=lambda user: user is not first)
         for node in (first, second):
             node.meta = dict(mm.meta)
-        return "inserted 2 nodes"
+        return PassResult(True, "inserted 2 nodes")
 
 
 class Breaks(GraphPass):
     name, stage = "breaks", "joint"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.joint.graph
         graph.erase_node(next(n for n in graph.nodes if n.op == "output"))  # leaves a broken graph behind
         raise RuntimeError("synthetic pass bug")
@@ -47,7 +49,7 @@ class Breaks(GraphPass):
 class BreaksDynamo(GraphPass):
     name, stage = "breaks-dynamo", "dynamo"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.dynamo.graph
         graph.erase_node(next(n for n in graph.nodes if n.op == "output"))
         raise RuntimeError("synthetic dynamo-stage bug")
@@ -59,7 +61,7 @@ class NeverEnabled(GraphPass):
     def enabled(self, config: Config) -> bool:
         return False
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         raise AssertionError("a disabled pass must not run")
 
 
@@ -84,8 +86,8 @@ def test_passes_run_in_order_and_are_recorded():
     records = backend.regions[0].passes
     assert [(r.name, r.stage, r.error) for r in records] == [("negate-twice", "joint", None),
                                                               ("count-saved", "partitioned", None)]
-    assert records[0].summary == "inserted 2 nodes"
-    assert records[1].summary == f"{len(backend.regions[0].saved)} saved"
+    assert records[0].note == "inserted 2 nodes" and records[0].changed
+    assert records[1].note == f"{len(backend.regions[0].saved)} saved" and not records[1].changed
     assert "pass negate-twice (joint): inserted 2 nodes" in backend.report().table()
 
 
@@ -95,7 +97,7 @@ def test_a_failing_pass_rolls_its_stage_back_and_is_reported(lenient):
     _run(backend, model, x, expected)  # compiles and is correct despite the broken pass
     records = {r.name: r for r in backend.regions[0].passes}
     assert records["breaks"].error == "RuntimeError: synthetic pass bug"
-    assert records["negate-twice"].summary == "inserted 2 nodes"  # ran, then rolled back with its stage
+    assert records["negate-twice"].note == "inserted 2 nodes"  # ran, then rolled back with its stage
     assert records["count-saved"].error is None  # the next stage still runs
     assert "synthetic pass bug" in backend.report().table()
 
@@ -114,7 +116,7 @@ def test_a_pass_with_an_unknown_stage_is_refused():
         name, stage = "wrong", "lowering"
 
         def run(self, state):
-            return ""
+            return PassResult(False)
 
     with pytest.raises(ValueError, match="pass 'wrong' has stage 'lowering'; valid stages: dynamo, joint, partitioned"):
         PassManager([Wrong()])
@@ -123,7 +125,7 @@ def test_a_pass_with_an_unknown_stage_is_refused():
 class BreaksAfterQuantizing(GraphPass):
     name, stage = "breaks-late", "partitioned"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         raise RuntimeError("synthetic late bug")
 
 
@@ -136,9 +138,9 @@ def test_a_rollback_also_undoes_the_plans_and_quantization_state_of_its_stage(le
                       passes=PassManager([QuantizeSaved(), BreaksAfterQuantizing()]))
     _run(backend, model, x, expected)  # exact: the quantization was rolled back with its stage
     region = backend.regions[0]
-    assert region.passes[0].summary == "2 storage(s) quantized" and region.passes[1].error  # SiLU and 2nd linear input
+    assert region.passes[0].note == "2 storage(s) quantized" and region.passes[1].error  # SiLU and 2nd linear input
     assert region.slots == [] and calibration.SLOTS == before  # its calibration slots released
-    assert all(p.action == "keep" for p in region.plans)
+    assert all(p.action is Action.KEEP for p in region.plans)
     assert "pass breaks-late failed: rolled back" in {p.reason for p in region.plans}
     assert backend.report().planned_bytes == backend.report().activation_bytes
 
@@ -151,7 +153,7 @@ def test_a_rollback_releases_the_fidelity_probes_its_stage_registered(lenient):
     backend = Backend(Config(bits=4), passes=PassManager([QuantizeSaved(), BreaksAfterQuantizing()]),
                       fidelity_probes=True)
     _run(backend, model, x, expected)
-    assert backend.regions[0].passes[0].summary == "2 storage(s) quantized"  # probed, then rolled back
+    assert backend.regions[0].passes[0].note == "2 storage(s) quantized"  # probed, then rolled back
     assert backend.regions[0].probes == [] and probe.COMPRESSED == before
 
 
@@ -159,7 +161,7 @@ class Unlowerable(GraphPass):
     """A correct rewrite inductor cannot lower: new_zeros is decomposed away before lowering."""
     name, stage = "unlowerable", "partitioned"
 
-    def run(self, state: PipelineState) -> str:
+    def run(self, state: PipelineState) -> PassResult:
         graph = state.bw.graph
         output = graph.find_nodes(op="output")[0]
         grad = next(a for a in output.args[0] if isinstance(a, torch.fx.Node))
@@ -168,7 +170,7 @@ class Unlowerable(GraphPass):
             total = graph.call_function(torch.ops.aten.add.Tensor, (grad, zeros))
         zeros.meta["val"] = total.meta["val"] = grad.meta["val"]
         output.args = (tuple(total if a is grad else a for a in output.args[0]),)
-        return "added zeros inductor cannot lower"
+        return PassResult(True, "added zeros inductor cannot lower")
 
 
 def test_a_rewrite_inductor_cannot_lower_runs_as_aten_ops_with_a_note(lenient):
@@ -178,6 +180,23 @@ def test_a_rewrite_inductor_cannot_lower_runs_as_aten_ops_with_a_note(lenient):
         _run(backend, model, x, expected)  # still correct
     region = backend.regions[0]
     assert any("inductor could not lower a rewritten graph (InductorError" in note for note in region.notes)
+
+
+def test_an_inductor_error_on_a_graph_fxmem_left_untouched_is_torchs_own(monkeypatch):
+    # gqa_attention runs under every preset: with nothing to rewrite it notes why, and changes nothing
+    model, x, _ = _model_and_reference()
+    backend = Backend(passes=PassManager([GqaAttention(), CountSavedTensors()]))
+
+    def inductor_fails(*args, **kwargs):
+        raise RuntimeError("inductor's own failure")
+
+    monkeypatch.setattr(sys.modules["fxmem.backend"], "compile_fx_inner", inductor_fails)
+    with pytest.raises(Exception, match="inductor's own failure"):
+        torch.compile(model, backend=backend)(x).square().mean().backward()
+    records = backend.regions[0].passes
+    assert [(r.name, r.changed) for r in records] == [("gqa_attention", False), ("count-saved", False)]
+    assert records[0].note == "no attention with repeated key and value heads (and no mask)"
+    assert not any("runs as aten ops" in note for note in backend.regions[0].notes)  # torch's error stands
 
 
 def _fallback_error(error: BaseException) -> FallbackError | None:
@@ -203,11 +222,11 @@ def test_a_rolled_back_pass_warns_once_naming_the_pass_its_stage_and_its_error(l
 def test_a_pass_that_fails_again_in_the_same_region_does_not_warn_again(lenient):
     # memory_budget partitions a region twice or three times: each run of the joint stage records its failures
     region = Region(index=3, config=Config())
-    failed = PassRecord("breaks", "joint", "", 0.0, error="RuntimeError: synthetic pass bug")
+    failed = PassRecord("breaks", "joint", PassResult(False), 0.0, error="RuntimeError: synthetic pass bug")
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         region.add_passes([failed])
-        region.add_passes([failed, PassRecord("quantize", "partitioned", "2 storage(s) quantized", 0.0)])
+        region.add_passes([failed, PassRecord("quantize", "partitioned", PassResult(True, "2 storage(s) quantized"), 0.0)])
         region.add_passes([dataclasses.replace(failed, stage="partitioned", name="breaks-late")])
     assert [(w.category, str(w.message).split(" failed")[0]) for w in warned] == [
         (FallbackWarning, "fxmem region 3: pass breaks"), (FallbackWarning, "fxmem region 3: pass breaks-late")]

@@ -6,7 +6,7 @@ from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
 
 
 def _summaries(backend) -> dict[str, str]:
-    return {p.name: p.summary for p in backend.regions[0].passes}
+    return {p.name: p.note for p in backend.regions[0].passes}
 
 
 def _autocast_step(model, batch, backend, enabled=True):

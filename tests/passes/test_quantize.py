@@ -5,6 +5,7 @@ import torch
 
 import fxmem
 from fxmem.analysis import Role
+from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity
 from tests.conftest import compiled_step, loss_and_grads, randomize_lora_b, tiny_model, train_at_sequence_lengths
 
@@ -36,14 +37,14 @@ def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", lora_reorder=False), lowering="eager")
     compiled_step(model, batch, backend)
     rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
-    quantized = {s.role for s, p in rows if p.action == "quantize"}
+    quantized = {s.role for s, p in rows if p.action is Action.QUANTIZE}
     assert quantized == {Role.LINEAR_INPUT, Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.ATTN_QKV}
     # q, k and v at qkv_bits (8 by default): the softmax amplifies their error, and so is the q/k/v projections'
     # input; other linear inputs at no fewer than linear_input_bits (4 by default): a LoRA A's gradient reads them
     # directly.
     expected_bits = {Role.ATTN_QKV: 8, Role.LINEAR_INPUT: 4}
     assert all(p.bits == (8 if s.reaches_attention else expected_bits.get(s.role, 2)) for s, p in rows
-               if p.action == "quantize")
+               if p.action is Action.QUANTIZE)
     assert len([s for s, _ in rows if s.reaches_attention]) == 2  # one a layer
     paper = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", lora_reorder=False, linear_input_bits=None,
                                                    qkv_bits=None), lowering="eager")
@@ -51,7 +52,7 @@ def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     assert {p.bits for _, s, p in paper.report().rows() if s.role is Role.LINEAR_INPUT and s.nbytes} == {2}
     for saved, plan in rows:
         if saved.role is Role.LORA_INTERMEDIATE:
-            assert plan.action == "keep" and "lora_intermediate" in plan.reason
+            assert plan.action is Action.KEEP and "lora_intermediate" in plan.reason
         if saved.role is Role.NORM_INPUT and Role.LOSS_INPUT not in saved.also:
             assert plan.outliers == 1  # 0.5% of 64 channels, at least one
     # The final norm's input: backward recomputes the logits from it, so it stays exact.
@@ -62,7 +63,7 @@ def test_what_is_quantized_kept_exact_and_recomputed_on_llama():
     assert len(qk) == 4 and all(p.source and "before RoPE" in p.reason for p in qk)
     # The logits and fused attention's output are recomputed in backward, never saved.
     assert not [s for s, _ in rows if s.role in (Role.LOSS_INPUT, Role.ATTN_OUT)]
-    passes = {p.name: p.summary for p in backend.regions[0].passes}
+    passes = {p.name: p.note for p in backend.regions[0].passes}
     assert passes["recompute_logits"].startswith("1 logits tensor")
     assert passes["recompute_attention"].startswith("2 attention op(s) recomputed in backward (about ")
 
@@ -72,7 +73,7 @@ def test_qkv_bits_none_quantizes_q_and_k_like_the_rest():
     backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", qkv_bits=None, lora_reorder=False),
                             lowering="eager")
     compiled_step(model, batch, backend)
-    plans = [(s, p) for _, s, p in backend.report().rows() if p.action == "quantize"]
+    plans = [(s, p) for _, s, p in backend.report().rows() if p.action is Action.QUANTIZE]
     assert {s.detail for s, p in plans if s.role is Role.ATTN_QKV} == {"q", "k", "v"}
     assert {p.bits for _, p in plans} == {4}
 
@@ -81,7 +82,7 @@ def test_eager_attention_probabilities_are_pruned_to_the_largest_per_row():
     model, batch = tiny_model("llama", lora=True, attn="eager")
     backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-4bit", attn_sparsity=0.25), lowering="eager")
     compiled_step(model, batch, backend)
-    pruned = [(s, p) for _, s, p in backend.report().rows() if p.action == "sparsify"]
+    pruned = [(s, p) for _, s, p in backend.report().rows() if p.action is Action.SPARSIFY]
     assert len(pruned) == 2
     for saved, plan in pruned:
         assert saved.role is Role.ATTN_PROBS and plan.keep == 4  # 25% of 16 keys
@@ -141,7 +142,7 @@ def test_rotation_and_stochastic_rounding_are_planned_priced_and_keep_the_bytes(
         torch._dynamo.reset()
         backend = fxmem.Backend(fxmem.Config.from_preset("hyclora-2bit", **overrides), lowering=lowering)
         saved, _, grads = compiled_step(model, batch, backend)
-        plans = [p for _, s, p in backend.report().rows() if p.action == "quantize"]
+        plans = [p for _, s, p in backend.report().rows() if p.action is Action.QUANTIZE]
         results[name] = saved, plans, gradient_fidelity(exact_grads, grads), backend
     plain_saved, plain_plans, *_ = results["plain"]
     for name in ("rotated", "stochastic"):
@@ -173,7 +174,7 @@ def test_a_norm_over_each_head_is_rebuilt_from_its_outputs_codes(dtype):
     _, grads = loss_and_grads(torch.compile(model, backend=backend), model, batch)
     per_head = [(s, p) for _, s, p in backend.report().rows() if s.role is Role.NORM_INPUT and len(s.shape) == 4]
     assert len(per_head) == 2 * 2  # q and k, two layers
-    assert all(p.action == "prenorm" and p.bits == 8 and p.exact_channels == 1 for _, p in per_head)
+    assert all(p.action is Action.PRENORM and p.bits == 8 and p.exact_channels == 1 for _, p in per_head)
     # the exact channels: 1 of each head's 16, of every head and row
     assert all(p.nbytes < s.nbytes / 8 for s, p in per_head)
     assert gradient_fidelity(reference[1], grads).min_cosine >= 0.9995

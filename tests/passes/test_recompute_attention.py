@@ -7,6 +7,7 @@ import fxmem
 from fxmem.analysis import Role
 from fxmem.analysis.eager_attention import eager_attention_chains
 from fxmem.bench.data import stdlib_bytes
+from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity
 from fxmem.passes import GraphPass, PassManager
 from tests.conftest import loss_and_grads, pass_summary, randomize_lora_b, tiny_model
@@ -40,7 +41,7 @@ def test_soft_capped_sliding_window_attention_keeps_the_gradient_and_saves_no_pr
     roles = {s.role for _, s, _ in rows if s.frees_memory}
     assert Role.ATTN_PROBS not in roles  # nothing tokens x tokens is saved
     # q and k, what the probabilities are rebuilt from, planned as q and k (through the soft-capping's tanh)
-    assert {s.detail for _, s, p in rows if p.action == "quantize" and "rebuilt for" in s.detail} >= {
+    assert {s.detail for _, s, p in rows if p.action is Action.QUANTIZE and "rebuilt for" in s.detail} >= {
         "output rebuilt for q", "output rebuilt for k"}
     assert Role.UNKNOWN not in roles
     # the soft-capped logits (tanh(logits / 30) * 30) recomputed from the final norm's output, not saved

@@ -35,7 +35,7 @@ def test_autocasts_weight_copies_are_recomputed_and_the_gradients_stay_torch_com
     loss, grads = _step(model, batch, backend, autocast=True)
     assert _weight_copies(backend) == 0
     assert backend.report().activation_bytes < unchanged.report().activation_bytes
-    summary = {p.name: p.summary for p in backend.regions[0].passes}["recompute_inputs"]
+    summary = {p.name: p.note for p in backend.regions[0].passes}["recompute_inputs"]
     assert "cast(s) of the inputs" in summary and "recomputed in backward" in summary
     assert loss == reference_loss
     for name, grad in reference.items():

@@ -21,7 +21,7 @@ def test_exact_with_lora_dropout_computes_torch_compiles_gradients_with_no_mask_
     assert loss == reference_loss
     for name, grad in reference.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    summary = {p.name: p.summary for p in backend.regions[0].passes}["replay_dropout"]
+    summary = {p.name: p.note for p in backend.regions[0].passes}["replay_dropout"]
     assert summary.startswith("7 LoRA input dropout(s) replayed in backward from their seeds")  # q k v o gate up down
     assert not [s for _, s, _ in backend.report().rows() if s.role is Role.DROPOUT_MASK]
 
@@ -48,7 +48,7 @@ def test_a_dropout_drawn_from_a_stateful_generator_is_not_replayed():
         _, reference = _compiled(model, batch, "inductor")
         backend = fxmem.backend("exact")
         _, grads = _compiled(model, batch, backend)
-    assert {p.name: p.summary for p in backend.regions[0].passes}["replay_dropout"] == ""
+    assert {p.name: p.note for p in backend.regions[0].passes}["replay_dropout"] == ""
     for name, grad in reference.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -63,6 +63,6 @@ def test_run_eagerly_a_replayed_mask_is_the_mask_forward_drew():
     _, reference = _compiled(model, batch, fxmem.Backend(fxmem.Config(), lowering="eager", passes=saved_masks))
     backend = fxmem.Backend(fxmem.Config(), lowering="eager")
     _, grads = _compiled(model, batch, backend)
-    assert {p.name: p.summary for p in backend.regions[0].passes}["replay_dropout"].startswith("7 LoRA input")
+    assert {p.name: p.note for p in backend.regions[0].passes}["replay_dropout"].startswith("7 LoRA input")
     for name, grad in reference.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)

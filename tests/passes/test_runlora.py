@@ -35,8 +35,8 @@ def test_every_order_in_the_joint_graph_gives_the_traced_gradients(monkeypatch, 
     _force(monkeypatch, forward, backward)
     backend, loss, grads = _compiled_grads(model, batch, Config(runlora="flops"))
     [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
-    assert record.error is None and "14 LoRA linear(s) reordered" in record.summary, record
-    assert "left as traced" not in record.summary
+    assert record.error is None and "14 LoRA linear(s) reordered" in record.note, record
+    assert "left as traced" not in record.note
     torch.testing.assert_close(loss, reference_loss)
     for name, grad in reference.items():
         torch.testing.assert_close(grads[name], grad, msg=name)
@@ -49,7 +49,7 @@ def test_float32_graph_with_viewed_lora_gradients_gives_the_traced_gradients(mon
     _force(monkeypatch, forward, backward)
     backend, loss, grads = _compiled_grads(model, batch, Config(runlora="flops"))
     [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
-    assert "14 LoRA linear(s) reordered" in record.summary and "left as traced" not in record.summary, record
+    assert "14 LoRA linear(s) reordered" in record.note and "left as traced" not in record.note, record
     torch.testing.assert_close(loss, reference_loss)
     for name, grad in reference.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
@@ -101,7 +101,7 @@ def _reordered_in_forward1_and(monkeypatch, backward, model, batch):
     monkeypatch.setattr(onednn_matmul_pass, "cpu_matmul_library", lambda *args, **kwargs: "aten")
     backend, loss, grads = _compiled_grads(model, batch, Config(runlora="flops"))
     [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
-    assert "14 LoRA linear(s) reordered" in record.summary and "left as traced" not in record.summary, record
+    assert "14 LoRA linear(s) reordered" in record.note and "left as traced" not in record.note, record
     return reference_loss, reference, loss, grads
 
 
@@ -131,9 +131,9 @@ def test_the_flops_chooser_keeps_s_b_a_out_of_w_under_dropout_and_fp32_adapters(
         backend = Backend(Config(runlora="flops"), lowering="eager")
         torch.compile(model, backend=backend)(**batch).loss.backward()
         [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
-        assert record.summary.startswith("14 LoRA linear(s) reordered"), record
-        orders = re.findall(r"r=8: (forward\d)/(backward\d)", record.summary)
-        assert orders and all(f == "forward1" and b in SPLIT_DX_ORDERS for f, b in orders), record.summary
+        assert record.note.startswith("14 LoRA linear(s) reordered"), record
+        orders = re.findall(r"r=8: (forward\d)/(backward\d)", record.note)
+        assert orders and all(f == "forward1" and b in SPLIT_DX_ORDERS for f, b in orders), record.note
 
 
 def test_fp32_adapters_on_a_bf16_model_save_neither_x_a_nor_an_fp32_copy_of_x():
@@ -162,7 +162,7 @@ def test_a_layer_the_pass_cannot_follow_is_left_as_traced_and_named(lenient):
     _, reference_loss, reference = _compiled_grads(model, batch, Config())
     backend, loss, grads = _compiled_grads(model, batch, Config(runlora="flops"))
     [record] = [r for r in backend.regions[0].passes if r.name == "runlora"]
-    assert record.summary.startswith("0 LoRA linear(s) reordered") and record.summary.count("no gradient for B") == 14
+    assert record.note.startswith("0 LoRA linear(s) reordered") and record.note.count("no gradient for B") == 14
     torch.testing.assert_close(loss, reference_loss)
     for name, grad in reference.items():
         torch.testing.assert_close(grads[name], grad, msg=name)
