@@ -73,7 +73,7 @@ def pass_summaries(workload: Workload, device: str, config: Config) -> list[str]
     setup = workload.build(device=device)
     backend = fxmem.Backend(config)
     setup.loss(torch.compile(setup.model, backend=backend), next(setup.batches)).backward()
-    lines = [f"region {r.index} {p.name}: {p.summary}" for r in backend.regions for p in r.passes if p.summary]
+    lines = [f"region {r.index} {p.name}: {p.note}" for r in backend.regions for p in r.passes if p.note]
     lines += [f"region {r.index} note: {n}" for r in backend.regions for n in r.notes]
     torch._dynamo.reset()
     return lines

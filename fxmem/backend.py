@@ -28,6 +28,7 @@ from torch.fx.graph_module import _loader as fx_source_loader
 
 from fxmem.config import Config
 from fxmem.cost_model.auto import choose_auto, predicted_peak_bytes
+from fxmem.cost_model.plan import Action
 from fxmem.fallback import fall_back, strict
 from fxmem.kernels import calibration
 from fxmem.kernels import probe as probe_kernel
@@ -88,14 +89,16 @@ def _lower_or_run_as_is(region: Region) -> Callable:
             _lower_random_ops(gm)
             return compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as error:
-            if not any(p.changed for p in region.passes):
+            planned = any(p.action is not Action.KEEP or p.host for p in region.plans)  # the re-partition's too
+            if not planned and not any(p.changed for p in region.passes):
                 raise  # fxmem changed nothing: torch's own error, as it would be without fxmem
             redrawn = any(p.changed and p.result.redraws for p in region.passes)
             if redrawn and any(n.target is SEEDED_DRAW for n in gm.graph.nodes):
                 # its other graph draws the same masks in inductor's code: eagerly they would differ
                 raise RuntimeError(f"fxmem region {region.index}: inductor could not lower a graph that draws the "
-                                   "dropout masks backward draws again (replay_dropout, checkpoint_blocks), and run "
-                                   "eagerly it would draw other masks than its compiled counterpart "
+                                   "dropout masks backward draws again (replay_dropout, checkpoint_blocks, "
+                                   "recompute_attention), and run eagerly it would draw other masks than its "
+                                   "compiled counterpart "
                                    f"({type(error).__name__})") from error
             message = str(error).splitlines()[0] if str(error) else ""
             note = (f"inductor could not lower a rewritten graph ({type(error).__name__}: {message}); "

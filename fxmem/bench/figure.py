@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from fxmem.bench.compare import MethodResult
 
 DIGEST_KEY = "fxmem-figure-data"
+DRAWING = 1  # raise when draw() changes how the figure looks: the digest then finds the PNG stale
 REFERENCE_METHOD = "compile"  # both axes are ratios to this method's
 
 
@@ -60,8 +61,10 @@ def panel(workload: str, preset: str, results: Sequence[MethodResult], label: st
 
 
 def digest(panels: Sequence[Panel]) -> str:
-    """What the figure plots, hashed: the same figures give the same digest on any matplotlib."""
-    return hashlib.sha256(json.dumps([asdict(p) for p in panels], sort_keys=True).encode()).hexdigest()
+    """What the figure plots and how it is drawn, hashed: the same figures give the same digest on any
+    matplotlib."""
+    drawn = {"drawing": DRAWING, "panels": [asdict(p) for p in panels]}
+    return hashlib.sha256(json.dumps(drawn, sort_keys=True).encode()).hexdigest()
 
 
 def draw(panels: Sequence[Panel], path: pathlib.Path) -> None:

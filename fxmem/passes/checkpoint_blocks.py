@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch.fx import Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxmem.analysis.blocks import find_blocks
+from fxmem.analysis.blocks import draws_random_numbers, find_blocks
 from fxmem.analysis.meta import BLOCK_SOURCE, RECOMPUTE
 from fxmem.fallback import unsupported
 from fxmem.passes.manager import GraphPass, PassResult, PipelineState, pass_result, tag_must_recompute
@@ -52,7 +52,8 @@ class CheckpointBlocks(GraphPass):
             unsupported(f"checkpoint_blocks: {parts[-1]}", state.config)
         if not blocks:
             return PassResult(False, "no repeated blocks (model.layers.N) found in the forward")
-        return pass_result(bool(checkpointed), *parts, redraws=bool(checkpointed))
+        redraws = any(draws_random_numbers(n) for block in checkpointed for n in block.nodes)  # from the step's seeds
+        return pass_result(bool(checkpointed), *parts, redraws=redraws)
 
 
 def _must_save(node: Node, block: str) -> None:

@@ -16,7 +16,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 from torch.fx import Graph, GraphModule, Node
@@ -200,6 +200,8 @@ class PassManager:
             start = time.perf_counter()
             try:
                 result = graph_pass.run(state)
+                if not isinstance(result, PassResult):
+                    raise TypeError(f"pass {graph_pass.name} returned {type(result).__name__}, not a PassResult")
                 for gm in state.graphs(stage).values():
                     gm.graph.lint()
                     gm.recompile()
@@ -217,6 +219,8 @@ class PassManager:
                 # what the stage would have moved to host memory (block_offload) stays on the device too
                 state.plans = [p if p.action is Action.KEEP and not p.host
                                else Plan(Action.KEEP, f"pass {graph_pass.name} failed: rolled back") for p in plans]
+                # the stage's earlier passes are undone with it: they changed nothing that stays
+                records = [replace(r, result=PassResult(False, r.note)) for r in records]
                 records.append(PassRecord(graph_pass.name, stage, UNCHANGED, time.perf_counter() - start,
                                           error=f"{type(error).__name__}: {error}"))
                 records.extend(PassRecord(p.name, stage, PassResult(False, "not run: an earlier pass of this stage "

@@ -30,6 +30,7 @@ import operator
 
 from torch.fx import Node
 
+from fxmem.analysis.blocks import draws_random_numbers
 from fxmem.analysis.eager_attention import eager_attention_chains
 from fxmem.analysis.graph import layer_of, module_path, tensor_val
 from fxmem.analysis.ops import dropout_probability, is_fused_attention
@@ -94,4 +95,6 @@ class RecomputeAttention(GraphPass):
             parts.append(f"{unreplayable} eager attention(s) with dropout from a stateful generator left saving their "
                          "probabilities")
             unsupported(f"recompute_attention: {parts[-1]}", state.config)
-        return pass_result(bool(tagged or eager), *parts)
+        # an eager attention's dropout drawn from the step's seeds is drawn again with its chain in backward
+        redraws = any(draws_random_numbers(n) for attention in eager for n in attention.chain)
+        return pass_result(bool(tagged or eager), *parts, redraws=redraws)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fxmem
-from fxmem.passes import GraphPass, PassManager
+from fxmem.passes import GraphPass, PassManager, PassResult
 from fxmem.techniques import default_passes
 from tests.conftest import assert_matches_eager, loss_and_grads, pass_summary, randomize_lora_b, tiny_model
 
@@ -24,7 +24,7 @@ class _SquareTensors(GraphPass):
         self.found += [node.name for gm in (state.fw, state.bw) for node in gm.graph.nodes
                        if isinstance(value := node.meta.get("val"), torch.Tensor) and value.dim() >= 2
                        and tuple(value.shape[-2:]) == (self.seq, self.seq)]
-        return ""
+        return PassResult(False)
 
 
 def test_hf_llamas_mask_runs_as_is_causal_with_the_gradients_of_eager():

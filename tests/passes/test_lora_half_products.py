@@ -7,7 +7,7 @@ from fxmem import Backend, Config
 from fxmem.analysis.graph import aten
 from fxmem.cost_model.matmul_library import half_tensor_cores
 from fxmem.measure import gradient_fidelity
-from fxmem.passes import GraphPass, PassManager, lora_half_products
+from fxmem.passes import GraphPass, PassManager, PassResult, lora_half_products
 from fxmem.techniques import default_passes
 from tests.conftest import randomize_lora_b, tiny_model
 
@@ -35,7 +35,7 @@ class _Fp32Products(GraphPass):
     def run(self, state):
         self.count = sum(node.meta["val"].dtype == torch.float32 for gm in (state.fw, state.bw)
                          for node in gm.graph.find_nodes(op="call_function", target=aten.mm.default))
-        return ""
+        return PassResult(False)
 
 
 def _backend(config):

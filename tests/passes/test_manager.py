@@ -98,6 +98,7 @@ def test_a_failing_pass_rolls_its_stage_back_and_is_reported(lenient):
     records = {r.name: r for r in backend.regions[0].passes}
     assert records["breaks"].error == "RuntimeError: synthetic pass bug"
     assert records["negate-twice"].note == "inserted 2 nodes"  # ran, then rolled back with its stage
+    assert not records["negate-twice"].changed
     assert records["count-saved"].error is None  # the next stage still runs
     assert "synthetic pass bug" in backend.report().table()
 
@@ -182,6 +183,24 @@ def test_a_rewrite_inductor_cannot_lower_runs_as_aten_ops_with_a_note(lenient):
     assert any("inductor could not lower a rewritten graph (InductorError" in note for note in region.notes)
 
 
+class ReturnsText(GraphPass):
+    """A pass written to the old contract: its summary as a string."""
+    name, stage = "returns-text", "joint"
+
+    def run(self, state: PipelineState) -> str:
+        return "did something"
+
+
+def test_a_pass_that_returns_no_pass_result_is_rolled_back_naming_it(lenient):
+    model, x, expected = _model_and_reference()
+    backend = Backend(passes=PassManager([NegateTwice(), ReturnsText()]))
+    with pytest.warns(FallbackWarning, match="returns-text"):
+        _run(backend, model, x, expected)
+    records = {r.name: r for r in backend.regions[0].passes}
+    assert records["returns-text"].error == "TypeError: pass returns-text returned str, not a PassResult"
+    assert not records["negate-twice"].changed  # rolled back with its stage
+
+
 def test_an_inductor_error_on_a_graph_fxmem_left_untouched_is_torchs_own(monkeypatch):
     # gqa_attention runs under every preset: with nothing to rewrite it notes why, and changes nothing
     model, x, _ = _model_and_reference()
@@ -226,7 +245,8 @@ def test_a_pass_that_fails_again_in_the_same_region_does_not_warn_again(lenient)
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         region.add_passes([failed])
-        region.add_passes([failed, PassRecord("quantize", "partitioned", PassResult(True, "2 storage(s) quantized"), 0.0)])
+        quantized = PassRecord("quantize", "partitioned", PassResult(True, "2 storage(s) quantized"), 0.0)
+        region.add_passes([failed, quantized])
         region.add_passes([dataclasses.replace(failed, stage="partitioned", name="breaks-late")])
     assert [(w.category, str(w.message).split(" failed")[0]) for w in warned] == [
         (FallbackWarning, "fxmem region 3: pass breaks"), (FallbackWarning, "fxmem region 3: pass breaks-late")]

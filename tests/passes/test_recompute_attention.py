@@ -9,7 +9,7 @@ from fxmem.analysis.eager_attention import eager_attention_chains
 from fxmem.bench.data import stdlib_bytes
 from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity
-from fxmem.passes import GraphPass, PassManager
+from fxmem.passes import GraphPass, PassManager, PassResult
 from tests.conftest import loss_and_grads, pass_summary, randomize_lora_b, tiny_model
 
 SEQ = 64
@@ -73,7 +73,7 @@ def _joint_graph(model, batch):
 
         def run(self, state):
             graphs.append(state.joint.graph)
-            return ""
+            return PassResult(False)
 
     manager = PassManager([Capture()])
     torch.compile(model, backend=fxmem.Backend(fxmem.Config(), lowering="eager", passes=manager))(**batch)
