@@ -33,8 +33,8 @@ from fxmem.fallback import fall_back, strict
 from fxmem.kernels import calibration
 from fxmem.kernels import probe as probe_kernel
 from fxmem.passes import PassManager, PipelineState
+from fxmem.passes.joint.replay_dropout import SEEDED_DRAW
 from fxmem.passes.manager import copy_graph_module
-from fxmem.passes.replay_dropout import SEEDED_DRAW
 from fxmem.peft_lora import prepare_peft
 from fxmem.pipeline import Partitioner
 from fxmem.region import Region

@@ -41,7 +41,7 @@ class Config:
         restore inside the grid, a larger error per batch). False rounds to nearest.
     attn_sparsity: fraction of eager attention's probabilities stored, the largest of each row (HyC-LoRA's
         pruning); None is off, and then a compressing preset rebuilds them in backward from q and k
-        (passes/recompute_attention.py). A fixed count a row bounds nothing of the probability mass it drops where
+        (passes/joint/recompute_attention.py). A fixed count a row bounds nothing of the probability mass it drops where
         attention is spread out (a random-weight model, a long context): off in every preset, and the report says
         so where it is set.
     calibration_steps: training forwards that gather quantization statistics before freezing them.
@@ -82,13 +82,13 @@ class Config:
         recomputed logits) stay, and attention is recomputed only in the layers whose q, k or v the plan
         compresses. The report says whether the target was met. None is no target: the preset's plan.
     chunk_loss: compute an LM head and its cross-entropy a chunk of tokens at a time, so that the (tokens x
-        vocabulary) logits never exist whole (passes/chunk_loss.py). Exact; on in every preset.
+        vocabulary) logits never exist whole (passes/dynamo/chunk_loss.py). Exact; on in every preset.
     mlp_chunk: run each SwiGLU MLP with a LoRA on its three linears (Llama's) this many tokens at a time, its
-        input the only tensor it saves, its gate and up products recomputed in backward (passes/chunk_mlp.py), so
+        input the only tensor it saves, its gate and up products recomputed in backward (passes/dynamo/chunk_mlp.py), so
         that the MLP-wide tensors, the step's largest transients at long context, are never whole. Exact up to
         rounding, for two more products per MLP; it replaces what the other techniques do inside the MLP. A
         bitsandbytes 4-bit base (QLoRA) is dequantized for the op, and again in backward
-        (passes/dequantize_bases.py). "auto": chunked where that lowers the region's predicted peak of activations
+        (passes/dynamo/dequantize_bases.py). "auto": chunked where that lowers the region's predicted peak of activations
         by a tenth, at as many tokens as hold no more than the MLP's input, one choice for every "auto" chunk option
         of the region (cost_model/auto.py); the report's notes say which and why. A mixture's experts prepared
         by ``fxmem.prepare_peft`` with this config run this many tokens at a time too (under "auto", as many as
@@ -96,16 +96,16 @@ class Config:
         at a time. None (every preset) is off.
     linear_chunk: run the PEFT LoRA linears outside a chunked MLP (an attention's projections: q, k and v, which
         read one input, as one op) this many tokens at a time in forward and backward, their input the only tensor
-        they save (passes/chunk_linears.py): in backward each holds its output gradient again in float32 for a
+        they save (passes/dynamo/chunk_linears.py): in backward each holds its output gradient again in float32 for a
         float32 adapter, and d x is a sum of two products per linear made whole before they are added, the largest
         transients of a recomputed block at long context once its MLP and norms are chunked. Exact up to rounding;
         it replaces what the other techniques do to those linears. On a frozen weight, as ``mlp_chunk``: a
         bitsandbytes 4-bit base (QLoRA) is dequantized for the op, and again in backward
-        (passes/dequantize_bases.py); a linear whose output or base weight has another dtype than its input (as
+        (passes/dynamo/dequantize_bases.py); a linear whose output or base weight has another dtype than its input (as
         under autocast) is left as torch runs it. "auto": as ``mlp_chunk``'s, each op's chunk holding no more than
         its input. None (every preset) is off.
     norm_chunk: run each RMSNorm (Llama's form) this many tokens at a time, recomputed in backward from its input,
-        the only tensor it saves (passes/chunk_norm.py): a half-precision model's norm upcasts to float32, and its
+        the only tensor it saves (passes/dynamo/chunk_norm.py): a half-precision model's norm upcasts to float32, and its
         backward holds five float32 tensors of the hidden width at once, the largest transients of a recomputed
         block at long context. The gradients are torch's sums in another order. Under a quantizing preset the input
         is then stored at no fewer than 8 bits (the norm is rebuilt from it), where a norm's input is otherwise
@@ -113,7 +113,7 @@ class Config:
         nothing inside a block is saved. "auto": as ``linear_chunk``'s. None (every preset) is off.
     block_checkpoint: checkpoint every repeated block (``model.layers.N``) from its output: only the residual
         stream between blocks is saved (at 8 bits under a quantizing preset, or ``block_input_bits``), and backward
-        recomputes each block's forward (passes/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
+        recomputes each block's forward (passes/joint/checkpoint_blocks.py). The fewest saved bytes, for a forward's time again;
         with ``mlp_chunk`` the recomputed block holds one chunk of its MLP at a time. A block's dropout drawn from
         inductor's per-step seeds (LoRA's, hidden states', an eager attention's) is drawn again with the same
         masks. Under ``memory_budget`` a block's checkpoint
@@ -128,14 +128,14 @@ class Config:
         input (docs/long-context.md measures the fidelity); None (every preset) is 8.
     block_offload: with ``block_checkpoint``, each block's stored input (its codes under a quantizing preset) is
         copied to host memory after its last forward read and back before backward's first
-        (passes/offload_blocks.py): the residual stream between blocks leaves the device, for two copies over the
+        (passes/partitioned/offload_blocks.py): the residual stream between blocks leaves the device, for two copies over the
         host link per block a step (on the compute stream, not overlapped). For a GPU; on a CPU the host is the
         device, and it saves nothing. The same bytes come back: the gradients do not change. Under ``memory_budget``
         it is one of the budget's exact options, taken block input by block input where it is the cheapest move,
         and only where host memory is apart from the device. False (every preset) is off.
     lora_half_products: the products of PEFT's fp32 adapters on a bf16 model (x A^T, its product with B,
         and their backward products) run with inputs in the model's dtype and float32 accumulation, as a GPU's tensor
-        cores run them, each result rounded to the model's dtype (passes/lora_half_products.py): "auto" for every
+        cores run them, each result rounded to the model's dtype (passes/partitioned/lora_half_products.py): "auto" for every
         one on a GPU with bf16 tensor cores and none elsewhere (cost_model/matmul_library.half_tensor_cores: a rule
         on the device, not a timing), "on" for every one, "off" in float32 as PEFT runs them. "auto" in the lossy presets, "off" in exact
         and runlora.

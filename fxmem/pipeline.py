@@ -37,7 +37,7 @@ from fxmem.region import Region
 from fxmem.techniques import enabled_techniques
 
 # Attention is recomputed in backward only so that its saved output agrees with compressed q, k and v
-# (passes/recompute_attention.py). A memory_budget plan is made first without it, and kept when q, k and v stay
+# (passes/joint/recompute_attention.py). A memory_budget plan is made first without it, and kept when q, k and v stay
 # exact; else it runs in the layers whose q, k or v that plan compressed, and the others keep theirs exact: an
 # attention forward per layer in backward is spent only where the budget needs those bytes. Block checkpoints
 # likewise: that first plan weighs each block's checkpoint among its options, and the region is partitioned again
@@ -71,7 +71,7 @@ class Partition:
 
     def keep_attention_inputs_outside(self, layers: frozenset[str]) -> None:
         """Attention's q, k and v kept exact in the layers whose attention is not recomputed: backward reads them
-        beside its exact saved output, and the two must agree (passes/recompute_attention.py)."""
+        beside its exact saved output, and the two must agree (passes/joint/recompute_attention.py)."""
         keep = Plan(Action.KEEP, "attention's input in a layer whose attention is not recomputed (memory_budget): "
                             "kept exact beside its saved output")
         saved_plans = list(zip(self.state.analysis.saved, self.state.plans, strict=True))

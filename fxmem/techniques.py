@@ -1,7 +1,8 @@
 """Every technique as one registered unit: its section of ``Config``, its planner hook and its passes.
 
 Adding a technique means a Config section (fields, validation, presets), a planner hook in cost_model/options.py,
-a pass in passes/, and one ``Technique`` here. The order passes run in is declared once: ``PASS_ORDER``.
+a pass in its stage's folder of passes/ (named in that stage's ``ORDER``), and one ``Technique`` here. ``PASS_ORDER``
+is the stages' orders, one after the other.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from fxmem.passes import (
     ReplayDropout,
     RunLora,
     SparsifyAttention,
+    dynamo,
+    joint,
+    partitioned,
 )
 
 
@@ -49,7 +53,7 @@ class Technique:
 
 
 # Quantization and low-rank factors both recompute the logits and fused attention, so that those are not saved
-# exact beside the compressed tensors (passes/recompute_logits.py, passes/recompute_attention.py).
+# exact beside the compressed tensors (passes/joint/recompute_logits.py, passes/joint/recompute_attention.py).
 _COMPRESSION_RECOMPUTES = ("recompute_logits", "recompute_attention")
 
 # Where two proposals save as many bytes, the earlier-registered technique's is the configured compression.
@@ -85,7 +89,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("gqa_attention", (), lambda config: True, ("gqa_attention",)),
     Technique("chunk_loss", ("chunk_loss", "return_logits"), lambda config: config.chunk_loss, ("chunk_loss",)),
     # The chunked MLP and linears read a float base weight: a bitsandbytes 4-bit one is dequantized for them, and
-    # again in backward (passes/dequantize_bases.py).
+    # again in backward (passes/dynamo/dequantize_bases.py).
     Technique("chunk_mlp", ("mlp_chunk",), lambda config: config.mlp_chunk is not None,
               ("dequantize_bases", "chunk_mlp")),
     Technique("chunk_norm", ("norm_chunk",), lambda config: config.norm_chunk is not None, ("chunk_norm",)),
@@ -110,19 +114,8 @@ PASSES: dict[str, type[GraphPass]] = {p.name: p for p in (
     MergeCasts, RecomputeAdapterCast, ReplayDropout, RecomputeInputs, LoraReorder, RunLora, RecomputeLogits,
     RecomputeAttention, SparsifyAttention, QuantizeSaved, LowRankSaved, FuseEpilogue, OffloadBlocks, LoraHalfProducts,
     OnednnMatmul)}
-# The dynamo passes first (they change what AOTAutograd traces; gqa_attention after causal_mask, which removes the
-# mask it needs gone; dequantize_bases before the chunked ops that read its weights; chunk_linears after chunk_mlp,
-# which takes an MLP's linears whole), then the joint passes (merge_casts first: the LoRA matcher the others run must
-# see one cast of x; recompute_adapter_cast next: its must-save of x is a default the later ones may override;
-# lora_reorder tags what runlora must leave alone; checkpoint_blocks last: its tags override theirs inside a block),
-# then the partitioned ones: sparsify, quantize and lowrank rewrite saved tensors that fuse_epilogue then fuses,
-# offload_blocks moves what is then saved for the blocks, lora_half_products and onednn_matmul swap the products of
-# the finished graphs.
-PASS_ORDER = ("causal_mask", "gqa_attention", "chunk_loss", "dequantize_bases", "chunk_mlp", "chunk_norm",
-              "chunk_linears", "merge_casts", "recompute_adapter_cast", "replay_dropout", "recompute_inputs",
-              "lora_reorder", "runlora", "recompute_logits", "recompute_attention", "checkpoint_blocks",
-              "sparsify_attention", "quantize", "lowrank", "fuse_epilogue", "offload_blocks", "lora_half_products",
-              "onednn_matmul")
+# Each stage owns its passes' order (fxmem/passes/<stage>/__init__.py); the stages run in the pipeline's order.
+PASS_ORDER = dynamo.ORDER + joint.ORDER + partitioned.ORDER
 
 
 # A pass runs when one of the techniques it serves is on, wherever it is built.

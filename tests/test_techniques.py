@@ -17,6 +17,19 @@ def test_every_pass_is_declared_once_in_the_order_and_served_by_a_technique():
     assert [p.name for p in techniques.default_passes()] == list(techniques.PASS_ORDER)
 
 
+def test_each_pass_lives_in_its_stages_folder_and_is_ordered_there():
+    import pathlib
+    import sys
+
+    from fxmem.passes import dynamo, joint, partitioned
+    for stage in (dynamo, joint, partitioned):
+        folder = pathlib.Path(stage.__file__).parent
+        for name in stage.ORDER:
+            graph_pass = techniques.PASSES[name]
+            assert graph_pass.stage == folder.name, name
+            assert pathlib.Path(sys.modules[graph_pass.__module__].__file__).parent == folder, name
+
+
 _ALWAYS = ["adapter_cast", "replay_dropout", "merge_casts", "recompute_inputs", "causal_mask", "gqa_attention"]
 _EVERY_PRESETS_PASSES = ["causal_mask", "gqa_attention", "chunk_loss", "merge_casts", "recompute_adapter_cast",
                          "replay_dropout", "recompute_inputs"]

@@ -296,7 +296,7 @@ def test_bf16_model_with_pefts_fp32_adapters_saves_no_x_a_under_runlora(tiny_con
     assert all(o.choice.forward == "forward1"
                and o.choice.backward in ("backward1", "backward2", "backward3", "backward6") for o in result.lora_orders)
     # No x A^T (14 linears, 2 x 16 tokens x rank 8, fp32). The LoRA inputs are kept in bf16, not fp32, under both
-    # (passes/adapter_cast.py, every preset). A real compiled step saves as predicted.
+    # (passes/joint/adapter_cast.py, every preset). A real compiled step saves as predicted.
     assert exact.saved_activations - runlora.saved_activations == 14 * 2 * 16 * 8 * 4
     measured = measured_saved_bytes(str(tiny_config), batch=2, seq=16, rank=8, dtype="bf16", preset="runlora",
                                     lowering="eager")

@@ -8,7 +8,7 @@ softmax whose output is the left operand of a batched matmul (P v), traced back 
 mask, soft-capping's tanh, a sliding window's where), views, casts, a cat (gpt-oss's sink column joined to the scores)
 and a row's max (subtracted before the softmax) to the batched matmul that made its scores (q k^T). Dropout
 between the probabilities and P v is drawn again in backward from the step's seeds (inductor's ``inductor_random``,
-as passes/replay_dropout.py replays a LoRA input's): the same mask; a draw from a stateful generator would not be,
+as passes/joint/replay_dropout.py replays a LoRA input's): the same mask; a draw from a stateful generator would not be,
 and leaves that attention as it is.
 """
 

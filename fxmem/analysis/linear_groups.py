@@ -4,7 +4,7 @@ attention's q, k and v projections are one group, its o projection another.
 A linear is ``x W^T + scale (x A^T) B^T`` on a frozen W, cast back to x's dtype, as PEFT runs it
 (analysis/mlp.py's matcher). Its output must be in x's dtype: the chunked op (kernels/chunked_lora_linear.py)
 returns that. W's dtype is x's, or the base computes between two casts written in the graph (a bitsandbytes 4-bit
-base, passes/dequantize_bases.py).
+base, passes/dynamo/dequantize_bases.py).
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ def peft_linear(node: Node) -> tuple[Node, Node, tuple[Node, Node, float] | None
 
 def base_computes_cast(node: Node) -> bool:
     """Whether ``node`` is a linear computed in another dtype between two explicit casts, ``linear(x.to(d),
-    W).to(x's dtype)``: a bitsandbytes 4-bit base as passes/dequantize_bases.py writes it."""
+    W).to(x's dtype)``: a bitsandbytes 4-bit base as passes/dynamo/dequantize_bases.py writes it."""
     if cast_dtype(node) is None or not isinstance(node.args[0], Node) or len(node.args[0].users) != 1:
         return False
     inner = _linear(node.args[0])

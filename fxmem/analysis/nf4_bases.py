@@ -3,7 +3,7 @@
 bitsandbytes' ``Linear4bit`` runs its product as one op, ``bitsandbytes.gemm_4bit(x, packed, shape, absmax, ...)``,
 which dequantizes the packed weight inside (the nested absmax too, ``absmax_8bit``) and multiplies. PEFT's LoRA on
 it reads that product cast back to x's dtype and cloned, then adds the adapter's term. The chunked MLP and linears
-(kernels/chunked_mlp.py, kernels/chunked_lora_linear.py) read a float weight; passes/dequantize_bases.py gives them
+(kernels/chunked_mlp.py, kernels/chunked_lora_linear.py) read a float weight; passes/dynamo/dequantize_bases.py gives them
 one. Found here: each such product with no bias, its output cast back to its input's dtype (QLoRA's preparation keeps
 the hidden states in float32 and ``bnb_4bit_compute_dtype`` is often bf16: the product then runs between two casts).
 """

@@ -63,5 +63,5 @@ CHUNKED_MLP = "fxmem::chunked_swiglu_mlp"
 # fxmem's chunked LoRA linears (kernels/chunked_lora_linear.py): their first input feeds each linear
 CHUNKED_LINEARS = "fxmem::chunked_lora_linears"
 # fxmem's chunked RMSNorm (kernels/chunked_rms_norm.py), recomputed in backward from its first input
-# (passes/chunk_norm.py)
+# (passes/dynamo/chunk_norm.py)
 CHUNKED_NORM = "fxmem::chunked_rms_norm"

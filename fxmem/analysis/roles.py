@@ -345,7 +345,7 @@ def _loss_input(f: TensorFacts) -> Match | None:
 
 
 def _reaches_loss(base: Node, saved_bases: frozenset[Node], depth: int = 16) -> bool:
-    """Does a log-softmax's input, or the chunked loss's (passes/chunk_loss.py), follow from ``base`` by ops
+    """Does a log-softmax's input, or the chunked loss's (passes/dynamo/chunk_loss.py), follow from ``base`` by ops
     that no other saved tensor cuts?
 
     Then the backward rebuilds the logits from ``base`` (recompute_logits makes that the case for the LM head),

@@ -1,8 +1,8 @@
 """The options set to "auto", turned on where the step's predicted peak drops: ``mlp_chunk``, ``norm_chunk``,
 ``linear_chunk`` (chunked transients) and ``block_checkpoint``.
 
-A chunked op (passes/chunk_mlp.py, chunk_norm.py, chunk_linears.py) holds one chunk of its wide tensors at a time
-and saves only its input, for its products run again in backward; a checkpointed block (passes/checkpoint_blocks.py)
+A chunked op (passes/dynamo/chunk_mlp.py, chunk_norm.py, chunk_linears.py) holds one chunk of its wide tensors at a time
+and saves only its input, for its products run again in backward; a checkpointed block (passes/joint/checkpoint_blocks.py)
 saves only its input, for its forward run again in backward, where backward then holds its activations whole. Each
 pays where what it cuts sets the step's peak, which depends on everything else the step holds: at long context the
 transients dominate, at short context and under an exact plan the saved tensors may. So the choice is the region's,

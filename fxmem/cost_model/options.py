@@ -44,10 +44,10 @@ QUANTIZED_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT
                              Role.LINEAR_INPUT, Role.LORA_BASE_OUTPUT})
 # Kept exact even when the tensor also serves a quantized role: x @ A carries what LoRA learns, the logits'
 # error would reach every gradient through the loss, and the chunked loss's gradients are gradients. (Fused attention's output, ATTN_OUT, is not in
-# QUANTIZED_ROLES: its backward needs it consistent with q, k, v; see passes/recompute_attention.py.)
+# QUANTIZED_ROLES: its backward needs it consistent with q, k, v; see passes/joint/recompute_attention.py.)
 EXACT_ROLES = frozenset({Role.LORA_INTERMEDIATE, Role.LOSS_INPUT, Role.LOSS_GRADIENT, Role.ROUTER})
 # Roles LoRAct stores as low-rank factors: their backward needs only the value. Attention's q, k, v too: fused
-# attention is then recomputed in backward from the rebuilt values (passes/recompute_attention.py), q and k
+# attention is then recomputed in backward from the rebuilt values (passes/joint/recompute_attention.py), q and k
 # factored before RoPE, as (rows, hidden) matrices. Scores, probabilities and eager attention's output are left to
 # other techniques.
 LOWRANK_ROLES = frozenset({Role.NORM_INPUT, Role.ACT_INPUT, Role.PRODUCT_INPUT, Role.LINEAR_INPUT, Role.ATTN_QKV})
@@ -387,7 +387,7 @@ def replayed_plan(owner: SavedTensor, source: str) -> Plan:
                 f"{seconds * 1e3:.3g} ms", nbytes=0, seconds=seconds, chain=owner.rebuild_product)
 
 
-# What passes/offload_blocks.py moves: the tensor itself, or the tensors compress_storage saved in its place.
+# What passes/partitioned/offload_blocks.py moves: the tensor itself, or the tensors compress_storage saved in its place.
 _OFFLOADABLE = (Action.KEEP, Action.QUANTIZE, Action.LOWRANK)
 
 

@@ -71,7 +71,7 @@ def test_an_unknown_configuration_errors_with_the_valid_names(capsys):
 def test_the_reference_machine_pins_every_measured_speed():
     from fxmem import timing
     from fxmem.cost_model import lora_orders, lora_timing, prices
-    from fxmem.passes import runlora
+    from fxmem.passes.joint import runlora
 
     shape = lora_orders.LoraShape(tokens=32, in_features=64, out_features=64, rank=8)
     with plans.reference_machine():

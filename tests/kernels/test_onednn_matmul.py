@@ -14,7 +14,7 @@ from fxmem.kernels.onednn_matmul import (
     onednn_mm_reference,
 )
 from fxmem.kernels.runlora import runlora_linear
-from fxmem.passes import onednn_matmul as onednn_pass
+from fxmem.passes.partitioned import onednn_matmul as onednn_pass
 from tests.conftest import loss_and_grads, tiny_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")

@@ -73,7 +73,7 @@ def test_a_model_without_casts_is_left_alone():
 def test_the_chain_stops_at_one_widening_cast_and_narrowing_casts_are_left_alone():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fxmem.passes.adapter_cast import widening_cast
+    from fxmem.passes.joint.adapter_cast import widening_cast
 
     def lora_input(h, a):  # a norm ending in a cast of its own (Gemma's type_as), then PEFT's cast to fp32
         x = (h * 2).to(torch.bfloat16)

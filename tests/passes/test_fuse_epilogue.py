@@ -10,7 +10,7 @@ import fxmem
 from fxmem.kernels import lora_epilogue
 from fxmem.kernels.quantize import QuantSpec, dequantize, quantize
 from fxmem.passes import FuseEpilogue, PassManager
-from fxmem.passes.fuse_epilogue import fuse_graph
+from fxmem.passes.partitioned.fuse_epilogue import fuse_graph
 from fxmem.techniques import default_passes
 from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
 

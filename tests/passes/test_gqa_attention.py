@@ -7,8 +7,8 @@ from torch.nn.attention import SDPBackend
 
 import fxmem
 from fxmem.analysis.roles import Role
-from fxmem.passes import gqa_attention
-from fxmem.passes.gqa_attention import fused_gqa_backend
+from fxmem.passes.dynamo import gqa_attention
+from fxmem.passes.dynamo.gqa_attention import fused_gqa_backend
 from fxmem.region import Region
 from fxmem.whatif import hf_config, traced_activation_bytes
 from tests.conftest import assert_matches_eager, loss_and_grads, pass_summary, randomize_lora_b, tiny_model

@@ -7,7 +7,8 @@ from fxmem import Backend, Config
 from fxmem.analysis.graph import aten
 from fxmem.cost_model.matmul_library import half_tensor_cores
 from fxmem.measure import gradient_fidelity
-from fxmem.passes import GraphPass, PassManager, PassResult, lora_half_products
+from fxmem.passes import GraphPass, PassManager, PassResult
+from fxmem.passes.partitioned import lora_half_products
 from fxmem.techniques import default_passes
 from tests.conftest import randomize_lora_b, tiny_model
 

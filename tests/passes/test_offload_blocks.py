@@ -6,7 +6,7 @@ import torch
 import fxmem
 from fxmem.analysis.graph import storage_bytes
 from fxmem.cost_model import host_bytes, planned_bytes
-from fxmem.passes import offload_blocks
+from fxmem.passes.partitioned import offload_blocks
 from fxmem.whatif import predicted_activation_bytes
 from tests.conftest import loss_and_grads, pass_summary, randomize_lora_b, tiny_model
 

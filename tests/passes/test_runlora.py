@@ -6,8 +6,8 @@ import torch
 from fxmem import Backend, Config
 from fxmem.cost_model.lora_orders import BACKWARD_ORDERS, FORWARD_ORDERS, OrderChoice
 from fxmem.measure import saved_activation_bytes
-from fxmem.passes import onednn_matmul as onednn_matmul_pass
-from fxmem.passes import runlora as runlora_pass
+from fxmem.passes.joint import runlora as runlora_pass
+from fxmem.passes.partitioned import onednn_matmul as onednn_matmul_pass
 from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
 
 SPLIT_DX_ORDERS = ["backward1", "backward2", "backward3", "backward6"]  # dX = dY W + (dY B) A: s B A not in W
@@ -146,7 +146,7 @@ def test_fp32_adapters_on_a_bf16_model_save_neither_x_a_nor_an_fp32_copy_of_x():
 
     exact_bytes, exact_fp32_inputs, exact_x_a = saved(Config())
     runlora_bytes, runlora_fp32_inputs, runlora_x_a = saved(Config(runlora="flops"))
-    # every preset saves x, not its fp32 copy (passes/adapter_cast.py); autograd's order keeps x A^T
+    # every preset saves x, not its fp32 copy (passes/joint/adapter_cast.py); autograd's order keeps x A^T
     assert len(exact_x_a) == 14 and not exact_fp32_inputs
     assert not runlora_x_a and not runlora_fp32_inputs  # runlora rebuilds x A^T from the bf16 x in backward
     assert exact_bytes - runlora_bytes >= 14 * 32 * 8 * 4  # 14 x A^T (32 tokens x rank 8, fp32)

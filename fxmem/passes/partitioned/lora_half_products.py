@@ -29,7 +29,7 @@ from torch.fx import Graph, Node
 from fxmem.analysis.graph import DTYPE_CASTS, aten, is_view, prims, strip, tensor_val, view_source
 from fxmem.analysis.lora import matmul_operands
 from fxmem.cost_model.matmul_library import half_tensor_cores
-from fxmem.passes.adapter_cast import widening_cast
+from fxmem.passes.joint.adapter_cast import widening_cast
 from fxmem.passes.manager import UNCHANGED, GraphPass, PassResult, PipelineState
 from fxmem.passes.saved_rewrite import call
 

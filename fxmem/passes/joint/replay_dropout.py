@@ -24,7 +24,7 @@ from fxmem.analysis.blocks import draws_from_step_seed, draws_random_numbers
 from fxmem.analysis.graph import original_op, storage_base, tensor_val
 from fxmem.analysis.lora import find_lora_linears, matmul_operands
 from fxmem.fallback import unsupported
-from fxmem.passes.adapter_cast import keep_x_saved
+from fxmem.passes.joint.adapter_cast import keep_x_saved
 from fxmem.passes.manager import GraphPass, PassResult, PipelineState, joint_primals, pass_result, tag_must_recompute
 
 prims = torch.ops.prims

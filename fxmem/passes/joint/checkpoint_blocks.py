@@ -8,7 +8,7 @@ instead of every block's. The recomputed forward runs on the very values saved, 
 are torch's. A quantizing preset stores each block's output at no fewer than REBUILD_SOURCE_BITS (a block is
 rebuilt from it, as an X W is from its x: analysis/saved.py). A block's dropout that inductor draws from the step's
 seeds (every dropout it compiles, unless ``torch._inductor.config.fallback_random``) is drawn again from the same
-seed in backward: the same masks, as passes/replay_dropout.py replays them. A block that draws random numbers
+seed in backward: the same masks, as passes/joint/replay_dropout.py replays them. A block that draws random numbers
 otherwise is left as it is: the recomputation would draw others.
 
 Under ``memory_budget`` a block's checkpoint is one of the budget's options: the region is planned first without
