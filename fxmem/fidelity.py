@@ -192,5 +192,5 @@ def describe_plan(plan: Plan) -> str:
         source = f"{plan.bits}-bit codes" if plan.bits else f"rank-{plan.rank} factors"
         return f"rebuilt from its norm output's {source}"
     if plan.action is Action.SPARSIFY:
-        return f"{plan.keep} values per row"
+        return f"{plan.kept_per_row} values per row"
     return {Action.KEEP: "exact", Action.RECOMPUTE: "recomputed in backward"}.get(plan.action, plan.action.value)

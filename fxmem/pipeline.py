@@ -25,9 +25,9 @@ from fxmem.analysis import Analysis, SavedTensor, analyze
 from fxmem.analysis.blocks import find_blocks
 from fxmem.analysis.liveness import compiled_liveness, graph_liveness
 from fxmem.analysis.pinned import Pinned, pinned
-from fxmem.cost_model.budget import BLOCK_CHECKPOINT_REASON, budget_bytes, budget_note
+from fxmem.cost_model.budget import budget_bytes, budget_note
 from fxmem.cost_model.memory import op_workspace_bytes
-from fxmem.cost_model.plan import Action, Plan
+from fxmem.cost_model.plan import Action, Checkpoint, Keep, Plan
 from fxmem.cost_model.planner import plan_region, replay_sources
 from fxmem.fallback import fall_back, unsupported
 from fxmem.measure import format_bytes
@@ -59,9 +59,8 @@ class Partition:
 
     def checkpointed_blocks(self) -> dict[str, str]:
         """The blocks the plan checkpoints (memory_budget's first plan), each with its name and price."""
-        return {saved.layer: plan.reason.removeprefix(BLOCK_CHECKPOINT_REASON).removesuffix(" (memory_budget)")
-                for saved, plan in zip(self.state.analysis.saved, self.state.plans, strict=True)
-                if plan.reason.startswith(BLOCK_CHECKPOINT_REASON)}
+        return {plan.block: f"{plan.block}: {plan.price}" for plan in self.state.plans
+                if isinstance(plan, Checkpoint) and plan.price}
 
     def compressed_attention_layers(self) -> frozenset[str]:
         """The layers (analysis.graph.layer_of) whose attention q, k or v the plan stores lossily."""
@@ -72,8 +71,8 @@ class Partition:
     def keep_attention_inputs_outside(self, layers: frozenset[str]) -> None:
         """Attention's q, k and v kept exact in the layers whose attention is not recomputed: backward reads them
         beside its exact saved output, and the two must agree (passes/joint/recompute_attention.py)."""
-        keep = Plan(Action.KEEP, "attention's input in a layer whose attention is not recomputed (memory_budget): "
-                            "kept exact beside its saved output")
+        keep = Keep("attention's input in a layer whose attention is not recomputed (memory_budget): "
+                    "kept exact beside its saved output")
         saved_plans = list(zip(self.state.analysis.saved, self.state.plans, strict=True))
         # whole storages: the planner plans a storage once, for every saved view of it
         storages = {saved.storage for saved, plan in saved_plans if saved.feeds_attention is not None
@@ -129,6 +128,7 @@ class Partitioner(CustomPartitionerFn):
             if not met:
                 warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
         region.notes += pinned_notes(pinned(state.analysis, state.fw.graph, kwargs["num_fwd_outputs"], joint.graph))
+        planned = state.plans + [plan for _, plan in chosen.recomputed]
         region.add_passes(self.passes.run("partitioned", state))
         region.liveness.append((graph_liveness(state.fw.graph, op_workspace_bytes),
                                 graph_liveness(state.bw.graph, op_workspace_bytes)))
@@ -143,6 +143,7 @@ class Partitioner(CustomPartitionerFn):
         region.demoted.update(chosen.demoted)
         region.saved += [saved.record() for saved in state.analysis.saved + [saved for saved, _ in chosen.recomputed]]
         region.plans += [plan.record() for plan in state.plans + [plan for _, plan in chosen.recomputed]]
+        region.planned += [plan.record() for plan in planned]
         region.slots += state.slots
         region.probes += state.probes or []
         return state.fw, state.bw

@@ -26,7 +26,10 @@ class Region:
     config: Config
     kind: Literal["compiling", "training", "inference"] = "compiling"
     saved: list[SavedRecord] = field(default_factory=list)
-    plans: list[Plan] = field(default_factory=list)  # their records (Plan.record): no graph references
+    plans: list[Plan] = field(default_factory=list)  # as the passes applied them (Plan.record: no graph references)
+    # as the planner made them: where a pass left one undone (a rollback, a tensor backward could not rebuild, an
+    # offload it could not move), ``plans`` holds what was applied instead and says why
+    planned: list[Plan] = field(default_factory=list)
     passes: list[PassRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     slots: list[QuantSlot] = field(default_factory=list)  # quantization state of the saved tensors
@@ -38,6 +41,11 @@ class Region:
     # per partition (inductor may partition nested subgraphs of the region through the same hook)
     liveness: list[tuple[Liveness, Liveness]] = field(default_factory=list)
     compiled_liveness: list[tuple[Liveness, Liveness]] = field(default_factory=list)  # the same as inductor runs them
+
+    def undone(self) -> list[tuple[SavedRecord, Plan, Plan]]:
+        """Each saved tensor whose plan the passes did not apply as planned: (tensor, planned, applied)."""
+        return [(saved, planned, applied) for saved, planned, applied in zip(self.saved, self.planned, self.plans,
+                                                                              strict=True) if planned != applied]
 
     def add_passes(self, records: list[PassRecord]) -> None:
         """Record passes; each one that failed (its stage rolled back) warns, once per region and pass."""

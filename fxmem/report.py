@@ -117,8 +117,9 @@ class Report:
                 "demoted": r.demoted,
                 "quantization": [slot.to_dict() for slot in r.slots],
                 "passes": [p.to_dict() for p in r.passes],
-                "saved": [dict(s.to_dict(), plan=p.to_dict(), planned_bytes=planned_bytes(s, p))
-                          for s, p in zip(r.saved, r.plans, strict=True)],
+                "saved": [dict(s.to_dict(), plan=p.to_dict(), planned_bytes=planned_bytes(s, p),
+                               **({"planned": q.to_dict()} if q != p else {}))
+                          for s, p, q in zip(r.saved, r.plans, r.planned, strict=True)],
             } for r in self.regions],
         }
 
@@ -142,8 +143,8 @@ class Report:
                 f"(= {saved.shares_storage_with})" if saved.shares_storage_with else format_bytes(saved.nbytes))
             tensors.add_row(str(region.index), str(saved.index), saved.name, saved.role.value, saved.detail,
                             saved.module.removeprefix(prefix).lstrip(".") or "(top)", saved.shape_text,
-                            saved.dtype, shown, plan.action.value, str(plan.bits or ""), str(plan.outliers or ""),
-                            str(plan.rank or ""), format_bytes(planned_bytes(saved, plan)),
+                            saved.dtype, shown, plan.action.value, *(str(getattr(plan, f, 0) or "") for f in _COLUMNS),
+                            format_bytes(planned_bytes(saved, plan)),
                             f"{plan.seconds * 1e3:.2f} ms" if plan.seconds else "")
         parts: list[RenderableType] = [tensors,
                                        _totals_table("By role", "role", self.by_role(), describe_roles=True),
@@ -181,6 +182,10 @@ class Report:
         console = Console(file=io.StringIO(), width=width, color_system=None)
         console.print(Group(*self.renderables(include_all)))
         return console.file.getvalue()
+
+
+# The plan fields the table shows, on the plans that have them (Quantize's bits and outliers, LowRank's rank)
+_COLUMNS = ("bits", "outliers", "rank")
 
 
 def _totals_table(title: str, key_name: str, totals: dict[str, dict[str, int]],

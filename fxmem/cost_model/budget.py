@@ -30,7 +30,7 @@ from fxmem.cost_model.options import (
     replayed_plan,
     source_bits,
 )
-from fxmem.cost_model.plan import Action, Plan
+from fxmem.cost_model.plan import Action, Checkpoint, Keep, Plan, Recompute
 from fxmem.cost_model.prices import forward_seconds
 
 # memory_budget's ladder: (bits, sensitivity) stages, taken in order until the region fits. Sensitivity 0 is
@@ -188,7 +188,7 @@ def _block_move(parts: _BlockParts, by_storage: dict[str, list[SavedTensor]], ow
     if name in spending.checkpointed:
         return None
     outside = spending.recomputed.difference(parts.inside, parts.sources)
-    if {n.name for storage in outside for n in rebuild_inputs(owner_plans[storage].chain)} & set(parts.inside):
+    if {n.name for storage in outside for n in _recomputed_from(owner_plans[storage])} & set(parts.inside):
         return None
     floor = block_source_bits(config)
     plans: dict[str, Plan] = {}
@@ -200,8 +200,8 @@ def _block_move(parts: _BlockParts, by_storage: dict[str, list[SavedTensor]], ow
             continue
         plan = owner_plans[storage]
         if not (plan.action is Action.KEEP or (plan.action is Action.QUANTIZE and plan.bits >= floor)):
-            plans[storage] = Plan(Action.KEEP, f"what {name} is recomputed from in backward: kept exact")
-    freed = {storage: Plan(Action.CHECKPOINT, "", nbytes=0) for storage in parts.inside}
+            plans[storage] = Keep(f"what {name} is recomputed from in backward: kept exact")
+    freed = {storage: Checkpoint("", block=name, nbytes=0) for storage in parts.inside}
     changed = plans | freed
     saved = sum(planned_bytes(by_storage[s][0], owner_plans[s]) - planned_bytes(by_storage[s][0], p)
                 for s, p in changed.items()) - sum(added.values())
@@ -212,14 +212,17 @@ def _block_move(parts: _BlockParts, by_storage: dict[str, list[SavedTensor]], ow
     seconds = forward + sum(p.seconds - owner_plans[s].seconds for s, p in changed.items())
     error = max((_error(by_storage[s][0], changed.get(s, owner_plans[s])) for s in parts.sources if s in by_storage),
                 default=EXACT_ERROR)
-    checkpointed = Plan(Action.CHECKPOINT, f"{BLOCK_CHECKPOINT_REASON}{name}: a {forward * 1e3:.3g} ms forward for "
-                                      f"{saved / 2**20:.2f} MiB", nbytes=0)
+    price = f"a {forward * 1e3:.3g} ms forward for {saved / 2**20:.2f} MiB"
+    checkpointed = Checkpoint(f"recomputed in backward with its block, {name}: {price}", block=name, price=price,
+                              nbytes=0)
     plans |= dict.fromkeys(parts.inside, checkpointed)
     return (error, seconds / saved, -saved), BlockOption(name, plans, added)
 
 
-# The reason of a storage memory_budget recomputes with its checkpointed block: the block's name and price follow.
-BLOCK_CHECKPOINT_REASON = "recomputed in backward with its block, "
+def _recomputed_from(plan: Plan) -> list[Node]:
+    """The saved nodes a recomputation reads (none for a storage recomputed with its checkpointed block: its block's
+    sources are read, held by the block's own move)."""
+    return rebuild_inputs(plan.chain) if isinstance(plan, Recompute) else []
 
 
 def _checkpoint(option: BlockOption, parts: _BlockParts, by_storage: dict[str, list[SavedTensor]],

@@ -27,7 +27,7 @@ from fxmem.analysis.recompute import rebuild_inputs, replays_product
 from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.memory import lowrank_bytes, prenorm_bytes, quantized_bytes, sparse_bytes, stored_bytes
-from fxmem.cost_model.plan import Action, Plan
+from fxmem.cost_model.plan import Action, Keep, LowRank, Plan, Quantize, RebuildNormInput, Recompute, Sparsify
 from fxmem.cost_model.prices import (
     forward_seconds,
     lowrank_seconds,
@@ -103,15 +103,15 @@ Propose = Callable[[SavedTensor, list[SavedTensor], Analysis, Config, set[str]],
 def held_as_is(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis) -> Plan | None:
     """The plan of a storage no technique may compress, or None."""
     if not owner.frees_memory:
-        return Plan(Action.KEEP, "frees nothing: not an activation")
+        return Keep("frees nothing: not an activation")
     if owner.storage in analysis.output_storages:
         if any(s.feeds_attention in ("k", "v") for s in group):
-            return Plan(Action.KEEP, "also a forward output, the caller holds it anyway: a KV cache (use_cache=False "
-                                "in training frees it)")
-        return Plan(Action.KEEP, "also a forward output: the caller holds it anyway")
+            return Keep("also a forward output, the caller holds it anyway: a KV cache (use_cache=False "
+                        "in training frees it)")
+        return Keep("also a forward output: the caller holds it anyway")
     exact = sorted({r.value for s in group for r in (s.role, *s.also) if r in EXACT_ROLES})
     if exact:
-        return Plan(Action.KEEP, f"kept exact: {', '.join(exact)}")
+        return Keep(f"kept exact: {', '.join(exact)}")
     return None
 
 
@@ -121,7 +121,7 @@ def propose_quantized(owner: SavedTensor, group: list[SavedTensor], analysis: An
     if config.bits is None or not all(s.role in QUANTIZED_ROLES for s in group):  # None: demoted off (less_lossy)
         return None
     if not quantizable(group, config):  # intra=False: the paper's inter-only ablation row
-        return Plan(Action.KEEP, "intra-operator quantization off (intra=False)")
+        return Keep("intra-operator quantization off (intra=False)")
     bits = configured_bits(owner, config)
     if owner.storage in analysis.rebuild_sources and bits < REBUILD_SOURCE_BITS:
         return rebuild_source(owner, group, analysis, config, tables, _rebuilt_from(owner))
@@ -169,11 +169,11 @@ def recompute_plan(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
     leaves = [n.name for n in rebuild_inputs(owner.recompute) if n.name in by_storage]
     device = str(tensor_val(owner.base).device)
     if replays_product(owner.recompute):  # the experts' products run again: their flops
-        return Plan(Action.RECOMPUTE, f"rebuilt in backward by the experts' products from {', '.join(leaves)}",
-                    nbytes=0, seconds=forward_seconds(owner.recompute, device), chain=owner.recompute)
+        return Recompute(f"rebuilt in backward by the experts' products from {', '.join(leaves)}",
+                         nbytes=0, seconds=forward_seconds(owner.recompute, device), chain=owner.recompute)
     read = sum(stored_bytes(by_storage[leaf][0], owner_plans[leaf]) for leaf in leaves)
-    return Plan(Action.RECOMPUTE, f"rebuilt element-wise in backward from {', '.join(leaves) or 'graph inputs'}",
-                nbytes=0, seconds=recompute_seconds(read, device), chain=owner.recompute)
+    return Recompute(f"rebuilt element-wise in backward from {', '.join(leaves) or 'graph inputs'}",
+                     nbytes=0, seconds=recompute_seconds(read, device), chain=owner.recompute)
 
 
 def _compressible(group: list[SavedTensor]) -> bool:
@@ -207,7 +207,7 @@ def quantized_plan(owner: SavedTensor, group: list[SavedTensor], analysis: Analy
         return refused
     order = memory_order(val)
     if not isinstance(val.shape[order[-1]], int):
-        return Plan(Action.KEEP, "symbolic channel dimension: scales need a fixed channel count")
+        return Keep("symbolic channel dimension: scales need a fixed channel count")
     # The channels of the view backward reads where its storage splits them (heads x head dim): scales per
     # channel of the view, not shared across heads.
     view = tensor_val(owner.node)
@@ -241,12 +241,12 @@ def quantized_plan(owner: SavedTensor, group: list[SavedTensor], analysis: Analy
         reason += ", positive values kept positive (its backward reads which are)"
     nbytes = quantized_bytes(numel_hint(val), channels, bits, outliers, val.element_size(), chunk) + tables_bytes
     if nbytes >= owner.nbytes:
-        return Plan(Action.KEEP, f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
+        return Keep(f"quantizing would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
     seconds = quantize_seconds(numel_hint(val), val.element_size(), bits, chunk, str(val.device), rotation=rotation,
                                stochastic=config.stochastic_rounding)
-    return Plan(Action.QUANTIZE, reason, bits=bits, channels=channels, merged=merged if merged > 1 else 0,
-                outliers=outliers, chunk=chunk, rotation=rotation, stochastic=config.stochastic_rounding,
-                keep_positive=keep_positive, replay=replay, nbytes=nbytes, seconds=seconds)
+    return Quantize(reason, bits=bits, channels=channels, merged=merged if merged > 1 else 0,
+                    outliers=outliers, chunk=chunk, rotation=rotation, stochastic=config.stochastic_rounding,
+                    keep_positive=keep_positive, replay=replay, nbytes=nbytes, seconds=seconds)
 
 
 def _keeps_positive(group: list[SavedTensor], config: Config, bits: int, rotation: int) -> bool:
@@ -263,9 +263,9 @@ def _keeps_positive(group: list[SavedTensor], config: Config, bits: int, rotatio
 def _refused_layout(val: torch.Tensor, inner: str, layout: str) -> Plan | None:
     """Why a tensor cannot be stored by rows of its innermost memory dimension (``inner``), or None."""
     if val.dim() < 2 or not val.dtype.is_floating_point or numel_hint(val) == 0:
-        return Plan(Action.KEEP, f"not a floating tensor with rows and {inner}")
+        return Keep(f"not a floating tensor with rows and {inner}")
     if memory_order(val) is None:
-        return Plan(Action.KEEP, f"not dense in memory: no {layout}")
+        return Keep(f"not dense in memory: no {layout}")
     return None
 
 
@@ -291,13 +291,13 @@ def _replay_source(owner: SavedTensor, analysis: Analysis, tables: set[str]) -> 
 def _sparsify(owner: SavedTensor, ratio: float) -> Plan:
     val = tensor_val(owner.base)
     if any(not isinstance(s, int) for s in val.shape) or not val.is_contiguous():
-        return Plan(Action.KEEP, "attention probabilities with a symbolic or strided layout are kept")
+        return Keep("attention probabilities with a symbolic or strided layout are kept")
     row = val.shape[-1]
     keep = max(1, math.ceil(ratio * row))
     nbytes = sparse_bytes(numel_hint(val), row, keep, val.element_size())
-    return Plan(Action.SPARSIFY, f"largest {keep} of {row} per row kept (attn_sparsity: the probability mass each row "
-                            "drops is not bounded)", keep=keep, nbytes=nbytes,
-                seconds=recompute_seconds(numel_hint(val) * val.element_size() + nbytes, str(val.device)))
+    return Sparsify(f"largest {keep} of {row} per row kept (attn_sparsity: the probability mass each row "
+                    "drops is not bounded)", kept_per_row=keep, nbytes=nbytes,
+                    seconds=recompute_seconds(numel_hint(val) * val.element_size() + nbytes, str(val.device)))
 
 
 def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_saved: set[str]) -> Plan:  # noqa: PYI041 (int: rank, float: ratio)
@@ -309,20 +309,20 @@ def _lowrank(owner: SavedTensor, analysis: Analysis, rank: float | int, tables_s
     order = memory_order(val)
     width = val.shape[order[-1]]
     if not isinstance(width, int):
-        return Plan(Action.KEEP, "symbolic last dimension: the rank is a fixed share of it")
+        return Keep("symbolic last dimension: the rank is a fixed share of it")
     if owner.role is Role.ATTN_QKV and width <= hint(tensor_val(owner.node).shape[-1]):
         # A per-head layout (GPT-2's per-head copies; MQA's single k/v head): factors of one head's width
         # share one small subspace across all heads, far worse than factors of a projection's output, which
         # spans several heads (wider than the saved tensor's last dimension).
-        return Plan(Action.KEEP, f"per-head layout ({numel_hint(val) // width} x {width}): q, k, v are factored only as "
+        return Keep(f"per-head layout ({numel_hint(val) // width} x {width}): q, k, v are factored only as "
                     "their projection's output")
     k = resolve_rank(rank, (width, width))  # from the last dimension alone: the row count may be symbolic
     rows = numel_hint(val) // width
     nbytes = lowrank_bytes((rows, width), k, val.element_size()) + tables_bytes
     if nbytes >= owner.nbytes:
-        return Plan(Action.KEEP, f"rank-{k} factors would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
-    return Plan(Action.LOWRANK, f"rank {k} of {width}, as {rows} x {width}{replay_reason}", rank=k, replay=replay,
-                nbytes=nbytes, seconds=lowrank_seconds(rows, width, k, DEFAULT_NITER, str(val.device)))
+        return Keep(f"rank-{k} factors would not shrink it ({nbytes} >= {owner.nbytes} bytes)")
+    return LowRank(f"rank {k} of {width}, as {rows} x {width}{replay_reason}", rank=k, replay=replay,
+                   nbytes=nbytes, seconds=lowrank_seconds(rows, width, k, DEFAULT_NITER, str(val.device)))
 
 
 def rebuilds_from_x(config: Config) -> bool:
@@ -351,10 +351,11 @@ def prenorm_plan(owner: SavedTensor, analysis: Analysis, output: str, output_pla
     formula += " + mean" if unit.mean is not None else ""
     # element-wise from the output backward reads anyway: the rebuilt input written and read once
     seconds = recompute_seconds(storage_bytes(val), str(val.device))
-    return Plan(Action.PRENORM, f"rebuilt as {formula} from {output}'s {stored_as(output_plan)}; {exact} smallest-|gamma| "
-                f"channel{'s' if exact > 1 else ''} exact", rank=output_plan.rank,
-                bits=output_plan.bits if output_plan.action is Action.QUANTIZE else None, exact_channels=exact, norm=unit,
-                nbytes=nbytes, seconds=seconds)
+    factored = isinstance(output_plan, LowRank)
+    return RebuildNormInput(f"rebuilt as {formula} from {output}'s {stored_as(output_plan)}; {exact} smallest-|gamma| "
+                            f"channel{'s' if exact > 1 else ''} exact", bits=None if factored else output_plan.bits,
+                            rank=output_plan.rank if factored else 0, exact_channels=exact, norm=unit, nbytes=nbytes,
+                            seconds=seconds)
 
 
 def source_bits(owner: SavedTensor, config: Config) -> int:
@@ -383,8 +384,8 @@ def replayed_plan(owner: SavedTensor, source: str) -> Plan:
     rows, cols = numel_hint(out) // hint(out.shape[-1]), hint(out.shape[-1])
     inner = hint(tensor_val(matmul_operands(product)[0]).shape[-1])
     seconds = product_seconds(rows, inner, cols, str(out.device))
-    return Plan(Action.RECOMPUTE, f"rebuilt in backward as x W^T from {source} and the frozen weight: a matmul, "
-                f"{seconds * 1e3:.3g} ms", nbytes=0, seconds=seconds, chain=owner.rebuild_product)
+    return Recompute(f"rebuilt in backward as x W^T from {source} and the frozen weight: a matmul, "
+                     f"{seconds * 1e3:.3g} ms", nbytes=0, seconds=seconds, chain=owner.rebuild_product)
 
 
 # What passes/partitioned/offload_blocks.py moves: the tensor itself, or the tensors compress_storage saved in its place.

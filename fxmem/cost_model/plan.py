@@ -1,9 +1,15 @@
-"""A saved tensor's plan: the action the planner chose for it and what that action needs."""
+"""A saved tensor's plan: one class per action, each with only the fields its rewrite reads.
+
+``Keep``, ``Quantize`` and ``LowRank`` store something in the step's memory; their ``host`` says it waits in host
+memory instead between forward and backward (block_offload). Offloading is a placement of what a plan stores, not a
+way to store it, so it is a field of those three and not a class of its own.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from enum import Enum
+from typing import Any, ClassVar
 
 from torch.fx import Node
 
@@ -20,7 +26,7 @@ class Action(str, Enum):
     SPARSIFY = "sparsify"
     LOWRANK = "lowrank"
     PRENORM = "prenorm"  # a norm's input rebuilt from its output's stored form
-    CHECKPOINT = "checkpoint"  # inside a block memory_budget checkpoints: recomputed with it (backend.py)
+    CHECKPOINT = "checkpoint"  # inside a block memory_budget checkpoints: recomputed with it (pipeline.py)
 
     def __str__(self) -> str:
         return self.value
@@ -29,44 +35,115 @@ class Action(str, Enum):
         return format(self.value, spec)
 
 
+# Graph references: left out of comparisons (plans of two compilations of one model compare equal), of the record the
+# report keeps (they would keep the region's graphs and fake tensors alive) and of to_dict.
+_GRAPH_REFERENCES = ("replay", "norm", "chain")
+
+
 @dataclass(frozen=True)
 class Plan:
-    action: Action
+    """What every plan has: why it was chosen, and what the cost model says it stores and costs."""
+
+    action: ClassVar[Action]
+    host: ClassVar[bool] = False  # only what stores something can wait in host memory (Keep, Quantize, LowRank)
     reason: str
-    bits: int | None = None  # quantize; prenorm: the output's, when its codes rebuild the input
-    channels: int = 0  # quantize: channels with their own scale (the innermost memory dimension, or ``merged``)
-    merged: int = 0  # quantize: innermost memory dimensions flattened into the channels (0: the innermost alone)
-    outliers: int = 0  # quantize: channels kept in full precision
-    chunk: int = 0  # quantize: each row keeps one value exact per chunk of this many channels (0: none)
-    rotation: int = 0  # quantize: rows rotated in Hadamard blocks of this many channels (0: none)
-    stochastic: bool = False  # quantize: codes rounded stochastically
-    keep_positive: bool = False  # quantize: positive values stay positive, zero zero (its backward reads which are)
-    keep: int = 0  # sparsify: values kept per row
-    rank: int = 0  # lowrank: rank of the factors of the (rows, last dimension) matrix; prenorm: the output's
-    exact_channels: int = 0  # prenorm: input channels (smallest |gamma|) saved exactly
+    _: KW_ONLY
     nbytes: int | None = None  # bytes after the plan (cost model), None for keep
     seconds: float = 0.0  # what the plan adds to a step (cost model): its price against the bytes it saves
-    host: bool = False  # what is stored waits in host memory between forward and backward (block_offload)
-    # Graph references (left out of comparisons: plans of two compilations of one model compare equal)
-    replay: Replay | None = field(default=None, compare=False)  # quantize, lowrank: compress its source instead
-    norm: NormUnit | None = field(default=None, compare=False)  # prenorm: whose output rebuilds the input
-    chain: tuple[Node, ...] = field(default=(), compare=False)  # recompute: the forward ops backward replays
-    # the node compressed instead of the saved tensor (x before RoPE or a repeat, a norm's output), by name: set from
-    # replay or norm, and kept in the record without them
+
+    def record(self) -> Plan:
+        """The plan as the report keeps it, without graph references."""
+        return replace(self, **{f.name: f.default for f in fields(self) if f.name in _GRAPH_REFERENCES})
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _GRAPH_REFERENCES}
+        return {"action": self.action.value,
+                **{k: v for k, v in data.items() if v not in (None, 0, False, "") or k == "reason"}}
+
+
+def _source_name(replay: Replay | None, norm: NormUnit | None) -> str | None:
+    """The node compressed instead of the saved tensor (x before RoPE or a repeat, a norm's output), by name."""
+    if replay is not None:
+        return replay.source.name
+    return norm.output.name if norm is not None else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Keep(Plan):
+    action: ClassVar[Action] = Action.KEEP
+    host: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recompute(Plan):
+    """Rebuilt in backward by replaying a chain of forward ops."""
+
+    action: ClassVar[Action] = Action.RECOMPUTE
+    chain: tuple[Node, ...] = field(default=(), compare=False)  # the forward ops backward replays
+
+
+@dataclass(frozen=True, kw_only=True)
+class Quantize(Plan):
+    action: ClassVar[Action] = Action.QUANTIZE
+    bits: int
+    channels: int  # channels with their own scale (the innermost memory dimension, or ``merged``)
+    merged: int = 0  # innermost memory dimensions flattened into the channels (0: the innermost alone)
+    outliers: int = 0  # channels kept in full precision
+    chunk: int = 0  # each row keeps one value exact per chunk of this many channels (0: none)
+    rotation: int = 0  # rows rotated in Hadamard blocks of this many channels (0: none)
+    stochastic: bool = False  # codes rounded stochastically
+    keep_positive: bool = False  # positive values stay positive, zero zero (its backward reads which are)
+    host: bool = False
+    replay: Replay | None = field(default=None, compare=False)  # compress its source instead (x before RoPE)
+    source: str | None = field(default=None, compare=False)  # replay's source, by name: kept in the record
+
+    def __post_init__(self) -> None:
+        if self.source is None and self.replay is not None:
+            object.__setattr__(self, "source", _source_name(self.replay, None))  # frozen: set once, as it is made
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sparsify(Plan):
+    action: ClassVar[Action] = Action.SPARSIFY
+    kept_per_row: int  # the largest values each row keeps
+
+
+@dataclass(frozen=True, kw_only=True)
+class LowRank(Plan):
+    action: ClassVar[Action] = Action.LOWRANK
+    rank: int  # of the factors of the (rows, last dimension) matrix
+    host: bool = False
+    replay: Replay | None = field(default=None, compare=False)
     source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "action", Action(self.action))  # frozen: a plan named by its value is typed
-        if self.source is None and (self.replay is not None or self.norm is not None):
-            node = self.replay.source if self.replay is not None else self.norm.output
-            object.__setattr__(self, "source", node.name)  # frozen: set once, as it is made
+        if self.source is None and self.replay is not None:
+            object.__setattr__(self, "source", _source_name(self.replay, None))
 
-    def record(self) -> Plan:
-        """The plan as the report keeps it: without the graph references, which would keep the region's graphs
-        (and their fake tensors) alive as long as the report."""
-        return replace(self, replay=None, norm=None, chain=())
 
-    def to_dict(self) -> dict:
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("replay", "norm", "chain")}
-        data["action"] = self.action.value
-        return {k: v for k, v in data.items() if v not in (None, 0, False) or k in ("action", "reason")}
+@dataclass(frozen=True, kw_only=True)
+class RebuildNormInput(Plan):
+    """A norm's input rebuilt in backward from its output's stored form (Quantize's codes or LowRank's factors)."""
+
+    action: ClassVar[Action] = Action.PRENORM
+    bits: int | None = None  # the output's codes (None: its factors)
+    rank: int = 0  # the output's factors' rank
+    exact_channels: int = 0  # input channels (smallest |gamma|) saved exactly
+    norm: NormUnit | None = field(default=None, compare=False)  # whose output rebuilds the input
+    source: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.source is None and self.norm is not None:
+            object.__setattr__(self, "source", _source_name(None, self.norm))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint(Plan):
+    """Inside a block memory_budget checkpoints: recomputed with the block in backward."""
+
+    action: ClassVar[Action] = Action.CHECKPOINT
+    block: str  # the block's name (analysis.blocks.Block.name)
+    price: str = ""  # the block's checkpoint, as the report tells it (only on the plan that stands for the block)
+
+
+Stored = Keep | Quantize | LowRank  # what a plan may keep in host memory

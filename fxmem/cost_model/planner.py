@@ -6,6 +6,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 from fxmem.analysis import Analysis, Role, SavedTensor
@@ -30,7 +31,7 @@ from fxmem.cost_model.options import (
     replayed_plan,
     stored_as,
 )
-from fxmem.cost_model.plan import Action, Plan
+from fxmem.cost_model.plan import Action, Keep, LowRank, Plan, Quantize
 
 
 class TechniqueHooks(Protocol):
@@ -60,8 +61,8 @@ def plan_region(analysis: Analysis, config: Config, techniques: Sequence[Techniq
     # the analysis counts a storage's bytes on its first saved tensor, its owner
     held = {storage: held_as_is(group[0], group, analysis) for storage, group in by_storage.items()}
     if config.memory_budget is not None:  # the budget's planner starts from the fastest plan and spends from there
-        owner_plans = {storage: plan or (Plan(Action.KEEP, "exact: demoted by the guard") if levels.get(storage)
-                                         else Plan(Action.KEEP, "exact: memory_budget needs no bytes of it"))
+        owner_plans = {storage: plan or (Keep("exact: demoted by the guard") if levels.get(storage)
+                                         else Keep("exact: memory_budget needs no bytes of it"))
                        for storage, plan in held.items()}
         fit_budget(analysis, by_storage, owner_plans, config, tables_saved,
                    frozen={storage for storage, level in levels.items() if level})
@@ -75,7 +76,7 @@ def plan_region(analysis: Analysis, config: Config, techniques: Sequence[Techniq
         elif owner_plan.action is not Action.KEEP:
             plan = dataclasses.replace(owner_plan, reason=f"view of {owner.name}, compressed with it", nbytes=None)
         else:
-            plan = Plan(Action.KEEP, f"shares storage with {owner.name}" if saved.frees_memory
+            plan = Keep(f"shares storage with {owner.name}" if saved.frees_memory
                         else "frees nothing: not an activation")
         plans.append(plan)
     return plans
@@ -93,10 +94,10 @@ def _configured_plan(owner: SavedTensor, group: list[SavedTensor], analysis: Ana
         if plan is not None:
             proposals.append((plan, tables))
     if not proposals:
-        return Plan(Action.KEEP, f"no enabled technique applies to {owner.role.value}")
+        return Keep(f"no enabled technique applies to {owner.role.value}")
     compressing = [c for c in proposals if c[0].action is not Action.KEEP]
     if not compressing:
-        return Plan(Action.KEEP, "; ".join(plan.reason for plan, _ in proposals))
+        return Keep("; ".join(plan.reason for plan, _ in proposals))
     plan, tables = min(compressing, key=lambda c: c[0].nbytes)
     tables_saved.update(tables)
     return plan
@@ -115,7 +116,7 @@ def _demoted_plan(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
         while plan.action is not Action.KEEP:
             demoted = less_lossy(demoted) if demoted is not None else None
             if demoted is None:
-                return Plan(Action.KEEP, f"exact: demoted by the guard ({steps} step{'s' if steps > 1 else ''})")
+                return Keep(f"exact: demoted by the guard ({steps} step{'s' if steps > 1 else ''})")
             candidate = _configured_plan(owner, group, analysis, demoted, set(tables_saved), techniques)
             if candidate.action is not Action.LOWRANK and demoted.lowrank is not None:  # factors no longer its plan: an
                 demoted = demoted.replace(lowrank=None, prenorm_sharing=True)  # integer rank would double forever
@@ -123,7 +124,7 @@ def _demoted_plan(owner: SavedTensor, group: list[SavedTensor], analysis: Analys
                 plan = candidate
                 break
     if plan.action is Action.KEEP:
-        return Plan(Action.KEEP, f"exact: demoted by the guard ({steps} step{'s' if steps > 1 else ''})")
+        return Keep(f"exact: demoted by the guard ({steps} step{'s' if steps > 1 else ''})")
     plan = _configured_plan(owner, group, analysis, demoted, tables_saved, techniques)  # its RoPE tables paid
     return dataclasses.replace(plan, reason=f"{plan.reason}; demoted by the guard ({steps} step"
                                             f"{'s' if steps > 1 else ''})")
@@ -170,12 +171,15 @@ class _Choice:
     REBUILD_SOURCE_BITS: rebuild_source), each with what backward rebuilds from it."""
 
     plan: Plan
-    raises: tuple[tuple[str, str], ...] = ()
+    raises: tuple[tuple[str, RaisedFor], ...] = ()
 
 
-# What backward rebuilds from a raised source: its reason names the X W where it serves both.
-_REPLAYED_X_W = "an X W"
-_NORM_INPUT = "its norm's input"
+class RaisedFor(Enum):
+    """What backward rebuilds from a source an option raises to REBUILD_SOURCE_BITS (the value: as its reason names
+    it, the X W where it serves both)."""
+
+    REPLAYED_X_W = "an X W"
+    NORM_INPUT = "its norm's input"
 
 
 def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], held: dict[str, Plan | None],
@@ -205,7 +209,7 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
                                                  tables_saved, techniques, demoted.get(storage, 0))
                   for storage, plan in held.items()}
     plans = dict(configured)
-    raised: dict[str, list[str]] = {}  # storage -> what backward rebuilds from it, where an option raised it
+    raised: dict[str, list[RaisedFor]] = {}  # storage -> what backward rebuilds from it, where an option raised it
     replayable = _replayable(analysis, by_storage, configured, config, tables_saved)
     readers: dict[str, set[str]] = {}  # storage -> the storages whose options read its plan
     for storage, source in replayable.items():
@@ -240,7 +244,7 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
 
 
 def _choose(storage: str, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
-            plans: dict[str, Plan], raised: dict[str, list[str]], replayable: dict[str, str], ceiling: int,
+            plans: dict[str, Plan], raised: dict[str, list[RaisedFor]], replayable: dict[str, str], ceiling: int,
             analysis: Analysis, config: Config, tables_saved: set[str]) -> _Choice:
     """fit_ceilings' rule for one storage, from the plans now; ``ceiling``: what the config asks of it
     (_ceiling)."""
@@ -286,8 +290,8 @@ def _replayable(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], co
     replayable = {}
     for source, products in by_source.items():
         group, before = by_storage[source], configured[source]
-        after = before if before.action is Action.KEEP else rebuild_source(group[0], group, analysis, config,
-                                                                         set(tables_saved), _REPLAYED_X_W)
+        after = before if before.action is Action.KEEP else rebuild_source(
+            group[0], group, analysis, config, set(tables_saved), RaisedFor.REPLAYED_X_W.value)
         if sum(configured[p].nbytes for p in products) > stored_bytes(group[0], after) - stored_bytes(group[0], before):
             replayable.update(dict.fromkeys(products, source))
     return replayable
@@ -310,14 +314,14 @@ def _ceiling(owner: SavedTensor, group: list[SavedTensor], plan: Plan, analysis:
 
 
 def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
-             plans: dict[str, Plan], raised: dict[str, list[str]], replayable: dict[str, str], analysis: Analysis,
+             plans: dict[str, Plan], raised: dict[str, list[RaisedFor]], replayable: dict[str, str], analysis: Analysis,
              config: Config, tables_saved: set[str]) -> list[_Choice]:
     """fit_ceilings' options for a storage the config compresses, its configured compression first."""
     storage, group = owner.storage, by_storage[owner.storage]
     base = configured[storage]
     if storage in raised and base.action is Action.QUANTIZE:
-        purpose = _REPLAYED_X_W if _REPLAYED_X_W in raised[storage] else raised[storage][0]
-        base = rebuild_source(owner, group, analysis, config, set(tables_saved), purpose)
+        purpose = RaisedFor.REPLAYED_X_W if RaisedFor.REPLAYED_X_W in raised[storage] else raised[storage][0]
+        base = rebuild_source(owner, group, analysis, config, set(tables_saved), purpose.value)
     choices = [_Choice(base)]
     leaves = [n.name for n in rebuild_inputs(owner.recompute)] if owner.recompute is not None else []
     if all(_rebuildable_from(leaf, owner, base, configured, plans, config) for leaf in leaves):
@@ -327,7 +331,7 @@ def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], confi
                 recompute, reason=f"{recompute.reason}, {recompute.seconds * 1e3:.3g} ms")))
     source = replayable.get(storage)
     if source is not None and plans[source].action in (Action.KEEP, Action.QUANTIZE):
-        choices.append(_Choice(replayed_plan(owner, source), ((source, _REPLAYED_X_W),)))
+        choices.append(_Choice(replayed_plan(owner, source), ((source, RaisedFor.REPLAYED_X_W),)))
     choices.extend(_prenorm_choices(owner, by_storage, plans, analysis, config, tables_saved))
     return choices
 
@@ -361,7 +365,7 @@ def _rebuildable_from(leaf: str, owner: SavedTensor, owner_plan: Plan, configure
     ``owner`` would be."""
     if replays_product(owner.recompute):
         return rebuilds_from_x(config) and _held_at_source_bits(leaf, plans)
-    plan = configured.get(leaf, Plan(Action.KEEP, ""))
+    plan = configured.get(leaf, Keep(""))
     if plan.action is Action.KEEP:
         return True
     return (plan.action is Action.QUANTIZE and owner_plan.action is Action.QUANTIZE and plan.bits >= owner_plan.bits
@@ -370,7 +374,7 @@ def _rebuildable_from(leaf: str, owner: SavedTensor, owner_plan: Plan, configure
 
 def _held_at_source_bits(storage: str, plans: dict[str, Plan]) -> bool:
     """``storage`` as planned now is kept, stored at REBUILD_SOURCE_BITS or more, or recomputed from such alone."""
-    plan = plans.get(storage, Plan(Action.KEEP, ""))
+    plan = plans.get(storage, Keep(""))
     if plan.action is Action.RECOMPUTE and plan.chain:
         return all(_held_at_source_bits(n.name, plans) for n in rebuild_inputs(plan.chain))
     return plan.action is Action.KEEP or (plan.action is Action.QUANTIZE and plan.bits >= REBUILD_SOURCE_BITS)
@@ -394,9 +398,10 @@ def _prenorm_choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]
             choices.append(_Choice(prenorm_plan(owner, analysis, output, output_plan)))
         elif any(Role.LINEAR_INPUT in (s.role, *s.also) for s in by_storage[output]):
             group = by_storage[output]
-            raised = rebuild_source(group[0], group, analysis, config, set(tables_saved), _NORM_INPUT)
+            purpose = RaisedFor.NORM_INPUT
+            raised = rebuild_source(group[0], group, analysis, config, set(tables_saved), purpose.value)
             if raised.action is Action.QUANTIZE:
-                choices.append(_Choice(prenorm_plan(owner, analysis, output, raised), ((output, _NORM_INPUT),)))
+                choices.append(_Choice(prenorm_plan(owner, analysis, output, raised), ((output, purpose),)))
     return choices
 
 
@@ -406,4 +411,5 @@ def _output_plan(unit: NormUnit, plans: dict[str, Plan]) -> Plan | None:
     name = unit.output.name
     if name in plans:
         return plans[name]
-    return next((plan for plan in plans.values() if plan.replay is not None and plan.source == name), None)
+    return next((plan for plan in plans.values()
+                 if isinstance(plan, (Quantize, LowRank)) and plan.replay is not None and plan.source == name), None)

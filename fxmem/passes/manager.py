@@ -25,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fxmem.analysis import Analysis
 from fxmem.analysis.meta import MODULE_STACK, RECOMPUTE
 from fxmem.config import Config
-from fxmem.cost_model.plan import Action, Plan
+from fxmem.cost_model.plan import Action, Keep, Plan
 from fxmem.fallback import FallbackError, fall_back
 from fxmem.kernels import calibration
 from fxmem.kernels import probe as probe_kernel
@@ -218,7 +218,7 @@ class PassManager:
                 state.slots, state.dequantized, state.stored, state.probes = slots, dequantized, stored, probes
                 # what the stage would have moved to host memory (block_offload) stays on the device too
                 state.plans = [p if p.action is Action.KEEP and not p.host
-                               else Plan(Action.KEEP, f"pass {graph_pass.name} failed: rolled back") for p in plans]
+                               else Keep(f"pass {graph_pass.name} failed: rolled back") for p in plans]
                 # the stage's earlier passes are undone with it: they changed nothing that stays
                 records = [replace(r, result=PassResult(False, r.note)) for r in records]
                 records.append(PassRecord(graph_pass.name, stage, UNCHANGED, time.perf_counter() - start,

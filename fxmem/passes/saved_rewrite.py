@@ -23,7 +23,7 @@ from fxmem.analysis.meta import VALUE
 from fxmem.analysis.norm import scale_source
 from fxmem.analysis.rope import Replay
 from fxmem.analysis.saved import SYMBOLIC, saved_placeholders, stashed_unchecked
-from fxmem.cost_model.plan import Action, Plan
+from fxmem.cost_model.plan import Action, Keep, Plan
 from fxmem.fallback import fall_back
 from fxmem.kernels import probe as probe_kernel
 from fxmem.passes.manager import PipelineState
@@ -157,7 +157,7 @@ def rewrite_planned(state: PipelineState, action: Action,
             done.append(rewrite(editor, members, owner_plan))
         except Unmappable as error:
             for i in indices:
-                state.plans[i] = Plan(Action.KEEP, f"planned {action}, left as it was: {error}")
+                state.plans[i] = Keep(f"planned {action}, left as it was: {error}")
             left.append(f"{', '.join(m.name for m in members)} ({error})")
     if left:  # one warning for the pass: each storage's reason is in its plan too
         fall_back(f"planned {action} left undone, the tensors kept exact: {'; '.join(left)}", state.config,

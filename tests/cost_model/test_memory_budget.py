@@ -140,8 +140,8 @@ def test_x_w_rebuilt_for_gelu_or_tanh_stays_at_8_bits_under_any_budget():
                             lowering="eager")
     with pytest.warns(UserWarning, match="memory_budget 0.01 not met"):
         compiled_step(model, batch, backend)
-    rebuilt = {s.detail.removeprefix("output rebuilt for "): p.bits for _, s, p in backend.report().rows()
-               if s.role is Role.LORA_BASE_OUTPUT and s.nbytes}
+    rebuilt = {s.detail.removeprefix("output rebuilt for "): getattr(p, "bits", None)
+               for _, s, p in backend.report().rows() if s.role is Role.LORA_BASE_OUTPUT and s.nbytes}
     assert rebuilt["gelu"] == 8
     assert rebuilt["tanh"] is None  # the pooler's 2 x 64 X W: quantizing would not shrink it
     assert {bits for kind, bits in rebuilt.items() if kind not in ("gelu", "tanh")} == {2}
@@ -263,7 +263,7 @@ def test_what_a_checkpointed_block_is_recomputed_from_keeps_its_floor_when_the_b
     with pytest.warns(UserWarning, match="memory_budget 0.01 not met"):
         _, _, region = _budget_run(fxmem.Config(block_checkpoint=True, memory_budget=0.01))
     assert f"memory_budget checkpoints {second}: priced" in region.notes
-    residual = sorted(p.bits for s, p in zip(region.saved, region.plans, strict=True)
+    residual = sorted(getattr(p, "bits", None) for s, p in zip(region.saved, region.plans, strict=True)
                       if s.nbytes and s.module == "base_model.model.model.layers.0" and s.role is Role.NORM_INPUT)
     assert residual == [2, 8]  # the residual stream inside layer 0, and layer 0's output
 

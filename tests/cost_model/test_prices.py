@@ -3,7 +3,6 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxmem.cost_model import prices
-from fxmem.cost_model.plan import Action
 
 
 @pytest.mark.parametrize("causal, flops", [(False, 4 * 2 * 8 * 128 * 256 * 64), (True, 2 * 2 * 8 * 128 * 256 * 64)])
@@ -69,14 +68,14 @@ def test_an_experts_grouped_lora_is_priced_through_its_rank(monkeypatch):
 def test_the_experts_replayed_products_hold_what_they_read_through_the_gathers_between():
     from types import SimpleNamespace
 
-    from fxmem.cost_model.plan import Plan
+    from fxmem.cost_model.plan import Recompute
     from fxmem.cost_model.planner import replay_sources
 
     nodes = _experts_graph()
     rows, products = nodes["index"], nodes["grouped_lora"]
-    recomputed = [(SimpleNamespace(storage=rows.name, rebuild_product=None), Plan(Action.RECOMPUTE, "", chain=(rows,))),
+    recomputed = [(SimpleNamespace(storage=rows.name, rebuild_product=None), Recompute("", chain=(rows,))),
                   (SimpleNamespace(storage=products.name, rebuild_product=None),
-                   Plan(Action.RECOMPUTE, "", chain=(products,)))]
+                   Recompute("", chain=(products,)))]
     # x, not the routed rows (recomputed themselves): the second partition holds x at 8 bits or more
     x, index = rows.args[0].name, rows.args[1][0].name
     assert {x, index} <= replay_sources(recomputed) and rows.name not in replay_sources(recomputed)

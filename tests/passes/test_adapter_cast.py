@@ -55,7 +55,8 @@ def test_a_lossy_preset_plans_fp32_adapters_as_it_plans_adapters_in_the_models_d
         model, batch = _bf16_model(adapters)
         backend, *_ = _compiled(model, batch, Config.from_preset("hyclora-4bit"))
         region = backend.regions[0]
-        plans[adapters] = sorted((s.role.value, s.layer, p.action, p.bits) for s, p in zip(region.saved, region.plans)
+        plans[adapters] = sorted((s.role.value, s.layer, p.action, getattr(p, "bits", None))
+                                 for s, p in zip(region.saved, region.plans, strict=True)
                                  if s.frees_memory and s.role.value != "lora_intermediate")
     assert plans[torch.float32] == plans[torch.bfloat16]
     assert ("norm_input", "base_model.model.model.layers.1", "prenorm", 8) in plans[torch.float32]

@@ -81,8 +81,8 @@ def test_loract_saves_what_the_plan_says_and_gradients_stay_close():
         assert saved_tensor.role is not Role.ATTN_OUT  # recomputed with attention in backward
     # q and k are factored before RoPE, which backward replays; v is a view of its projection's output
     qkv = [(s, p) for s, p in rows if s.role is Role.ATTN_QKV]
-    assert sorted(p.source is not None for _, p in qkv) == [False] * 2 + [True] * 4
-    assert all("rotation replayed in backward" in p.reason for _, p in qkv if p.source is not None)
+    assert sorted(getattr(p, "source", None) is not None for _, p in qkv) == [False] * 2 + [True] * 4
+    assert all("rotation replayed in backward" in p.reason for _, p in qkv if getattr(p, "source", None) is not None)
     # Both layers' post-attention norms and layer 1's input norm (layer 0's gets no gradient: embeddings frozen)
     shared = [(s, p) for s, p in rows if p.action is Action.PRENORM]
     assert len(shared) == 3 and all(s.role is Role.NORM_INPUT and p.exact_channels == 1 for s, p in shared)
@@ -154,7 +154,7 @@ def test_per_head_copies_are_not_factored_and_q_k_v_keep_their_qkv_bits(monkeypa
     backend = fxmem.Backend(fxmem.Config(bits=4, lowrank=0.125), lowering="eager")
     compiled_step(model, batch, backend)
     plans = [(s.detail, p) for _, s, p in backend.report().rows() if s.role is Role.ATTN_QKV and s.nbytes > 0]
-    assert {p.bits for d, p in plans} == {8} and {d for d, _ in plans} == {"q", "k", "v"}
+    assert {getattr(p, "bits", None) for d, p in plans} == {8} and {d for d, _ in plans} == {"q", "k", "v"}
     assert all(p.action is Action.QUANTIZE for _, p in plans)
 
 
@@ -334,7 +334,7 @@ def test_the_loract_preset_stores_attention_inputs_at_8_bits_and_factors_the_res
     compiled_step(model, batch, backend)
     rows = [(s, p) for _, s, p in backend.report().rows() if s.nbytes > 0]
     qkv = [p for s, p in rows if s.role is Role.ATTN_QKV]
-    assert qkv and {(p.action, p.bits) for p in qkv} == {("quantize", 8)}
+    assert qkv and {(p.action, getattr(p, "bits", None)) for p in qkv} == {("quantize", 8)}
     # the rest: whichever of factors and 8-bit codes is smaller (the 64-wide linear inputs: factors)
     assert {p.action for s, p in rows if s.role is Role.LINEAR_INPUT and s.shape[-1] == 64} == {"lowrank"}
 

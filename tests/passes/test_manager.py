@@ -143,6 +143,8 @@ def test_a_rollback_also_undoes_the_plans_and_quantization_state_of_its_stage(le
     assert region.slots == [] and calibration.SLOTS == before  # its calibration slots released
     assert all(p.action is Action.KEEP for p in region.plans)
     assert "pass breaks-late failed: rolled back" in {p.reason for p in region.plans}
+    # what was planned stays on record beside what was applied
+    assert [planned.action for _, planned, _ in region.undone()] == [Action.QUANTIZE] * 2
     assert backend.report().planned_bytes == backend.report().activation_bytes
 
 

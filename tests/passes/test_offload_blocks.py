@@ -85,6 +85,12 @@ def test_a_stored_input_the_pass_cannot_move_stays_on_the_device_and_its_plan_sa
     left = [p for p in region.plans if "left on the device: " in p.reason]
     assert len(left) == 3 and all(p.seconds == 0 for p in left)  # the copies' price gone with them
     assert _summary(report) == "left on the device: embedding, add_10, add_20 (their plans say why)"
+    # the planner's plans are kept apart from what the pass applied
+    undone = region.undone()
+    assert sorted(s.name for s, _, _ in undone) == ["add_10", "add_20", "embedding"]
+    assert all(planned.host and not applied.host for _, planned, applied in undone)
+    [saved] = [s for s in report.to_dict()["regions"][0]["saved"] if s["name"] == "add_10"]
+    assert saved["planned"]["host"] is True and "host" not in saved["plan"]
 
 
 def test_strict_mode_refuses_an_offload_left_undone(monkeypatch):

@@ -30,7 +30,7 @@ class SparsifyAttention(GraphPass):
 
 
 def _rewrite(editor: SavedTensorEditor, members: list[Node], plan: Plan) -> Node:
-    keep = plan.keep
+    keep = plan.kept_per_row
     row = storage_base(members[0]).meta["val"].shape[-1]
     index_dtype = torch.int16 if sparse_index_bytes(row) == 2 else torch.int32
 
