@@ -35,6 +35,7 @@ from fxmem.config import Config
 from fxmem.fallback import FallbackError, fall_back
 from fxmem.fidelity import describe_plan, output_loss
 from fxmem.kernels import probe as probe_kernel
+from fxmem.measure import gradient_cosines
 from fxmem.peft_lora import prepared_for
 
 # The slice: each row's first tokens, an eighth of them and no fewer than these (all where the rows are shorter).
@@ -228,16 +229,10 @@ def _gradients(loss: Callable[[], torch.Tensor], params: dict[str, torch.nn.Para
 
 def _worst(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]) -> tuple[str, float]:
     """The parameter whose gradient's cosine with the reference's is lowest, and that cosine (0 for a gradient that
-    is missing or zero); one sync with the device for them all."""
-    cosines = []
-    for name, ref in reference.items():
-        grad = grads[name]
-        ref64 = ref.detach().double().flatten()
-        cand64 = torch.zeros_like(ref64) if grad is None else grad.detach().double().flatten()
-        cosines.append(ref64 @ cand64 / (ref64.norm() * cand64.norm()).clamp_min(torch.finfo(torch.float64).tiny))
-    values = torch.stack(cosines).tolist()
-    lowest = min(range(len(values)), key=values.__getitem__)
-    return list(reference)[lowest], values[lowest]
+    is missing or zero)."""
+    cosines = gradient_cosines(reference, grads)
+    worst = min(cosines, key=cosines.get)
+    return worst, cosines[worst]
 
 
 def _agreed(values: list[float]) -> list[float]:

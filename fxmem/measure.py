@@ -223,16 +223,26 @@ def gradient_fidelity(reference: Mapping[str, torch.Tensor], candidate: Mapping[
             f"{len(zero)} of {len(reference)} reference gradients are zero (e.g. {zero[0]}), so the figure would "
             "compare zeros with zeros: LoRA A has no gradient while B is at PEFT's zero init. Draw B past its init "
             "(the benchmark workloads' lora_b_std) or compare after a training step")
-    cosines: dict[str, float] = {}
-    errors = []
-    for name, ref in reference.items():
-        ref64, cand64 = ref.detach().double().flatten(), candidate[name].detach().double().flatten().to(ref.device)
-        ref_norm, cand_norm = ref64.norm().item(), cand64.norm().item()
-        cosines[name] = (ref64 @ cand64).item() / (ref_norm * cand_norm) if cand_norm else 0.0
-        errors.append((cand64 - ref64).norm().item() / ref_norm)
+    cosines = gradient_cosines(reference, candidate)
+    errors = [(candidate[name].detach().double().flatten().to(ref.device) - ref.detach().double().flatten()).norm()
+              / ref.detach().double().norm() for name, ref in reference.items()]
+    errors = torch.stack(errors).tolist()
     worst = min(cosines, key=cosines.get)
     return Fidelity(min_cosine=cosines[worst], median_relative_error=statistics.median(errors),
                     worst_parameter=worst, compared=len(reference))
+
+
+def gradient_cosines(reference: Mapping[str, torch.Tensor],
+                     candidate: Mapping[str, torch.Tensor | None]) -> dict[str, float]:
+    """Each reference gradient's cosine similarity with the candidate's, in float64 (0 for a candidate gradient that
+    is missing or zero), with one sync with the device for them all."""
+    cosines = []
+    for name, ref in reference.items():
+        grad = candidate.get(name)
+        ref64 = ref.detach().double().flatten()
+        cand64 = torch.zeros_like(ref64) if grad is None else grad.detach().double().flatten().to(ref64.device)
+        cosines.append(ref64 @ cand64 / (ref64.norm() * cand64.norm()).clamp_min(torch.finfo(torch.float64).tiny))
+    return dict(zip(reference, torch.stack(cosines).tolist(), strict=True))
 
 
 def cosine_and_error(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, float]:

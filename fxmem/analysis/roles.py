@@ -410,10 +410,16 @@ def reads_as_chunked_mlp_input(node: Node, base: Node) -> bool:
     return _reads_as_first_input(node, base, CHUNKED_MLP)
 
 
-def reads_as_rebuild_input(node: Node, base: Node) -> bool:
-    """``node`` is a chunked op that backward runs again from ``base``: the MLP's gate and up products, or the
-    norm."""
-    return _reads_as_first_input(node, base, CHUNKED_MLP) or _reads_as_first_input(node, base, CHUNKED_NORM)
+def chunked_rebuild_reader(base: Node) -> str | None:
+    """The chunked op backward runs again from ``base`` (CHUNKED_MLP: its gate and up products; CHUNKED_NORM: the
+    norm), where one reads it as its first input; else None."""
+    return next((op for user in users_through_views(base) for op in (CHUNKED_MLP, CHUNKED_NORM)
+                 if _reads_as_first_input(user, base, op)), None)
+
+
+def softmax_output(node: Node) -> bool:
+    """A softmax's output, maybe through dropout or a clone: attention's probabilities, not its scores."""
+    return _from_softmax(node)
 
 
 def _reads_as_first_input(node: Node, base: Node, op: str) -> bool:

@@ -29,10 +29,10 @@ from fxmem.analysis.roles import (
     FREES_NOTHING,
     Role,
     TensorFacts,
+    chunked_rebuild_reader,
     classify,
     projected_into_attention,
     reaches_attention,
-    reads_as_rebuild_input,
 )
 from fxmem.analysis.rope import Replay, attention_input_replay
 
@@ -64,6 +64,8 @@ class SavedRecord:
     storage: str  # node that allocated its storage
     shares_storage_with: str | None
     rebuilt_for: str | None = None  # lora_reorder's consumer ('silu', 'q', ...) when backward rebuilds from it
+    # the chunked op backward runs again from this storage (ops.CHUNKED_MLP or ops.CHUNKED_NORM), if one does
+    chunked_reader: str | None = None
     feeds_attention: str | None = None  # 'q', 'k' or 'v': attention's input, saved as it is or rebuilt from it
     # 'q', 'k' or 'v' for a tensor that becomes attention's input through a norm and RoPE (a q/k norm's input) or
     # through a LoRA projection (the q/k/v projections' input); held at qkv_bits as q, k and v are, while attention
@@ -200,6 +202,7 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             nbytes=nbytes, storage=base.name, shares_storage_with=shared_with, node=node, base=base,
             replay=attention_input_replay(base) if role is Role.ATTN_QKV else None,
             norm=norm_unit(base) if role is Role.NORM_INPUT else None, rebuilt_for=rebuilt_for,
+            chunked_reader=chunked_rebuild_reader(base),
             recompute=pointwise_rebuild(base, saved_bases) if frees else None,
             rebuild_product=product_rebuild(base, saved_bases) if frees and role is Role.LORA_BASE_OUTPUT else None,
             feeds_attention=_attention_operand(role, detail, rebuilt_for),
@@ -209,8 +212,7 @@ def analyze(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
     output_storages = frozenset(storage_base(n).name for n in outputs if isinstance(n, Node))
     # the chunked MLP's backward replays its gate and up products from its input, the chunked norm is recomputed
     # from its input, and a checkpointed block from its output, as a rebuilt X W is from its x
-    sources = frozenset(r.storage for r in records if BLOCK_SOURCE in r.base.meta or any(
-        reads_as_rebuild_input(user, r.base) for user in users_through_views(r.base)))
+    sources = frozenset(r.storage for r in records if BLOCK_SOURCE in r.base.meta or r.chunked_reader is not None)
     return Analysis(saved=records, loras=loras, output_storages=output_storages, rebuild_sources=sources)
 
 

@@ -23,7 +23,9 @@ from fxmem.analysis.graph import (
 )
 from fxmem.analysis.lora import matmul_operands
 from fxmem.analysis.meta import BLOCK_SOURCE
+from fxmem.analysis.ops import CHUNKED_MLP, CHUNKED_NORM
 from fxmem.analysis.recompute import rebuild_inputs, replays_product
+from fxmem.analysis.roles import softmax_output
 from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.memory import lowrank_bytes, prenorm_bytes, quantized_bytes, sparse_bytes, stored_bytes
@@ -132,9 +134,8 @@ def _rebuilt_from(owner: SavedTensor) -> str:
     """What backward rebuilds from a rebuild source (analysis/saved.py says which storages are)."""
     if BLOCK_SOURCE in owner.base.meta:
         return f"block {owner.base.meta[BLOCK_SOURCE]}"
-    if owner.detail.startswith("chunked MLP"):
-        return "the chunked MLP's gate and up products"
-    return "the chunked RMSNorm's output" if owner.detail == "chunked_rms_norm" else "an X W"
+    return {CHUNKED_MLP: "the chunked MLP's gate and up products",
+            CHUNKED_NORM: "the chunked RMSNorm's output"}.get(owner.chunked_reader, "an X W")
 
 
 def propose_lowrank(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
@@ -154,7 +155,7 @@ def propose_lowrank(owner: SavedTensor, group: list[SavedTensor], analysis: Anal
 def propose_sparse(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
                    tables: set[str]) -> Plan | None:
     """``attn_sparsity``: eager attention's probabilities pruned per row."""
-    if config.attn_sparsity is not None and owner.role is Role.ATTN_PROBS and owner.detail == "probabilities":
+    if config.attn_sparsity is not None and owner.role is Role.ATTN_PROBS and softmax_output(owner.base):
         return _sparsify(owner, config.attn_sparsity)
     return None
 
