@@ -223,10 +223,7 @@ def gradient_fidelity(reference: Mapping[str, torch.Tensor], candidate: Mapping[
             f"{len(zero)} of {len(reference)} reference gradients are zero (e.g. {zero[0]}), so the figure would "
             "compare zeros with zeros: LoRA A has no gradient while B is at PEFT's zero init. Draw B past its init "
             "(the benchmark workloads' lora_b_std) or compare after a training step")
-    cosines = gradient_cosines(reference, candidate)
-    errors = [(candidate[name].detach().double().flatten().to(ref.device) - ref.detach().double().flatten()).norm()
-              / ref.detach().double().norm() for name, ref in reference.items()]
-    errors = torch.stack(errors).tolist()
+    cosines, errors = _compared(reference, candidate)
     worst = min(cosines, key=cosines.get)
     return Fidelity(min_cosine=cosines[worst], median_relative_error=statistics.median(errors),
                     worst_parameter=worst, compared=len(reference))
@@ -236,13 +233,24 @@ def gradient_cosines(reference: Mapping[str, torch.Tensor],
                      candidate: Mapping[str, torch.Tensor | None]) -> dict[str, float]:
     """Each reference gradient's cosine similarity with the candidate's, in float64 (0 for a candidate gradient that
     is missing or zero), with one sync with the device for them all."""
-    cosines = []
+    return _compared(reference, candidate)[0]
+
+
+def _compared(reference: Mapping[str, torch.Tensor],
+              candidate: Mapping[str, torch.Tensor | None]) -> tuple[dict[str, float], list[float]]:
+    """Each gradient's cosine with its reference and its relative L2 error, in float64; the figures gathered on the
+    first reference's device (a model split over devices) and read in one sync."""
+    device = next(iter(reference.values())).device
+    figures = []
     for name, ref in reference.items():
         grad = candidate.get(name)
         ref64 = ref.detach().double().flatten()
         cand64 = torch.zeros_like(ref64) if grad is None else grad.detach().double().flatten().to(ref64.device)
-        cosines.append(ref64 @ cand64 / (ref64.norm() * cand64.norm()).clamp_min(torch.finfo(torch.float64).tiny))
-    return dict(zip(reference, torch.stack(cosines).tolist(), strict=True))
+        ref_norm = ref64.norm()
+        cosine = ref64 @ cand64 / (ref_norm * cand64.norm()).clamp_min(torch.finfo(torch.float64).tiny)
+        figures.append(torch.stack([cosine, (cand64 - ref64).norm() / ref_norm]).to(device))
+    cosines, errors = torch.stack(figures).T.tolist()
+    return dict(zip(reference, cosines, strict=True)), errors
 
 
 def cosine_and_error(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, float]:

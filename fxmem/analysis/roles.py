@@ -222,7 +222,7 @@ def _eager_attention(f: TensorFacts) -> Match | None:
     """q/k/v and probabilities of attention written as matmul + softmax + matmul."""
     if is_reduced_shape(f.val):
         return None
-    if _from_softmax(f.base):
+    if from_softmax(f.base):
         return Role.ATTN_PROBS, "probabilities"
     if _feeds(f.base, SOFTMAXES):
         return Role.ATTN_PROBS, "scores (softmax input)"
@@ -239,7 +239,7 @@ def eager_attention_operand(matmul: Node, storage: Node) -> str | None:
     if matmul.target not in BATCHED_MATMULS:
         return None
     lhs, rhs = matmul_operands(matmul)
-    if _from_softmax(lhs) and storage_base(rhs) is storage:
+    if from_softmax(lhs) and storage_base(rhs) is storage:
         return "v"
     if _feeds(matmul, SOFTMAXES):
         return "q" if storage_base(lhs) is storage else "k"
@@ -417,10 +417,6 @@ def chunked_rebuild_reader(base: Node) -> str | None:
                  if _reads_as_first_input(user, base, op)), None)
 
 
-def softmax_output(node: Node) -> bool:
-    """A softmax's output, maybe through dropout or a clone: attention's probabilities, not its scores."""
-    return _from_softmax(node)
-
 
 def _reads_as_first_input(node: Node, base: Node, op: str) -> bool:
     return schema_name(node.target) == op and isinstance(node.args[0], Node) and storage_base(node.args[0]) is base
@@ -542,7 +538,8 @@ def _feeds(node: Node, ops: frozenset[str], depth: int = 8, through: frozenset[s
     return False
 
 
-def _from_softmax(node: object) -> bool:
+def from_softmax(node: object) -> bool:
+    """A softmax's output, maybe through dropout or a clone: attention's probabilities, not its scores."""
     if not isinstance(node, Node):
         return False
     return any(original_op(p) in SOFTMAXES for p in walk_back(node, through=("native_dropout", "clone"), depth=6))

@@ -64,8 +64,6 @@ class SavedRecord:
     storage: str  # node that allocated its storage
     shares_storage_with: str | None
     rebuilt_for: str | None = None  # lora_reorder's consumer ('silu', 'q', ...) when backward rebuilds from it
-    # the chunked op backward runs again from this storage (ops.CHUNKED_MLP or ops.CHUNKED_NORM), if one does
-    chunked_reader: str | None = None
     feeds_attention: str | None = None  # 'q', 'k' or 'v': attention's input, saved as it is or rebuilt from it
     # 'q', 'k' or 'v' for a tensor that becomes attention's input through a norm and RoPE (a q/k norm's input) or
     # through a LoRA projection (the q/k/v projections' input); held at qkv_bits as q, k and v are, while attention
@@ -103,6 +101,8 @@ class SavedTensor(SavedRecord):
     recompute: tuple[Node, ...] | None = field(default=None, metadata=_GRAPH)
     # an X W lora_reorder rebuilds from: the matmul (and the views it reads) that rebuilds it from the saved x
     rebuild_product: tuple[Node, ...] | None = field(default=None, metadata=_GRAPH)
+    # the chunked op backward runs again from this storage (ops.CHUNKED_MLP or ops.CHUNKED_NORM), if one does
+    chunked_reader: str | None = None
 
     def record(self) -> SavedRecord:
         """The report's record, without the graph references that would keep the graphs (and their fake tensors)

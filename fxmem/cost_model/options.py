@@ -25,7 +25,7 @@ from fxmem.analysis.lora import matmul_operands
 from fxmem.analysis.meta import BLOCK_SOURCE
 from fxmem.analysis.ops import CHUNKED_MLP, CHUNKED_NORM
 from fxmem.analysis.recompute import rebuild_inputs, replays_product
-from fxmem.analysis.roles import softmax_output
+from fxmem.analysis.roles import from_softmax
 from fxmem.analysis.rope import Replay
 from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.memory import lowrank_bytes, prenorm_bytes, quantized_bytes, sparse_bytes, stored_bytes
@@ -155,7 +155,7 @@ def propose_lowrank(owner: SavedTensor, group: list[SavedTensor], analysis: Anal
 def propose_sparse(owner: SavedTensor, group: list[SavedTensor], analysis: Analysis, config: Config,
                    tables: set[str]) -> Plan | None:
     """``attn_sparsity``: eager attention's probabilities pruned per row."""
-    if config.attn_sparsity is not None and owner.role is Role.ATTN_PROBS and softmax_output(owner.base):
+    if config.attn_sparsity is not None and owner.role is Role.ATTN_PROBS and from_softmax(owner.base):
         return _sparsify(owner, config.attn_sparsity)
     return None
 
@@ -333,7 +333,9 @@ def rebuilds_from_x(config: Config) -> bool:
 
 def stored_as(plan: Plan) -> str:
     """What a quantize or lowrank plan stores, for a reason."""
-    return f"rank-{plan.rank} factors" if plan.action is Action.LOWRANK else f"{plan.bits}-bit codes"
+    if isinstance(plan, LowRank):
+        return f"rank-{plan.rank} factors"
+    return f"{plan.bits}-bit codes" if isinstance(plan, Quantize) else plan.action.value
 
 
 def prenorm_plan(owner: SavedTensor, analysis: Analysis, output: str, output_plan: Plan) -> Plan:

@@ -44,12 +44,17 @@ _GRAPH_REFERENCES = ("replay", "norm", "chain")
 class Plan:
     """What every plan has: why it was chosen, and what the cost model says it stores and costs."""
 
-    action: ClassVar[Action]
-    host: ClassVar[bool] = False  # only what stores something can wait in host memory (Keep, Quantize, LowRank)
+    action: ClassVar[Action]  # set by each subclass: Plan itself is abstract
     reason: str
     _: KW_ONLY
     nbytes: int | None = None  # bytes after the plan (cost model), None for keep
     seconds: float = 0.0  # what the plan adds to a step (cost model): its price against the bytes it saves
+    host: ClassVar[bool] = False  # only what stores something can wait in host memory (Keep, Quantize, LowRank)
+
+    def __post_init__(self) -> None:
+        if type(self) is Plan:
+            raise TypeError("Plan is abstract: make one of its subclasses (Keep, Recompute, Quantize, Sparsify, "
+                            "LowRank, RebuildNormInput, Checkpoint)")
 
     def record(self) -> Plan:
         """The plan as the report keeps it, without graph references."""
@@ -61,11 +66,11 @@ class Plan:
                 **{k: v for k, v in data.items() if v not in (None, 0, False, "") or k == "reason"}}
 
 
-def _source_name(replay: Replay | None, norm: NormUnit | None) -> str | None:
-    """The node compressed instead of the saved tensor (x before RoPE or a repeat, a norm's output), by name."""
-    if replay is not None:
-        return replay.source.name
-    return norm.output.name if norm is not None else None
+def _set_source(plan: Plan, node: Node | None) -> None:
+    """Names, in ``plan.source``, the node compressed instead of the saved tensor (x before RoPE or a repeat, a
+    norm's output): set once, as the plan is made, and kept in its record without the graph references."""
+    if plan.source is None and node is not None:
+        object.__setattr__(plan, "source", node.name)  # frozen
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,8 +103,7 @@ class Quantize(Plan):
     source: str | None = field(default=None, compare=False)  # replay's source, by name: kept in the record
 
     def __post_init__(self) -> None:
-        if self.source is None and self.replay is not None:
-            object.__setattr__(self, "source", _source_name(self.replay, None))  # frozen: set once, as it is made
+        _set_source(self, self.replay.source if self.replay is not None else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,8 +121,7 @@ class LowRank(Plan):
     source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.source is None and self.replay is not None:
-            object.__setattr__(self, "source", _source_name(self.replay, None))
+        _set_source(self, self.replay.source if self.replay is not None else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,8 +136,7 @@ class RebuildNormInput(Plan):
     source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.source is None and self.norm is not None:
-            object.__setattr__(self, "source", _source_name(None, self.norm))
+        _set_source(self, self.norm.output if self.norm is not None else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +145,5 @@ class Checkpoint(Plan):
 
     action: ClassVar[Action] = Action.CHECKPOINT
     block: str  # the block's name (analysis.blocks.Block.name)
-    price: str = ""  # the block's checkpoint, as the report tells it (only on the plan that stands for the block)
+    price: str = ""  # the block's checkpoint, as the report tells it ('' on the plans it is priced with)
 
-
-Stored = Keep | Quantize | LowRank  # what a plan may keep in host memory

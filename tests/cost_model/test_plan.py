@@ -47,3 +47,9 @@ def test_to_dict_writes_what_is_set_and_no_graph_reference():
         "action": "quantize", "reason": "q", "bits": 2, "channels": 64, "outliers": 1, "nbytes": 10}
     assert Checkpoint("c", block="model.layers.1", price="a 1 ms forward for 2 MiB").to_dict() == {
         "action": "checkpoint", "reason": "c", "block": "model.layers.1", "price": "a 1 ms forward for 2 MiB"}
+
+
+def test_plan_itself_is_abstract():
+    from fxmem.cost_model.plan import Plan
+    with pytest.raises(TypeError, match="Plan is abstract: make one of its subclasses .Keep, Recompute"):
+        Plan("no action")
