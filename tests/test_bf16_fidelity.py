@@ -4,7 +4,7 @@ bf16's own figure and the preset's against bf16, less 0.01."""
 
 import pytest
 
-from fxmem.bench.fidelity import measure
+from fxmem_bench.fidelity import measure
 from tests.bench.test_fidelity import TINY_BF16
 
 # The published floors (docs/benchmarks.md: llama3-bf16-small at the hyclora presets; this model measures 0.998). loract's rank-1/8 factors of random-weight activations lose what random

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import fxmem
-from fxmem.bench.workloads import LlamaShape, Workload
 from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity, model_tensors, saved_activation_bytes
+from fxmem_bench.workloads import LlamaShape, Workload
 from tests.conftest import loss_and_grads, randomize_lora_b
 
 TINY_QLORA = Workload("test-qlora", "llama", 2, 32, "tiny Llama on an NF4 base", LlamaShape(64, 172, 2, 4, 256),

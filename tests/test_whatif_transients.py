@@ -10,9 +10,9 @@ profiler's live allocations at the measured peak show that the model does not co
 import pytest
 import torch
 
-from fxmem.bench.context import measure_length
 from fxmem.config import Config
 from fxmem.whatif import layer_scaled_activation_bytes
+from fxmem_bench.context import measure_length
 from tests.conftest import TINY_LLAMA
 
 RANK = 8

@@ -2,8 +2,8 @@
 
 import pytest
 
-from fxmem.bench.ablation import ablate, hyclora_settings, loract_settings, probe_steps, select_settings
 from fxmem.config import Config
+from fxmem_bench.ablation import ablate, hyclora_settings, loract_settings, probe_steps, select_settings
 from tests.conftest import ONE_LAYER_LLAMA
 
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from fxmem import cli
-from fxmem.bench.context import ContextResult, default_baselines, first_step, measure_length, run_context
-from fxmem.cli.bench.context import COLUMNS, rows
 from fxmem.cli.common import byte_size
 from fxmem.config import PUBLISHED_MIN_COSINE, Config
 from fxmem.fitting import MAX_GROWTH, MAX_PROBES, Probe, longest_fitting
 from fxmem.measure import gradient_fidelity
+from fxmem_bench.cli.context import COLUMNS, rows
+from fxmem_bench.context import ContextResult, default_baselines, first_step, measure_length, run_context
 from tests.conftest import TINY_LLAMA
 
 ONE_LAYER = dataclasses.replace(TINY_LLAMA, llama=dataclasses.replace(TINY_LLAMA.llama, layers=1))

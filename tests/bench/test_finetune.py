@@ -1,6 +1,6 @@
 import pytest
 
-from fxmem.bench.finetune import finetune
+from fxmem_bench.finetune import finetune
 from tests.conftest import TINY_LLAMA
 
 

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from fxmem import cli
-from fxmem.bench.finetune import finetune
+from fxmem_bench.finetune import finetune
 from tests.conftest import ONE_LAYER_LLAMA
 
 
@@ -31,7 +31,7 @@ def test_inspect_a_workload_with_overridden_shape(capsys):
 
 
 def test_inspect_fidelity_ranks_the_gradients_and_each_compressed_tensor(monkeypatch, tmp_path, capsys):
-    from fxmem.bench import workloads
+    from fxmem_bench import workloads
     from tests.bench.test_fidelity import TINY_BF16
     monkeypatch.setattr(workloads, "get_workload", lambda name: TINY_BF16)
     out = tmp_path / "report.json"
@@ -99,7 +99,7 @@ def test_inspect_names_a_missing_model(tmp_path):
 
 def test_finetune_command_learns_prints_the_side_by_side_table_and_exact_fxmem_matches_compile(
         one_layer_workloads, monkeypatch, capfd):
-    from fxmem.bench import finetune as finetune_module
+    from fxmem_bench import finetune as finetune_module
     returned = []
 
     def recording_finetune(*args, **kwargs):

@@ -224,7 +224,7 @@ def test_the_custom_op_passes_opcheck_and_traces_with_fake_tensors():
 
 
 def test_the_error_benchmark_compares_every_method_against_the_optimum():
-    from fxmem.bench.lowrank_error import measure, rebuild_methods
+    from fxmem_bench.lowrank_error import measure, rebuild_methods
     matrices = [("wide", _low_rank_plus_noise(48, 96, 8, 0.2, seed=0)), ("tall", _low_rank_plus_noise(96, 48, 8, 0.2, 1)),
                 ("all of it", torch.randn(4, 64))]  # rank 8 of a 4-row matrix: skipped, nothing to compress
     rows = measure(matrices, 8, niter=1, repeats=2)

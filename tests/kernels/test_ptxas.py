@@ -1,13 +1,13 @@
 """Every Triton kernel built for an H100 (sm_90) with no GPU: each compiles, and ptxas spills no register.
 
-One subprocess builds them all (fxmem/bench/ptxas.py); ptxas ships with Triton's CUDA backend.
+One subprocess builds them all (fxmem_bench/ptxas.py); ptxas ships with Triton's CUDA backend.
 """
 
 import pytest
 
-from fxmem.bench import ptxas
 from fxmem.kernels import lora_epilogue as epilogue
 from fxmem.kernels.quantize import BITS_CHOICES
+from fxmem_bench import ptxas
 
 pytestmark = pytest.mark.skipif(epilogue.triton is None, reason="triton is not installed")
 

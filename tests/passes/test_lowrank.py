@@ -364,7 +364,7 @@ def test_inductor_lowering_compiles_the_rewrite_and_matches_the_eager_lowering()
 
 def test_the_ratio_command_measures_what_the_plan_says_at_every_ratio(tiny_workloads, tmp_path, capsys):
     from fxmem import cli
-    from fxmem.bench.lowrank_saved import measure_ratios
+    from fxmem_bench.lowrank_saved import measure_ratios
     from tests.conftest import TINY_LLAMA
     results = measure_ratios(TINY_LLAMA, [0.25, 0.125], lowering="eager")
     assert [r.setting for r in results] == ["eager PEFT", "0.25", "0.125"]

@@ -6,10 +6,10 @@ import torch
 import fxmem
 from fxmem.analysis import Role
 from fxmem.analysis.eager_attention import eager_attention_chains
-from fxmem.bench.data import stdlib_bytes
 from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity
 from fxmem.passes import GraphPass, PassManager, PassResult
+from fxmem_bench.data import stdlib_bytes
 from tests.conftest import loss_and_grads, pass_summary, randomize_lora_b, tiny_model
 
 SEQ = 64

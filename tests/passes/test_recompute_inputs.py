@@ -3,10 +3,10 @@ import torch
 import fxmem
 from fxmem.analysis import Role
 from fxmem.backend import Backend
-from fxmem.bench.recipes import packed
 from fxmem.config import Config
 from fxmem.passes import PassManager
 from fxmem.techniques import default_passes
+from fxmem_bench.recipes import packed
 from tests.conftest import loss_and_grads, randomize_lora_b, tiny_model
 
 

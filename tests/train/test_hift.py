@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from fxmem import cli
-from fxmem.bench.hift import compare_hift
 from fxmem.train import HiFT, layer_units
+from fxmem_bench.hift import compare_hift
 from tests.conftest import TINY_LLAMA, tiny_model
 
 

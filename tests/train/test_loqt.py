@@ -295,7 +295,7 @@ def test_fxmem_backend_compiles_loqt_with_eager_gradients_and_saves_only_what_b_
 
 
 def test_pretrain_bench_trains_every_setting_on_the_same_batches():
-    from fxmem.bench.loqt import pretrain_settings, train
+    from fxmem_bench.loqt import pretrain_settings, train
     settings = pretrain_settings(4, scale=0.5, first_interval=2)
     assert [s.name for s in settings] == ["full training", "LoQT-nq", "LoQT", "LoQT, no compensation",
                                           "LoQT, fixed interval"]
