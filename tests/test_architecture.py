@@ -1,6 +1,6 @@
 """The layering of docs/architecture.md, checked on every import statement of the package (lazy ones included), and
-the experiment harness (fxmem_bench) kept apart: no module of fxmem imports it, and the core starting up loads none
-of it."""
+the experiment harness (fxmem_bench) kept apart: no module of fxmem and no test outside tests/bench imports it, and the
+core starting up loads none of it."""
 
 import ast
 import pathlib
@@ -12,6 +12,7 @@ import fxmem
 PACKAGE = pathlib.Path(fxmem.__file__).parent
 ROOT = PACKAGE.parent  # the repository
 HARNESS_PACKAGE = ROOT / "fxmem_bench"
+TESTS = ROOT / "tests"
 
 # What each part of fxmem may import of fxmem, besides itself. A part is a subpackage or a top-level module;
 # the longest matching prefix decides.
@@ -86,6 +87,18 @@ def violations() -> list[str]:
     return found
 
 
+def core_tests_importing_the_harness() -> list[str]:
+    """Each import of the harness, or of its tests (tests.bench, which import it), by a test outside tests/bench."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        if path.is_relative_to(TESTS / "bench"):
+            continue
+        name = module_name(path, TESTS.parent)
+        found += [f"{name} imports {imported}" for imported in sorted(imports(path, TESTS.parent, (HARNESS, "tests")))
+                  if imported.split(".")[0] == HARNESS or part_of(imported, ["tests.bench"])]
+    return found
+
+
 def test_every_import_keeps_the_layering():
     assert violations() == []
 
@@ -106,6 +119,21 @@ def test_the_rules_catch_each_import_they_forbid(tmp_path, monkeypatch):
     assert violations() == ["fxmem.kernels.bad imports fxmem.config", "fxmem.kernels.bad imports fxmem.cost_model",
                             "fxmem.models imports fxmem.cli.common", "fxmem.whatif imports fxmem_bench.workloads",
                             "fxmem_bench.compare imports fxmem.cli"]
+
+
+def test_no_test_outside_tests_bench_imports_the_harness():
+    assert core_tests_importing_the_harness() == []
+
+
+def test_the_rule_catches_a_core_test_that_imports_the_harness(tmp_path, monkeypatch):
+    tests = tmp_path / "tests"
+    (tests / "bench").mkdir(parents=True)
+    (tests / "test_model.py").write_text("import fxmem_bench.workloads\nfrom fxmem.models import hf_config\n")
+    (tests / "test_fidelity.py").write_text("def test():\n    from tests.bench.test_fidelity import TINY_BF16\n")
+    (tests / "bench" / "test_workloads.py").write_text("from fxmem_bench.workloads import WORKLOADS\n")
+    monkeypatch.setattr(sys.modules[__name__], "TESTS", tests)
+    assert core_tests_importing_the_harness() == ["tests.test_fidelity imports tests.bench.test_fidelity",
+                                                  "tests.test_model imports fxmem_bench.workloads"]
 
 
 def loaded(statements: str, prefixes: tuple[str, ...]) -> list[str]:

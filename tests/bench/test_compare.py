@@ -22,7 +22,8 @@ from fxmem_bench.compare import (
     prepare_method,
     run_workload,
 )
-from tests.conftest import TINY_LLAMA, tiny_model
+from tests.bench.conftest import TINY_LLAMA
+from tests.conftest import tiny_model
 
 ONE_LAYER = dataclasses.replace(TINY_LLAMA, llama=dataclasses.replace(TINY_LLAMA.llama, layers=1))
 

@@ -13,7 +13,7 @@ from fxmem.fitting import MAX_GROWTH, MAX_PROBES, Probe, longest_fitting
 from fxmem.measure import gradient_fidelity
 from fxmem_bench.cli.context import COLUMNS, rows
 from fxmem_bench.context import ContextResult, default_baselines, first_step, measure_length, run_context
-from tests.conftest import TINY_LLAMA
+from tests.bench.conftest import TINY_LLAMA
 
 ONE_LAYER = dataclasses.replace(TINY_LLAMA, llama=dataclasses.replace(TINY_LLAMA.llama, layers=1))
 MiB = 2**20

@@ -12,7 +12,7 @@ import torch
 from fxmem.backend import Backend
 from fxmem.config import Config
 from fxmem_bench.distributed import _decoder_blocks, relative_distance, train
-from tests.conftest import ONE_LAYER_LLAMA, TINY_LLAMA
+from tests.bench.conftest import ONE_LAYER_LLAMA, TINY_LLAMA
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # DDP wraps the model whole: one block shows it (and halves each rank's inductor compile). FSDP2 shards each block
@@ -20,7 +20,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKLOADS = {"ddp": ONE_LAYER_LLAMA, "fsdp2": TINY_LLAMA}
 DRIVER = """
 import pathlib, sys
-from tests.conftest import ONE_LAYER_LLAMA, TINY_LLAMA
+from tests.bench.conftest import ONE_LAYER_LLAMA, TINY_LLAMA
 from fxmem_bench.distributed import run_rank
 workload = {"ddp": ONE_LAYER_LLAMA, "fsdp2": TINY_LLAMA}[sys.argv[1]]
 run_rank(workload, sys.argv[1], pathlib.Path(sys.argv[3]), preset=sys.argv[2], steps=3)

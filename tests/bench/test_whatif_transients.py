@@ -13,7 +13,7 @@ import torch
 from fxmem.config import Config
 from fxmem.whatif import layer_scaled_activation_bytes
 from fxmem_bench.context import measure_length
-from tests.conftest import TINY_LLAMA
+from tests.bench.conftest import TINY_LLAMA
 
 RANK = 8
 CHUNK = 64  # tokens: the rows of each chunk of the chunked options
