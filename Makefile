@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine (Python 3.10+ with venv):
 #   make demo   a short LoRA fine-tune of llama-tiny on real text: eager, torch.compile, HF checkpointing and fxmem
-#               (hyclora-4bit) side by side
+#               (hyclora-4bit) side by side: an experiment of the harness, fxmem_bench/, run from this clone
 #   make test   the test suite (what CI runs)
 # Both create .venv on first use. TORCH pins the torch build: the default is the one CI tests
 # (pip takes a local CPU build where one is cached); e.g. make test TORCH=torch==2.11.0 for another.

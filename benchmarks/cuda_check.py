@@ -25,10 +25,10 @@ import warnings
 import torch
 
 import fxmem
-from fxmem.bench.compare import prepare_method, time_interleaved
-from fxmem.bench.workloads import Workload, get_workload
 from fxmem.config import Config
 from fxmem.timing import warm_up_compiler
+from fxmem_bench.compare import prepare_method, time_interleaved
+from fxmem_bench.workloads import Workload, get_workload
 
 PRESET = "hyclora-4bit"
 

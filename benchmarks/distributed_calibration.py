@@ -18,9 +18,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from fxmem.bench.distributed import relative_distance, run_rank, train
-from fxmem.bench.workloads import get_workload
 from fxmem.kernels import calibration
+from fxmem_bench.distributed import relative_distance, run_rank, train
+from fxmem_bench.workloads import get_workload
 
 STEPS = 8
 

@@ -18,10 +18,10 @@ import torch
 
 import fxmem
 from fxmem.analysis import Role
-from fxmem.bench.workloads import get_workload
 from fxmem.config import Config
 from fxmem.cost_model import options
 from fxmem.measure import gradient_fidelity, model_tensors, saved_bytes_and_gradients
+from fxmem_bench.workloads import get_workload
 
 PAPER = {"rebuild_from_x": False}  # the presets before rebuild_from_x: X W and norm inputs stored at bits
 OPTIONS = [

@@ -13,8 +13,8 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 import fxmem
-from fxmem.bench.workloads import get_workload
 from fxmem.measure import format_bytes
+from fxmem_bench.workloads import get_workload
 
 
 def train(compile_with: str, preset: str) -> tuple[list[float], fxmem.Backend | None]:

@@ -50,7 +50,8 @@ def test_every_relative_link_resolves_to_a_file_and_heading(page):
 
 
 def test_no_page_or_module_points_outside_the_repository():
-    files = [*PAGES, *ROOT.glob("fxmem/**/*.py"), *ROOT.glob("tests/**/*.py"), ROOT / "Makefile"]
+    files = [*PAGES, *ROOT.glob("fxmem/**/*.py"), *ROOT.glob("fxmem_bench/**/*.py"), *ROOT.glob("tests/**/*.py"),
+             ROOT / "Makefile"]
     outside = [str(f.relative_to(ROOT)) for f in files if f != pathlib.Path(__file__)
                and re.search(r"\.\./shared|shared/(BENCHMARKS|DESIGN|STYLE|TORCH_NOTES|seeds)", f.read_text())]
     assert not outside

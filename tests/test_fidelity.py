@@ -7,13 +7,12 @@ import torch
 
 from fxmem import check_fidelity
 from fxmem.kernels import probe
-from tests.bench.test_fidelity import TINY_BF16
+from tests.models import TINY_BF16
 
 
 @pytest.fixture(scope="module")
 def bf16_model():
-    setup = TINY_BF16.build()
-    return setup.model, next(setup.batches)
+    return TINY_BF16.build()
 
 
 def test_every_parameter_is_compared_and_every_compressed_tensor_probed(bf16_model):
@@ -46,8 +45,8 @@ def test_probes_do_not_change_what_the_compressed_run_computes(bf16_model):
 
 
 def test_an_exact_preset_probes_nothing_and_matches_eager():
-    setup = TINY_BF16.build(dtype=torch.float32)
-    report = check_fidelity(setup.model, next(setup.batches), "exact")
+    model, batch = dataclasses.replace(TINY_BF16, dtype=torch.float32).build()
+    report = check_fidelity(model, batch, "exact")
     assert not report.tensors and report.min_cosine > 0.99999
 
 
@@ -60,9 +59,9 @@ def test_a_model_output_without_a_loss_is_refused_clearly(bf16_model):
 
 
 def test_parameters_with_a_zero_exact_gradient_are_listed_apart_not_compared():
-    setup = dataclasses.replace(TINY_BF16, lora_b_std=0.0).build(dtype=torch.float32)  # PEFT's B = 0
-    report = check_fidelity(setup.model, next(setup.batches), "hyclora-4bit", per_tensor=False)
-    lora_a = sorted(n for n, p in setup.model.named_parameters() if "lora_A" in n)
+    model, batch = dataclasses.replace(TINY_BF16, lora_b_std=0.0, dtype=torch.float32).build()  # PEFT's B = 0
+    report = check_fidelity(model, batch, "hyclora-4bit", per_tensor=False)
+    lora_a = sorted(n for n, p in model.named_parameters() if "lora_A" in n)
     assert sorted(report.zero_gradients) == lora_a
     assert all("lora_B" in p.name for p in report.parameters) and len(report.parameters) == len(lora_a)
     assert f"{len(lora_a)} parameters not compared, their exact gradient is zero" in report.table()

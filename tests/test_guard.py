@@ -6,20 +6,20 @@ import torch
 
 import fxmem
 from fxmem import guard as guard_module
-from fxmem.bench import coverage
 from fxmem.config import Config
 from fxmem.cost_model.plan import Action
 from fxmem.cost_model.planner import less_lossy
 from fxmem.fallback import FallbackError, FallbackWarning
 from fxmem.guard import GuardedCall, check_plan, guard, slice_batch
 from fxmem.measure import gradient_fidelity
+from tests.models import GUARD_LLAMA
 
 # 1-bit codes everywhere bend the tiny Llama's gradients (worst cosine about 0.6 on real text)
 BENDING = {"bits": 1, "qkv_bits": None, "linear_input_bits": None, "guard_cosine": 0.99}
 
 
 def llama():
-    return coverage.build(coverage.get_family("llama"))
+    return GUARD_LLAMA.build()
 
 
 def guarded(model, **options):

@@ -80,8 +80,8 @@ def test_trl_sft_trainer_trains_a_model_compiled_in_place_as_its_own_inductor_co
 def test_trainer_runs_the_guard_on_its_batches(tmp_path):
     from transformers import Trainer, TrainingArguments
 
-    from fxmem.bench import coverage
-    model, batch = coverage.build(coverage.get_family("llama"))  # B past init, real text: 1-bit codes bend it
+    from tests.models import GUARD_LLAMA
+    model, batch = GUARD_LLAMA.build()  # B past init, real text: 1-bit codes bend it
     rows = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids} for ids in batch["input_ids"]]
     backend = fxmem.compile_(model, preset="hyclora-4bit", bits=1, qkv_bits=None, linear_input_bits=None,
                              guard_cosine=0.99, guard_every=2)

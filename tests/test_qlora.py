@@ -4,19 +4,16 @@ import pytest
 import torch
 
 import fxmem
-from fxmem.bench.workloads import LlamaShape, Workload
 from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity, model_tensors, saved_activation_bytes
 from tests.conftest import loss_and_grads, randomize_lora_b
-
-TINY_QLORA = Workload("test-qlora", "llama", 2, 32, "tiny Llama on an NF4 base", LlamaShape(64, 172, 2, 4, 256),
-                      nf4=True)
+from tests.models import TINY_QLORA
 
 
 def _setup():
-    setup = TINY_QLORA.build()
-    randomize_lora_b(setup.model)  # past PEFT's zero B, so that every LoRA gradient is measured
-    return setup.model, next(setup.batches)
+    model, batch = TINY_QLORA.build()
+    randomize_lora_b(model)  # past PEFT's zero B, so that every LoRA gradient is measured
+    return model, batch
 
 
 def test_the_qlora_workload_is_nf4_under_peft_lora():

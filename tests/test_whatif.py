@@ -46,6 +46,13 @@ def tiny_config(tmp_path):
     return tiny_config_file(tmp_path, layers=TINY["num_hidden_layers"])
 
 
+@pytest.fixture
+def one_block_config(tmp_path):
+    """TINY with one block: for what the number of blocks does not change (how a fallback is reported), a trace of
+    half the graph."""
+    return tiny_config_file(tmp_path, layers=1)
+
+
 def test_whatif_counts_weights_gradients_state_and_lora_orders(tiny_config):
     result = whatif(str(tiny_config), batch=2, seq=16, rank=8, dtype="fp32", optimizer="adamw",
                     presets=["exact", "runlora"])
@@ -222,13 +229,15 @@ def test_whatif_command_prints_presets_and_plots(tiny_config, tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_predicted_saved_bytes_are_within_10_percent_of_a_real_compiled_step(tiny_config):
-    # seq 128: a meta-device trace (SDPA's math path, saving the attention probabilities) predicts 1.24x the
-    # measured bytes for exact and 0.87x for hyclora-2bit here, so a trace that dispatches unlike the run fails.
-    result = whatif(str(tiny_config), batch=2, seq=128, rank=8, dtype="fp32")  # every preset
+def test_predicted_saved_bytes_are_within_10_percent_of_a_real_compiled_step(one_block_config):
+    # One block, seq 128: a trace on SDPA's math path (as on meta tensors: saving the attention probabilities)
+    # predicts 1.38x the measured bytes for exact and 1.39x for runlora here, so a trace that dispatches unlike the
+    # run fails.
+    config = str(one_block_config)
+    result = whatif(config, batch=2, seq=128, rank=8, dtype="fp32")  # every preset
     assert {c.preset for c in result.costs} >= {"exact", "runlora", "hyclora-4bit", "hyclora-2bit"}
     for cost in result.costs:
-        measured = measured_saved_bytes(str(tiny_config), batch=2, seq=128, rank=8, dtype="fp32", preset=cost.preset,
+        measured = measured_saved_bytes(config, batch=2, seq=128, rank=8, dtype="fp32", preset=cost.preset,
                                         lowering="eager")
         assert abs(cost.saved_activations / measured - 1) <= 0.10, (cost.preset, cost.saved_activations, measured)
 
@@ -372,23 +381,23 @@ def quantize_fails(monkeypatch):
     monkeypatch.setattr(QuantizeSaved, "run", failing_quantize)
 
 
-def test_a_clean_trace_has_no_notes_and_a_rolled_back_pass_shows_on_the_cost(tiny_config, monkeypatch, lenient):
+def test_a_clean_trace_has_no_notes_and_a_rolled_back_pass_shows_on_the_cost(one_block_config, monkeypatch, lenient):
     shape = {"batch": 2, "seq": 16, "rank": 8, "dtype": "fp32", "presets": ["hyclora-4bit"]}
-    [clean] = whatif(str(tiny_config), **shape).costs
+    [clean] = whatif(str(one_block_config), **shape).costs
     assert clean.notes == ()
     monkeypatch.setattr(QuantizeSaved, "run", failing_quantize)
-    result = whatif(str(tiny_config), **shape)
+    result = whatif(str(one_block_config), **shape)
     [cost] = result.costs
-    # one region, traced once (2 layers: no scaling)
+    # one region, traced once (one block: no scaling)
     assert cost.notes == (whatif_module.TraceNote(ROLLED_BACK, regions=1, fallback=True),)
     assert result.notes == [("hyclora-4bit", cost.notes[0])]
     assert cost.saved_activations > clean.saved_activations  # what it shaped: nothing is quantized
 
 
-def test_the_whatif_command_lists_fallbacks_under_its_table_and_in_its_json(tiny_config, tmp_path, quantize_fails,
+def test_the_whatif_command_lists_fallbacks_under_its_table_and_in_its_json(one_block_config, tmp_path, quantize_fails,
                                                                             lenient, capsys):
     path = tmp_path / "whatif.json"
-    assert cli.main(["whatif", str(tiny_config), "--batch", "2", "--seq", "16", "--rank", "8", "--dtype", "fp32",
+    assert cli.main(["whatif", str(one_block_config), "--batch", "2", "--seq", "16", "--rank", "8", "--dtype", "fp32",
                      "--presets", "exact", "hyclora-4bit", "--json", str(path)]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert f"hyclora-4bit: fell back: {ROLLED_BACK} (1 region)" in printed
@@ -400,13 +409,13 @@ def test_the_whatif_command_lists_fallbacks_under_its_table_and_in_its_json(tiny
                                                         "saved_activations"))
 
 
-def test_max_context_lists_the_fallbacks_of_every_length_it_traced(tiny_config, tmp_path, quantize_fails, lenient,
+def test_max_context_lists_the_fallbacks_of_every_length_it_traced(one_block_config, tmp_path, quantize_fails, lenient,
                                                                    capsys):
-    [fit] = max_context(str(tiny_config), 24 * 2**20, rank=8, dtype="fp32", presets=["hyclora-4bit"],
+    [fit] = max_context(str(one_block_config), 24 * 2**20, rank=8, dtype="fp32", presets=["hyclora-4bit"],
                         granularity=2048)
     assert fit.notes == (whatif_module.TraceNote(ROLLED_BACK, regions=1, fallback=True),)
     path = tmp_path / "context.json"
-    assert cli.main(["whatif", str(tiny_config), "--max-context", "24MiB", "--dtype", "fp32", "--rank", "8",
+    assert cli.main(["whatif", str(one_block_config), "--max-context", "24MiB", "--dtype", "fp32", "--rank", "8",
                      "--presets", "hyclora-4bit", "--granularity", "2048", "--json", str(path)]) == 0
     assert f"hyclora-4bit: fell back: {ROLLED_BACK} (1 region)" in " ".join(capsys.readouterr().out.split())
     [result] = json.loads(path.read_text())["results"]
@@ -414,20 +423,20 @@ def test_max_context_lists_the_fallbacks_of_every_length_it_traced(tiny_config, 
 
 
 @pytest.mark.parametrize("how", ["config", "environment"])
-def test_strict_mode_raises_a_fallback_out_of_whatif_and_the_command_says_it_cleanly(tiny_config, quantize_fails,
+def test_strict_mode_raises_a_fallback_out_of_whatif_and_the_command_says_it_cleanly(one_block_config, quantize_fails,
                                                                                      monkeypatch, capsys, how):
     # "environment": the suite's own FXMEM_STRICT=1; "config": Config(strict=True) through whatif's strict
     monkeypatch.setenv("FXMEM_STRICT", "0" if how == "config" else "1")
     shape = {"batch": 2, "seq": 16, "rank": 8, "dtype": "fp32", "presets": ["hyclora-4bit"]}
     strict_error = r"pass quantize \(partitioned stage\) failed: RuntimeError: synthetic quantize bug \[strict mode"
     with pytest.raises(FallbackError, match=strict_error):
-        whatif(str(tiny_config), **shape, strict=how == "config")
+        whatif(str(one_block_config), **shape, strict=how == "config")
     with pytest.raises(FallbackError, match="pass quantize .*synthetic quantize bug"):
-        max_context(str(tiny_config), 24 * 2**20, rank=8, dtype="fp32", presets=["hyclora-4bit"], granularity=2048,
+        max_context(str(one_block_config), 24 * 2**20, rank=8, dtype="fp32", presets=["hyclora-4bit"], granularity=2048,
                     strict=how == "config")
     strict_flag = ["--strict"] if how == "config" else []
     capsys.readouterr()
-    assert cli.main(["whatif", str(tiny_config), "--batch", "2", "--seq", "16", "--rank", "8", "--dtype", "fp32",
+    assert cli.main(["whatif", str(one_block_config), "--batch", "2", "--seq", "16", "--rank", "8", "--dtype", "fp32",
                      "--presets", "hyclora-4bit", *strict_flag]) == 2
     captured = capsys.readouterr()
     printed = " ".join(captured.out.split())

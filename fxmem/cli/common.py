@@ -22,7 +22,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fxmem.bench.choices import WORKLOAD_FAMILIES
 from fxmem.choices import check_lowrank
 from fxmem.config import PRESETS
 
@@ -81,23 +80,9 @@ def config_override(text: str) -> tuple[str, Any]:
         return name, value  # a bare word: a string ("static")
 
 
-def get_workload(name: str) -> Any:
-    """A benchmark workload by name (tests replace this one lookup to run every command on a tiny model)."""
-    from fxmem.bench.workloads import get_workload as lookup
-    return lookup(name)
-
-
-def workload_names(family: str | None = None) -> list[str]:
-    return [name for name, of_family in WORKLOAD_FAMILIES.items() if family is None or of_family == family]
-
-
 def default_device() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def add_workload(parser: argparse.ArgumentParser, default: str, family: str | None = None) -> None:
-    parser.add_argument("--workload", default=default, choices=workload_names(family))
 
 
 def add_device(parser: argparse.ArgumentParser) -> None:
@@ -145,13 +130,14 @@ def machine_description(device: torch.device | str) -> str:
 
 
 def source_commit() -> str:
-    """The commit fxmem's source is at ('+' when it has uncommitted changes), or 'unknown' outside a checkout."""
+    """The commit fxmem's source is at ('+' when it or the harness beside it, fxmem_bench, has uncommitted changes),
+    or 'unknown' outside a checkout."""
     here = pathlib.Path(__file__).parent
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."], cwd=here.parent,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "fxmem", "fxmem_bench"],
+                               cwd=here.parents[1], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+" if dirty else "")

@@ -10,7 +10,8 @@ import pathlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fxmem.cli.common import add_preset, config_override, console, get_workload, int_at_least, workload_names
+from fxmem.cli.common import add_preset, config_override, console, int_at_least
+from fxmem.cli.harness import get_workload, listed_workloads, workload_names
 from fxmem.config import PRESETS, Config
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("inspect", help="every tensor a model saves for backward, its role and plan")
-    parser.add_argument("model", help=f"a workload ({', '.join(workload_names())}) or a HuggingFace config.json "
+    parser.add_argument("model", help=f"a workload ({listed_workloads()}) or a HuggingFace config.json "
                                       "(file or directory)")
     parser.add_argument("--batch", type=int_at_least(1), help="batch size (default: the workload's, else 4)")
     parser.add_argument("--seq", type=int_at_least(1), help="sequence length (default: the workload's, else 512)")
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         loss = functools.partial(_loss_of_output, setup.loss, batch)  # MiniLM's is contrastive
     else:
         if not pathlib.Path(args.model).exists():
-            raise SystemExit(f"{args.model}: neither a workload ({', '.join(workload_names())}) nor an existing "
+            raise SystemExit(f"{args.model}: neither a workload ({listed_workloads()}) nor an existing "
                              "config.json")
         model_config = hf_config(args.model)
         torch.manual_seed(0)

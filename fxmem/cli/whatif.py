@@ -15,15 +15,14 @@ from fxmem.cli.common import (
     byte_size,
     config_override,
     console,
-    get_workload,
     int_at_least,
     provenance_line,
     run_metadata,
     show_table,
-    workload_names,
     write_json,
     write_markdown,
 )
+from fxmem.cli.harness import get_workload, listed_workloads, workload_names
 from fxmem.config import PRESETS
 from fxmem.fallback import STRICT_ENV, FallbackError
 
@@ -35,7 +34,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("whatif", help="memory per preset and LoRA orders of a model, before running it "
                                                 "(no GPU, no weights: traced on fake tensors)")
     parser.add_argument("model", help=f"a named shape ({', '.join(NAMED_SHAPES)}), a workload "
-                                      f"({', '.join(workload_names())}) or a HuggingFace config.json")
+                                      f"({listed_workloads()}) or a HuggingFace config.json")
     parser.add_argument("--batch", type=int_at_least(1), default=4)
     parser.add_argument("--seq", type=int_at_least(1), default=512)
     parser.add_argument("--rank", type=int_at_least(1), default=16, help="LoRA rank")
@@ -81,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                         optimizer=args.optimizer, presets=args.presets, name=args.model, base=args.base,
                         shards=args.shards, strict=args.strict)
     except ValueError as error:
-        console.print(f"[red]{escape(str(error))}; or a workload: {', '.join(workload_names())}[/red]")
+        console.print(f"[red]{escape(str(error))}; or a workload: {listed_workloads()}[/red]")
         return 2
     except FallbackError as error:
         console.print(f"[red]{escape(str(error))}[/red]")

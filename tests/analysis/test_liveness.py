@@ -9,7 +9,7 @@ from fxmem.analysis.liveness import graph_liveness, inlined_elementwise
 from fxmem.backend import Backend
 from fxmem.config import Config
 from fxmem.measure import model_tensors, peak_memory, saved_activation_bytes
-from tests.conftest import TINY_LLAMA
+from tests.models import TINY_LLAMA
 
 
 def test_a_storage_lives_from_its_op_to_its_last_reader_through_views():
@@ -205,18 +205,16 @@ def test_an_output_written_in_place_that_nothing_reads_is_freed_with_its_group()
 def _region_and_measured_transients(preset, overrides, lowering):
     """A 256-token step of the tests' tiny Llama compiled with ``lowering``: its region, and the measured step peak
     beyond what forward saved."""
-    workload = dataclasses.replace(TINY_LLAMA, batch=1, seq=256)
-    setup = workload.build()
+    model, batch = dataclasses.replace(TINY_LLAMA, batch=1, seq=256).build()
     backend = Backend(Config.from_preset(preset, return_logits=False, **overrides), lowering=lowering)
-    forward = torch.compile(setup.model, backend=backend)
-    batch = next(setup.batches)
-    setup.loss(forward, batch).backward()  # compiles
-    setup.model.zero_grad(set_to_none=True)
-    saved, loss = saved_activation_bytes(lambda: setup.loss(forward, batch),
-                                         exclude=model_tensors(setup.model) + list(batch.values()))
+    forward = torch.compile(model, backend=backend)
+    forward(**batch).loss.backward()  # compiles
+    model.zero_grad(set_to_none=True)
+    saved, loss = saved_activation_bytes(lambda: forward(**batch).loss,
+                                         exclude=model_tensors(model) + list(batch.values()))
     loss.backward()
-    setup.model.zero_grad(set_to_none=True)
-    peak = peak_memory(lambda: setup.loss(forward, batch).backward(), "cpu")
+    model.zero_grad(set_to_none=True)
+    peak = peak_memory(lambda: forward(**batch).loss.backward(), "cpu")
     [region] = backend.regions
     return region, peak - saved
 

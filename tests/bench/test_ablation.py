@@ -2,9 +2,9 @@
 
 import pytest
 
-from fxmem.bench.ablation import ablate, hyclora_settings, loract_settings, probe_steps, select_settings
 from fxmem.config import Config
-from tests.conftest import ONE_LAYER_LLAMA
+from fxmem_bench.ablation import ablate, hyclora_settings, loract_settings, probe_steps, select_settings
+from tests.bench.conftest import ONE_LAYER_LLAMA
 
 
 def test_settings_cover_bits_intra_inter_outliers_and_the_papers_static_calibration():

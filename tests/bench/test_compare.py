@@ -10,8 +10,9 @@ from torch._inductor.compile_fx import compile_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem import Config, cli
-from fxmem.bench import compare
-from fxmem.bench.compare import (
+from fxmem.measure import gradient_fidelity, model_tensors, saved_activation_bytes, trainable_gradients
+from fxmem_bench import compare
+from fxmem_bench.compare import (
     _sac_policy,
     budget_bracket,
     default_methods,
@@ -21,8 +22,8 @@ from fxmem.bench.compare import (
     prepare_method,
     run_workload,
 )
-from fxmem.measure import gradient_fidelity, model_tensors, saved_activation_bytes, trainable_gradients
-from tests.conftest import TINY_LLAMA, tiny_model
+from tests.bench.conftest import TINY_LLAMA
+from tests.conftest import tiny_model
 
 ONE_LAYER = dataclasses.replace(TINY_LLAMA, llama=dataclasses.replace(TINY_LLAMA.llama, layers=1))
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from fxmem.bench.choices import COVERAGE_FAMILIES
-from fxmem.bench.coverage import FAMILIES, get_family, measure
+from fxmem_bench.choices import COVERAGE_FAMILIES
+from fxmem_bench.coverage import FAMILIES, get_family, measure
 
 
 def test_the_command_offers_every_family():
@@ -42,8 +42,8 @@ def test_a_relu_output_keeps_its_positive_values_only_where_that_is_safe():
     import torch
 
     from fxmem.backend import Backend
-    from fxmem.bench.coverage import build
     from fxmem.config import Config
+    from fxmem_bench.coverage import build
 
     # static calibration: a channel all zero while calibrating would bring a later small value back as 1
     for overrides, kept in (({}, True), ({"calibration": "static"}, False), ({"stochastic_rounding": True}, False)):
@@ -63,9 +63,9 @@ def test_an_attention_output_stored_per_head_gets_a_scale_per_channel_of_the_vie
     import torch
 
     from fxmem.backend import Backend
-    from fxmem.bench.coverage import HIDDEN, build
     from fxmem.config import Config
     from fxmem.measure import gradient_fidelity, trainable_gradients
+    from fxmem_bench.coverage import HIDDEN, build
 
     model, batch = build(get_family("gpt_neox"))
     model(**batch).loss.backward()
@@ -114,7 +114,7 @@ def test_the_command_tables_each_family_against_llama(monkeypatch, capsys, tmp_p
     import json
 
     from fxmem import cli
-    from fxmem.cli.bench import coverage as command
+    from fxmem_bench.cli import coverage as command
     assert len(FAMILIES) >= 8
     json_path = tmp_path / "c.json"
     assert cli.main(["bench", "coverage", "--families", "gpt2", "--presets", "hyclora-4bit", "--dtypes", "bf16",

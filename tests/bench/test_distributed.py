@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fxmem.backend import Backend
-from fxmem.bench.distributed import _decoder_blocks, relative_distance, train
 from fxmem.config import Config
-from tests.conftest import ONE_LAYER_LLAMA, TINY_LLAMA
+from fxmem_bench.distributed import _decoder_blocks, relative_distance, train
+from tests.bench.conftest import ONE_LAYER_LLAMA, TINY_LLAMA
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # DDP wraps the model whole: one block shows it (and halves each rank's inductor compile). FSDP2 shards each block
@@ -20,8 +20,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKLOADS = {"ddp": ONE_LAYER_LLAMA, "fsdp2": TINY_LLAMA}
 DRIVER = """
 import pathlib, sys
-from tests.conftest import ONE_LAYER_LLAMA, TINY_LLAMA
-from fxmem.bench.distributed import run_rank
+from tests.bench.conftest import ONE_LAYER_LLAMA, TINY_LLAMA
+from fxmem_bench.distributed import run_rank
 workload = {"ddp": ONE_LAYER_LLAMA, "fsdp2": TINY_LLAMA}[sys.argv[1]]
 run_rank(workload, sys.argv[1], pathlib.Path(sys.argv[3]), preset=sys.argv[2], steps=3)
 """
@@ -88,7 +88,7 @@ def test_ddp_ranks_calibrating_on_their_own_parts_stay_as_close_to_exact_as_one_
 
 def test_the_command_tables_each_mode_against_one_process(one_layer_workloads, monkeypatch, capsys):
     from fxmem import cli
-    from fxmem.cli.bench import distributed as command
+    from fxmem_bench.cli import distributed as command
 
     def launched(mode, args):  # ranks that trained exactly as one process did
         rank = {**train(ONE_LAYER_LLAMA, "single", preset=args.preset, steps=args.steps), "saved_bytes": 1024}

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fxmem import cli
-from fxmem.bench.fidelity import measure
-from fxmem.bench.workloads import LlamaShape, Workload
+from fxmem_bench.fidelity import measure
+from fxmem_bench.workloads import LlamaShape, Workload
 
 TINY_BF16 = Workload("test-llama3-bf16", "llama", 2, 32, "tiny GQA Llama in bf16 with fp32 adapters",
                      LlamaShape(64, 172, 2, 4, 256, kv_heads=2), dtype=torch.bfloat16, lora_alpha=32, lora_b_std=0.02)
@@ -51,7 +51,7 @@ def test_each_method_starts_from_the_same_random_state_whatever_ran_before_it():
 
 
 def test_random_tokens_span_the_vocabulary_and_bad_choices_are_refused():
-    from fxmem.bench.fidelity import _random_batches
+    from fxmem_bench.fidelity import _random_batches
     setup = TINY_BF16.build()
     batches = _random_batches(TINY_BF16, setup.model, torch.device("cpu"))
     first = next(batches)
@@ -71,10 +71,10 @@ def test_random_tokens_span_the_vocabulary_and_bad_choices_are_refused():
 
 
 def test_the_command_writes_a_row_per_method_and_json_as_each_method_ends(monkeypatch, tmp_path, capsys):
-    from fxmem.bench import workloads
+    from fxmem_bench import workloads
     monkeypatch.setattr(workloads, "get_workload", lambda name: TINY_BF16)
     path = tmp_path / "fidelity.json"
-    from fxmem.cli.bench import fidelity as command
+    from fxmem_bench.cli import fidelity as command
     written = []
     write_json = command.write_json
     monkeypatch.setattr(command, "write_json", lambda results, *a, **k: (written.append([r.method for r in results]),

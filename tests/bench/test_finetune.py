@@ -1,7 +1,7 @@
 import pytest
 
-from fxmem.bench.finetune import finetune
-from tests.conftest import TINY_LLAMA
+from fxmem_bench.finetune import finetune
+from tests.bench.conftest import TINY_LLAMA
 
 
 def test_finetune_rejects_unknown_methods_and_too_few_steps():

@@ -25,10 +25,10 @@ def test_frontier_runs_every_point_in_one_process_and_says_which_budget_points_f
 
 
 def test_a_point_below_its_published_fidelity_wins_nothing():
-    from fxmem.bench.compare import MethodResult
-    from fxmem.bench.frontier import wins
     from fxmem.config import PUBLISHED_MIN_COSINE
     from fxmem.measure import Fidelity
+    from fxmem_bench.compare import MethodResult
+    from fxmem_bench.frontier import wins
 
     def point(method, peak, seconds, cosine=None, label=""):
         return MethodResult("w", method, 0, peak, 0, 0.0, 0.0, Fidelity(cosine, 0.0, "p") if cosine else None,
@@ -46,8 +46,8 @@ def test_a_point_below_its_published_fidelity_wins_nothing():
 
 
 def test_overrides_apply_to_the_budget_series_and_name_it():
-    from fxmem.bench.frontier import frontier_points
     from fxmem.config import Config
+    from fxmem_bench.frontier import frontier_points
 
     points = frontier_points([0.3], "hyclora-4bit", "hyclora-2bit", {"block_checkpoint": True})
     fxmem_points = {p.label: p.config for p in points if p.method == "fxmem"}

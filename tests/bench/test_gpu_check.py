@@ -4,7 +4,7 @@ import statistics
 import pytest
 
 from fxmem import cli
-from fxmem.bench.gpu_check import POINT_KEYS, check_points
+from fxmem_bench.gpu_check import POINT_KEYS, check_points
 
 
 def test_the_check_runs_its_points_and_writes_the_table_targets_and_profiles(one_layer_workloads, tmp_path, capsys):
@@ -41,8 +41,8 @@ def test_bad_points_are_refused_naming_the_valid_ones(keys, message):
 
 
 def test_a_failing_point_is_reported_and_the_others_still_run(one_layer_workloads, monkeypatch):
-    from fxmem.bench import gpu_check
-    from fxmem.bench.workloads import get_workload
+    from fxmem_bench import gpu_check
+    from fxmem_bench.workloads import get_workload
 
     real_prepare = gpu_check.prepare_method
 
@@ -62,8 +62,8 @@ def test_a_failing_point_is_reported_and_the_others_still_run(one_layer_workload
 
 
 def test_the_block_points_give_the_same_gradients_with_their_inputs_in_host_memory(tiny_workloads):
-    from fxmem.bench import gpu_check
-    from fxmem.bench.workloads import get_workload
+    from fxmem_bench import gpu_check
+    from fxmem_bench.workloads import get_workload
 
     check = gpu_check.run_gpu_check(get_workload("llama-tiny"), device="cpu", steps=1,
                                     keys=["eager", "hyclora-4bit-blocks", "hyclora-4bit-blocks-offload"])

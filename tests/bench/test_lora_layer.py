@@ -1,6 +1,6 @@
 from fxmem import cli
-from fxmem.bench import lora_layer
 from fxmem.cost_model.lora_orders import LoraShape
+from fxmem_bench import lora_layer
 
 SHAPE = LoraShape(32, 24, 40, 4)
 

@@ -1,7 +1,7 @@
 import pytest
 
 from fxmem import cli
-from fxmem.bench.loss import LOSS_METHODS, LossShape, run_loss
+from fxmem_bench.loss import LOSS_METHODS, LossShape, run_loss
 
 
 def test_every_loss_method_matches_the_unfused_loss_and_fxmem_holds_less_than_the_whole_logits():

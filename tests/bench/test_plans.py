@@ -1,4 +1,4 @@
-"""Golden plans (fxmem/bench/plans.py): the committed dump is what the planner plans now, a changed plan is reported
+"""Golden plans (fxmem_bench/plans.py): the committed dump is what the planner plans now, a changed plan is reported
 naming its tensor, and the dump does not read the machine's speed."""
 
 import json
@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from fxmem import cli
-from fxmem.bench import plans
+from fxmem_bench import plans
 
 CHEAP = "hyclora-4bit-block-input-bits-4"  # the fastest configuration to plan (its blocks checkpointed)
 
@@ -53,7 +53,7 @@ def test_a_missing_or_stale_configuration_is_a_difference():
     header = {"reference_machine": plans.REFERENCE_MACHINE}
     found = plans.differences({plans.HEADER: header, "gone": plan}, {"new": plan}, every_configuration=True)
     assert found == {"new": ["missing from the dump"],
-                     "gone": ["stale: in the dump, but no configuration of fxmem/bench/plans.py has this name"]}
+                     "gone": ["stale: in the dump, but no configuration of fxmem_bench/plans.py has this name"]}
     assert plans.differences({plans.HEADER: header, "gone": plan, "new": plan}, {"new": plan},
                              every_configuration=False) == {}
     moved = dict(header, reference_machine={**plans.REFERENCE_MACHINE, "matmul_rate": 1.0})

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fxmem import cli
-from fxmem.bench.profile import launched_kernels
+from fxmem_bench.profile import launched_kernels
 
 
 def test_profile_times_the_plan_with_and_without_compression_and_lists_its_kernels(one_layer_workloads, tmp_path,

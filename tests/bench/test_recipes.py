@@ -2,9 +2,9 @@
 
 import pytest
 
-from fxmem.bench.recipes import RecipeResult, measure
-from fxmem.bench.workloads import LlamaShape, Workload, get_workload
-from fxmem.cli.bench.recipes import _table
+from fxmem_bench.cli.recipes import _table
+from fxmem_bench.recipes import RecipeResult, measure
+from fxmem_bench.workloads import LlamaShape, Workload, get_workload
 
 TINY = Workload("recipes-tiny", "llama", 2, 32, "a 1-layer GQA Llama for the recipe matrix",
                 LlamaShape(64, 172, 1, 4, 256, kv_heads=2))

@@ -6,11 +6,11 @@ import re
 import pytest
 
 from fxmem import cli
-from fxmem.bench.compare import MethodResult
-from fxmem.bench.config_reference import config_reference, field_descriptions
-from fxmem.bench.report import PAGE_LIMIT, README_END, README_START, ResultFile, build, claim, with_summary
 from fxmem.config import Config
 from fxmem.measure import Fidelity
+from fxmem_bench.compare import MethodResult
+from fxmem_bench.config_reference import config_reference, field_descriptions
+from fxmem_bench.report import PAGE_LIMIT, README_END, README_START, ResultFile, build, claim, with_summary
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -139,8 +139,8 @@ def test_the_readme_summary_goes_between_its_markers_only():
 
 
 def test_a_context_result_is_tabled_against_the_baseline_that_fits_the_most_tokens(tmp_path):
-    from fxmem.bench.context import ContextResult
     from fxmem.fitting import Probe
+    from fxmem_bench.context import ContextResult
 
     def context(method, longest, per_token, cosine=None, bound=None):
         return ContextResult("llama-small", method, 3 << 29, longest, longest + 128,
@@ -222,7 +222,7 @@ def test_families_are_tabled_per_dtype_against_llamas_reduction_and_join_a_page_
 
 
 def test_the_figure_plots_every_method_against_torch_compile_and_check_finds_it_stale(tmp_path, monkeypatch):
-    from fxmem.bench.figure import digest, recorded_digest
+    from fxmem_bench.figure import digest, recorded_digest
 
     results = [result("compile", [1.0, 1.0, 1.0], peak=200), result("eager", [1.2, 1.3, 1.1], peak=220),
                result("fxmem", [1.1, 1.2, 1.15], peak=50, cosine=0.999, bound=0.995)]

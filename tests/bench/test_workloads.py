@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from fxmem.bench.choices import WORKLOAD_FAMILIES
-from fxmem.bench.data import byte_token_batches, docstring_code_pairs, stdlib_bytes
-from fxmem.bench.workloads import WORKLOADS, get_workload
+from fxmem_bench.choices import WORKLOAD_FAMILIES
+from fxmem_bench.data import byte_token_batches, docstring_code_pairs, stdlib_bytes
+from fxmem_bench.workloads import WORKLOADS, get_workload
 
 
 def test_stdlib_text_is_real_and_deterministic():

@@ -16,7 +16,7 @@ def _rank_k(shape: tuple[int, ...], k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape[:-1], k, generator=g) @ torch.randn(*shape[:-2], k, shape[-1], generator=g)
 
 
-def _low_rank_plus_noise(m: int, n: int, k: int, noise: float, seed: int) -> torch.Tensor:
+def low_rank_plus_noise(m: int, n: int, k: int, noise: float, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     # decaying signal spectrum, as activations have (LoRAct figure 2a), under Gaussian noise
     signal = torch.randn(m, k, generator=g) * torch.logspace(1, 0, k) @ torch.randn(k, n, generator=g)
@@ -60,7 +60,7 @@ def test_zero_rows_sampled_do_not_leave_the_basis_short():
 def test_sampling_factors_are_an_orthogonal_projection_of_a(shape):
     """U V = Q Q^T A with orthonormal Q on the shorter side: the residual is orthogonal to the reconstruction."""
     torch.manual_seed(1)
-    a = _low_rank_plus_noise(*shape, 12, 0.3, seed=1)
+    a = low_rank_plus_noise(*shape, 12, 0.3, seed=1)
     u, v = lowrank.decompose(a, 8, method="sampling")
     basis = u if shape[0] <= shape[1] else v.mT
     torch.testing.assert_close(basis.mT @ basis, torch.eye(8), atol=1e-5, rtol=0)
@@ -74,7 +74,7 @@ def test_sampling_factors_are_an_orthogonal_projection_of_a(shape):
 def test_error_with_one_power_iteration_is_within_5_percent_of_truncated_svd(method, shape):
     for seed in range(4):
         torch.manual_seed(seed)
-        a = _low_rank_plus_noise(*shape, 16, 0.5, seed)
+        a = low_rank_plus_noise(*shape, 16, 0.5, seed)
         optimal = _optimal_error(a, 16)
         error = _relative_error(a, *lowrank.decompose(a, 16, method=method, niter=1))
         assert optimal * (1 - 1e-4) <= error <= 1.05 * optimal, (seed, error, optimal)
@@ -84,7 +84,7 @@ def test_error_with_one_power_iteration_is_within_5_percent_of_truncated_svd(met
 def test_power_iterations_do_not_make_the_error_worse_on_average(method):
     errors = {0: 0.0, 2: 0.0}
     for seed in range(6):
-        a = _low_rank_plus_noise(200, 120, 10, 1.0, seed)
+        a = low_rank_plus_noise(200, 120, 10, 1.0, seed)
         for niter in errors:
             torch.manual_seed(seed)
             errors[niter] += _relative_error(a, *lowrank.decompose(a, 10, method=method, niter=niter))
@@ -221,25 +221,6 @@ def test_the_custom_op_passes_opcheck_and_traces_with_fake_tensors():
 
     compiled = torch.compile(compress_and_rebuild, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(a), a, atol=1e-4, rtol=1e-4)
-
-
-def test_the_error_benchmark_compares_every_method_against_the_optimum():
-    from fxmem.bench.lowrank_error import measure, rebuild_methods
-    matrices = [("wide", _low_rank_plus_noise(48, 96, 8, 0.2, seed=0)), ("tall", _low_rank_plus_noise(96, 48, 8, 0.2, 1)),
-                ("all of it", torch.randn(4, 64))]  # rank 8 of a 4-row matrix: skipped, nothing to compress
-    rows = measure(matrices, 8, niter=1, repeats=2)
-    assert [r.matrix for r in rows] == ["wide"] * 4 + ["tall"] * 4
-    assert {r.method for r in rows} == set(rebuild_methods(1))
-    for r in rows:
-        assert r.rank == 8 and r.seconds > 0
-        assert r.vs_optimal == 1.0 if r.method.startswith("truncated") else r.vs_optimal >= 1 - 1e-5
-
-
-def test_the_error_command_refuses_a_bad_rank(capsys):
-    from fxmem import cli
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "lowrank-error", "--rank", "1.5"])
-    assert "an integer rank >= 1; got 1.5" in capsys.readouterr().err
 
 
 def test_the_row_ops_flatten_leading_dimensions_and_pass_opcheck():

@@ -9,15 +9,15 @@ import torch
 import fxmem
 from fxmem.measure import gradient_fidelity, model_tensors, saved_activation_bytes
 from tests.conftest import loss_and_grads, pass_summary, randomize_lora_b, tiny_model
-from tests.test_qlora import TINY_QLORA
+from tests.models import TINY_QLORA
 
 _summary = functools.partial(pass_summary, name="dequantize_bases")
 
 
 def _qlora(compute_dtype):
-    setup = dataclasses.replace(TINY_QLORA, dtype=compute_dtype).build()
-    randomize_lora_b(setup.model)
-    return setup.model, next(setup.batches)
+    model, batch = dataclasses.replace(TINY_QLORA, dtype=compute_dtype).build()
+    randomize_lora_b(model)
+    return model, batch
 
 
 def _saved_and_grads(model, batch, config):
@@ -61,8 +61,7 @@ def test_without_a_4bit_base_the_pass_says_so():
 def test_a_product_the_chunked_ops_would_not_take_is_left_as_bitsandbytes_runs_it(setting):
     # dropout: PEFT's LoRA term reads dropout(x), which no chunked op reproduces; autocast: a linear would run in
     # autocast's dtype where gemm_4bit runs in its computation dtype
-    setup = TINY_QLORA.build(lora_dropout=0.1 if setting == "dropout" else 0.0)
-    model, batch = setup.model, next(setup.batches)
+    model, batch = TINY_QLORA.build(lora_dropout=0.1 if setting == "dropout" else 0.0)
     backend = fxmem.backend("exact", mlp_chunk=8, linear_chunk=8)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setting == "autocast"):
         torch.compile(model, backend=backend)(**batch).loss.backward()

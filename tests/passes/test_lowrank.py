@@ -360,18 +360,3 @@ def test_inductor_lowering_compiles_the_rewrite_and_matches_the_eager_lowering()
     assert saved_e == saved_i
     torch.testing.assert_close(loss_i, loss_e, rtol=1e-5, atol=1e-6)
     assert gradient_fidelity(grads_e, grads_i).min_cosine > 0.999  # the same row samples: _run seeds each step
-
-
-def test_the_ratio_command_measures_what_the_plan_says_at_every_ratio(tiny_workloads, tmp_path, capsys):
-    from fxmem import cli
-    from fxmem.bench.lowrank_saved import measure_ratios
-    from tests.conftest import TINY_LLAMA
-    results = measure_ratios(TINY_LLAMA, [0.25, 0.125], lowering="eager")
-    assert [r.setting for r in results] == ["eager PEFT", "0.25", "0.125"]
-    eager, quarter, eighth = results
-    for r in (quarter, eighth):
-        assert r.saved_bytes == r.planned_bytes and r.prenorm_shared > 0 and -1 <= r.fidelity.min_cosine <= 1
-    assert eighth.saved_bytes < quarter.saved_bytes < eager.saved_bytes
-    table = tmp_path / "ratios.md"
-    assert cli.main(["bench", "lowrank-saved", "--ratios", "0.5", "--lowering", "eager", "--markdown", str(table)]) == 0
-    assert "| 0.5 |" in table.read_text() and "reduction vs eager" in capsys.readouterr().out

@@ -6,11 +6,11 @@ import torch
 import fxmem
 from fxmem.analysis import Role
 from fxmem.analysis.eager_attention import eager_attention_chains
-from fxmem.bench.data import stdlib_bytes
 from fxmem.cost_model.plan import Action
 from fxmem.measure import gradient_fidelity
 from fxmem.passes import GraphPass, PassManager, PassResult
 from tests.conftest import loss_and_grads, pass_summary, randomize_lora_b, tiny_model
+from tests.models import text_batch
 
 SEQ = 64
 
@@ -28,8 +28,7 @@ def _gemma2():
         use_cache=False))
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     randomize_lora_b(model)
-    ids = torch.frombuffer(bytearray(stdlib_bytes(2 * SEQ)), dtype=torch.uint8).long().view(2, SEQ)
-    return model.train(), {"input_ids": ids, "labels": ids}
+    return model.train(), text_batch(2, SEQ)
 
 
 def test_soft_capped_sliding_window_attention_keeps_the_gradient_and_saves_no_probabilities_or_logits():

@@ -3,7 +3,6 @@ import torch
 import fxmem
 from fxmem.analysis import Role
 from fxmem.backend import Backend
-from fxmem.bench.recipes import packed
 from fxmem.config import Config
 from fxmem.passes import PassManager
 from fxmem.techniques import default_passes
@@ -18,6 +17,17 @@ def _step(model, batch, backend, autocast: bool):
     torch._dynamo.reset()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         return loss_and_grads(torch.compile(model, backend=backend), model, batch)
+
+
+def packed(rows: torch.Tensor, lengths: tuple[int, ...] = (6, 4, 6)) -> dict[str, torch.Tensor]:
+    """``rows`` ([batch, seq] token ids, seq the sum of ``lengths``) as documents of ``lengths`` flattened into one
+    row, as a packing collator hands them over: ``position_ids`` restarting at each document, whose first label is
+    -100."""
+    labels = rows.clone()
+    starts = torch.tensor((0, *lengths[:-1])).cumsum(0)
+    labels[:, starts] = -100
+    positions = torch.cat([torch.arange(length) for length in lengths]).repeat(rows.shape[0])
+    return {"input_ids": rows.reshape(1, -1), "labels": labels.reshape(1, -1), "position_ids": positions.unsqueeze(0)}
 
 
 def _weight_copies(backend: Backend) -> int:

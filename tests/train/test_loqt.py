@@ -9,7 +9,7 @@ import torch
 from fxmem.kernels.nf4 import bitsandbytes, nf4_dequantize, nf4_nbytes, nf4_quantize
 from fxmem.train import LoQT, LoQTConfig, LoQTLinear
 from fxmem.train.loqt import FrozenMatrix, convert, loqt_layers, weight_nbytes
-from tests.conftest import TINY_LLAMA, tiny_model
+from tests.conftest import tiny_model
 
 
 def _linear(in_features: int, out_features: int, *, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
@@ -292,37 +292,3 @@ def test_fxmem_backend_compiles_loqt_with_eager_gradients_and_saves_only_what_b_
     with torch.no_grad():
         torch.testing.assert_close(compiled(**batch).logits, model(**batch).logits, rtol=1e-5, atol=1e-5)
     assert len(backend.regions) == regions
-
-
-def test_pretrain_bench_trains_every_setting_on_the_same_batches():
-    from fxmem.bench.loqt import pretrain_settings, train
-    settings = pretrain_settings(4, scale=0.5, first_interval=2)
-    assert [s.name for s in settings] == ["full training", "LoQT-nq", "LoQT", "LoQT, no compensation",
-                                          "LoQT, fixed interval"]
-    full, nq, quantized = (train(TINY_LLAMA, s, steps=5, lr=1e-3, loqt_lr=1e-2, eval_batches=2, adapter_only=False)
-                           for s in settings[:3])
-    # The same initial weights and first batch: LoQT-nq computes the same function, LoQT up to NF4's error.
-    assert nq.losses[0] == pytest.approx(full.losses[0], rel=1e-6)
-    assert quantized.losses[0] == pytest.approx(full.losses[0], rel=1e-2)
-    assert quantized.losses[0] != full.losses[0]
-    assert nq.merge_steps == quantized.merge_steps == settings[2].config.merge_steps(5) == [2, 5]
-    assert full.weight_bits == nq.weight_bits == 32 and 4.1 < quantized.weight_bits < 4.2
-    assert quantized.trainable_params < full.trainable_params
-    for r in (full, nq, quantized):  # AdamW: two float32 moments per trainable parameter, a step count per tensor
-        assert 8 * r.trainable_params < r.optimizer_state_bytes < 8 * r.trainable_params + 4 * 100
-
-
-def test_loqt_commands_print_their_tables(tiny_workloads, capsys, tmp_path):
-    from fxmem import cli
-    markdown = tmp_path / "pretrain.md"
-    assert cli.main(["bench", "loqt", "pretrain", "--steps", "2", "--rank", "4", "--first-interval", "1",
-                     "--eval-batches", "1", "--markdown", str(markdown)]) == 0
-    printed = capsys.readouterr().out
-    for expected in ("full training", "LoQT-nq", "LoQT, no compensation", "LoQT, fixed interval", "vs full",
-                     "W bits/param", "optimizer state"):
-        assert expected in printed
-    assert "| setting | eval loss | vs full |" in markdown.read_text()
-    assert cli.main(["bench", "loqt", "memory", "--lora-rank", "4", "--rank", "4", "--pretrain-rank", "8"]) == 0
-    printed = capsys.readouterr().out
-    for expected in ("full training", "LoRA r=4", "LoQT r=4, only B trains", "4.134", "W + P + adapter"):
-        assert expected in printed
