@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from fxmem import cli
-from fxmem.bench import pretrained, workloads
-from fxmem.bench.data import held_out, stdlib_files, stdlib_split_by_docstrings
+from fxmem_bench import pretrained, workloads
+from fxmem_bench.data import held_out, stdlib_files, stdlib_split_by_docstrings
 
 TINY = pretrained.PretrainRecipe(hidden=32, ffn=64, layers=1, heads=2, batch=2, seq=32, steps=6, lr=1e-2, warmup=1,
                                  eval_every=3, eval_windows=4)
