@@ -128,7 +128,8 @@ class Partitioner(CustomPartitionerFn):
             if not met:
                 warnings.warn(f"fxmem region {region.index}: {note}", stacklevel=2)
         region.notes += pinned_notes(pinned(state.analysis, state.fw.graph, kwargs["num_fwd_outputs"], joint.graph))
-        planned = state.plans + [plan for _, plan in chosen.recomputed]
+        recomputed = [plan for _, plan in chosen.recomputed]  # left to the re-partition: no pass rewrites them
+        planned = state.plans + recomputed  # a copy: the passes replace items of state.plans
         region.add_passes(self.passes.run("partitioned", state))
         region.liveness.append((graph_liveness(state.fw.graph, op_workspace_bytes),
                                 graph_liveness(state.bw.graph, op_workspace_bytes)))
@@ -142,7 +143,7 @@ class Partitioner(CustomPartitionerFn):
         # region outlives the graphs, which it must not keep alive.
         region.demoted.update(chosen.demoted)
         region.saved += [saved.record() for saved in state.analysis.saved + [saved for saved, _ in chosen.recomputed]]
-        region.plans += [plan.record() for plan in state.plans + [plan for _, plan in chosen.recomputed]]
+        region.plans += [plan.record() for plan in state.plans + recomputed]
         region.planned += [plan.record() for plan in planned]
         region.slots += state.slots
         region.probes += state.probes or []

@@ -417,7 +417,6 @@ def chunked_rebuild_reader(base: Node) -> str | None:
                  if _reads_as_first_input(user, base, op)), None)
 
 
-
 def _reads_as_first_input(node: Node, base: Node, op: str) -> bool:
     return schema_name(node.target) == op and isinstance(node.args[0], Node) and storage_base(node.args[0]) is base
 

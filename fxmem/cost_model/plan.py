@@ -74,9 +74,26 @@ def _set_source(plan: Plan, node: Node | None) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Keep(Plan):
-    action: ClassVar[Action] = Action.KEEP
+class _Stored(Plan):
+    """A plan that stores something between forward and backward, which may wait in host memory instead."""
+
     host: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Compressed(_Stored):
+    """Codes or factors, of the saved tensor or of the source it is replayed from (x before RoPE or a repeat)."""
+
+    replay: Replay | None = field(default=None, compare=False)  # compress its source instead
+    source: str | None = field(default=None, compare=False)  # replay's source, by name: kept in the record
+
+    def __post_init__(self) -> None:
+        _set_source(self, self.replay.source if self.replay is not None else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Keep(_Stored):
+    action: ClassVar[Action] = Action.KEEP
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +105,7 @@ class Recompute(Plan):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Quantize(Plan):
+class Quantize(_Compressed):
     action: ClassVar[Action] = Action.QUANTIZE
     bits: int
     channels: int  # channels with their own scale (the innermost memory dimension, or ``merged``)
@@ -98,12 +115,6 @@ class Quantize(Plan):
     rotation: int = 0  # rows rotated in Hadamard blocks of this many channels (0: none)
     stochastic: bool = False  # codes rounded stochastically
     keep_positive: bool = False  # positive values stay positive, zero zero (its backward reads which are)
-    host: bool = False
-    replay: Replay | None = field(default=None, compare=False)  # compress its source instead (x before RoPE)
-    source: str | None = field(default=None, compare=False)  # replay's source, by name: kept in the record
-
-    def __post_init__(self) -> None:
-        _set_source(self, self.replay.source if self.replay is not None else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,15 +124,9 @@ class Sparsify(Plan):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LowRank(Plan):
+class LowRank(_Compressed):
     action: ClassVar[Action] = Action.LOWRANK
     rank: int  # of the factors of the (rows, last dimension) matrix
-    host: bool = False
-    replay: Replay | None = field(default=None, compare=False)
-    source: str | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        _set_source(self, self.replay.source if self.replay is not None else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,4 +151,3 @@ class Checkpoint(Plan):
     action: ClassVar[Action] = Action.CHECKPOINT
     block: str  # the block's name (analysis.blocks.Block.name)
     price: str = ""  # the block's checkpoint, as the report tells it ('' on the plans it is priced with)
-
