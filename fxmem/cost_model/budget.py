@@ -4,16 +4,16 @@ then quantization down BUDGET_STAGES, then low-rank factors, and whole blocks ch
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from dataclasses import dataclass, field
 
 from torch.fx import Node
 
-from fxmem.analysis import Analysis, Role, SavedTensor
+from fxmem.analysis import Analysis, SavedTensor
 from fxmem.analysis.blocks import Block
 from fxmem.analysis.graph import storage_base, storage_bytes, tensor_val
 from fxmem.analysis.recompute import rebuild_inputs, replays_product
 from fxmem.config import Config
+from fxmem.cost_model.error import BUDGET_STAGES, EXACT_ERROR, error_class, sensitivity
 from fxmem.cost_model.memory import planned_bytes
 from fxmem.cost_model.options import (
     REBUILD_SOURCE_BITS,
@@ -32,32 +32,7 @@ from fxmem.cost_model.options import (
 )
 from fxmem.cost_model.plan import Action, Checkpoint, Keep, Plan, Recompute
 from fxmem.cost_model.prices import forward_seconds
-
-# memory_budget's ladder: (bits, sensitivity) stages, taken in order until the region fits. Sensitivity 0 is
-# activation and product inputs and X W; 1 norm inputs; 2 linear inputs; 3 attention's q, k, v. The least
-# sensitive go first, and q, k, v drop below 8 bits last, after everything else is at 2 (docs/quantization.md
-# measures why: the softmax amplifies their error; a linear input's error reaches its LoRA A's gradient whole, and
-# at 2 bits it was worse than a norm input's).
-BUDGET_STAGES = ((8, 0), (8, 1), (8, 2), (8, 3), (4, 0), (4, 1), (4, 2), (2, 0), (2, 1), (2, 2), (4, 3), (2, 3))
-
-
-# The error class of a memory_budget option: exact ones first (recompute, an X W replayed from its x, a block's input
-# waiting in host memory), then quantization down BUDGET_STAGES, then low-rank factors, whose error no bit width
-# bounds (a rank keeps a subspace, not a range): a storage is factored only once its quantization reached its floor.
-EXACT_ERROR = 0
-LOWRANK_ERROR = len(BUDGET_STAGES) + 1
-
-
-@dataclass(frozen=True)
-class Option:
-    """One typed way to hold a saved storage between forward and backward (recompute, replay, quantize b, low-rank
-    k, offload; keep is where every storage starts): its plan, which prices it in device bytes and seconds, and its
-    error class."""
-
-    storage: str
-    plan: Plan
-    error: int
-    tables: frozenset[str] = frozenset()  # RoPE tables the plan pays for, added to the region's once it is chosen
+from fxmem.cost_model.solve import Budget, Option, solve
 
 
 @dataclass
@@ -90,22 +65,12 @@ class _BlockParts:
         return _BlockParts(block, inside, sources)
 
 
-@dataclass(frozen=True)
-class BlockOption:
-    """memory_budget's block checkpoint (``block_checkpoint``): the new plans of the storages it moves, and the
-    sources it saves that nothing saved before (``added``, storage -> bytes)."""
-
-    block: str
-    plans: dict[str, Plan]
-    added: dict[str, int]
-
-
 def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
                config: Config, tables_saved: set[str], frozen: set[str] | frozenset[str] = frozenset()) -> None:
     """memory_budget: one rule over every typed option (``budget_options``, and a block checkpoint per block the
-    analysis offers, ``_block_move``). From the exact plan, each step takes the option of the least error class, the
-    fewest seconds per byte it saves within it (the most bytes saved on a tie), among every option that saves
-    device bytes; until the region fits its target or no option is left (budget_note then says the target is not
+    analysis offers, ``_block_options``), applied by the one solver (cost_model/solve.py). From the exact plan, each
+    step takes the option of the least error class, the fewest seconds per byte it saves within it (the most bytes
+    saved on a tie), among every option that saves device bytes; until the region fits its target or no option is left (budget_note then says the target is not
     met). A move that changes another storage's options (a RoPE table paid, a storage a recomputation reads moved)
     prices that storage, and the blocks holding it, again. The ``frozen`` storages (the guard's) are not moved."""
     target = budget_bytes(analysis, config)
@@ -128,68 +93,49 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
     for parts in blocks.values():
         for storage in (*parts.inside, *parts.sources):
             holding.setdefault(storage, set()).add(parts.block.name)
-    heap: list[tuple[tuple[int, float, int], int, Option | BlockOption]] = []
-    counter = 0
-    # pushed in graph order, blocks last: equal keys then pop by that order, not by a set's (hash-seeded) order
-    position = {unit: index for index, unit in enumerate([*free, *blocks])}
 
-    def move(unit: str) -> tuple[tuple[int, float, int], Option | BlockOption] | None:
+    def price(unit: str) -> list[Option]:
         if unit in blocks:
-            return _block_move(blocks[unit], by_storage, owner_plans, config, spending)
-        return _next_move(unit, analysis, by_storage, owner_plans, config, tables_saved, spending)
+            return _block_options(blocks[unit], by_storage, owner_plans, config, spending)
+        return budget_options(by_storage[unit][0], by_storage, analysis, owner_plans, config, tables_saved, spending)
 
-    def push(units: set[str] | list[str]) -> None:
-        nonlocal counter
-        for unit in sorted(units, key=position.__getitem__):
-            found = move(unit)
-            if found is not None:
-                heapq.heappush(heap, (found[0], counter, found[1]))
-                counter += 1
-
-    push([*free, *blocks])
-    while total > target and heap:
-        key, _, option = heapq.heappop(heap)
-        unit = option.block if isinstance(option, BlockOption) else option.storage
-        fresh = move(unit)
-        if fresh is None:
-            continue
-        if fresh[0] != key or fresh[1] != option:  # another move changed what this one reads: priced again
-            push([unit])
-            continue
-        if isinstance(option, BlockOption):
-            total += _checkpoint(option, blocks[option.block], by_storage, owner_plans, config, spending)
+    def apply(option: Option) -> set[str]:
+        if option.unit in blocks:
+            _checkpoint(option, blocks[option.unit], by_storage, owner_plans, config, spending)
             repriced = option.plans.keys() | option.added.keys()
         else:
-            owner = by_storage[option.storage][0]
-            total += planned_bytes(owner, option.plan) - planned_bytes(owner, owner_plans[option.storage])
-            owner_plans[option.storage] = dataclasses.replace(option.plan,
-                                                              reason=f"{option.plan.reason} (memory_budget)")
+            owner, plan = by_storage[option.unit][0], option.plans[option.unit]
+            owner_plans[option.unit] = dataclasses.replace(plan, reason=f"{plan.reason} (memory_budget)")
             tables_saved.update(option.tables)
-            repriced = {option.storage, *readers.get(option.storage, ())} | (free_set if option.tables else set())
-            if option.plan.action is Action.RECOMPUTE:
-                spending.recomputed.add(option.storage)
-                read = {n.name for n in rebuild_inputs(option.plan.chain)}
+            repriced = {option.unit, *readers.get(option.unit, ())} | (free_set if option.tables else set())
+            if isinstance(plan, Recompute):
+                spending.recomputed.add(option.unit)
+                read = {n.name for n in rebuild_inputs(plan.chain)}
                 spending.read_by_recompute |= read
                 repriced |= read
-                if option.plan.chain is owner.rebuild_product:  # replayed: x stays at REBUILD_SOURCE_BITS or more
+                if plan.chain is owner.rebuild_product:  # replayed: x stays at REBUILD_SOURCE_BITS or more
                     source = replay_source_storage(owner, by_storage)
                     spending.floors[source] = max(spending.floors.get(source, 0), REBUILD_SOURCE_BITS)
-        push(repriced & free_set)
-        push(set().union(*(holding.get(storage, ()) for storage in repriced)) - spending.checkpointed)
+        blocks_again = set().union(*(holding.get(storage, ()) for storage in repriced)) - spending.checkpointed
+        return (repriced & free_set) | blocks_again
+
+    # graph order, blocks last: equal keys are taken in that order
+    solve(Budget(total, target), [*free, *blocks], price, apply)
 
 
-def _block_move(parts: _BlockParts, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
-                config: Config, spending: _Spending) -> tuple[tuple[int, float, int], BlockOption] | None:
-    """Checkpointing a block from the plans now, with its key, or None where it saves no device bytes or cannot be
+
+def _block_options(parts: _BlockParts, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
+                   config: Config, spending: _Spending) -> list[Option]:
+    """Checkpointing a block from the plans now, or nothing where it saves no device bytes or cannot be
     taken: a storage it would free is read by a recomputation outside it. Its error class is its sources' (exact
     where they are kept exact); its seconds are the block's forward run again less the seconds of the plans it
     replaces."""
     name = parts.block.name
     if name in spending.checkpointed:
-        return None
+        return []
     outside = spending.recomputed.difference(parts.inside, parts.sources)
     if {n.name for storage in outside for n in _recomputed_from(owner_plans[storage])} & set(parts.inside):
-        return None
+        return []
     floor = block_source_bits(config)
     plans: dict[str, Plan] = {}
     added = {}
@@ -205,18 +151,16 @@ def _block_move(parts: _BlockParts, by_storage: dict[str, list[SavedTensor]], ow
     changed = plans | freed
     saved = sum(planned_bytes(by_storage[s][0], owner_plans[s]) - planned_bytes(by_storage[s][0], p)
                 for s, p in changed.items()) - sum(added.values())
-    if saved <= 0:
-        return None
     device = next(str(v.device) for v in map(tensor_val, parts.block.nodes) if v is not None)
     forward = forward_seconds(parts.block.nodes, device)
     seconds = forward + sum(p.seconds - owner_plans[s].seconds for s, p in changed.items())
-    error = max((_error(by_storage[s][0], changed.get(s, owner_plans[s])) for s in parts.sources if s in by_storage),
+    error = max((error_class(by_storage[s][0], changed.get(s, owner_plans[s])) for s in parts.sources if s in by_storage),
                 default=EXACT_ERROR)
     price = f"a {forward * 1e3:.3g} ms forward for {saved / 2**20:.2f} MiB"
     checkpointed = Checkpoint(f"recomputed in backward with its block, {name}: {price}", block=name, price=price,
                               nbytes=0)
     plans |= dict.fromkeys(parts.inside, checkpointed)
-    return (error, seconds / saved, -saved), BlockOption(name, plans, added)
+    return [Option(name, saved, seconds, error, plans, added=added)]
 
 
 def _recomputed_from(plan: Plan) -> list[Node]:
@@ -225,13 +169,10 @@ def _recomputed_from(plan: Plan) -> list[Node]:
     return rebuild_inputs(plan.chain) if isinstance(plan, Recompute) else []
 
 
-def _checkpoint(option: BlockOption, parts: _BlockParts, by_storage: dict[str, list[SavedTensor]],
-                owner_plans: dict[str, Plan], config: Config, spending: _Spending) -> int:
-    """Applies a block checkpoint; returns the device bytes it adds (negative: saves)."""
-    change = sum(option.added.values())
+def _checkpoint(option: Option, parts: _BlockParts, by_storage: dict[str, list[SavedTensor]],
+                owner_plans: dict[str, Plan], config: Config, spending: _Spending) -> None:
+    """Applies a block checkpoint."""
     for storage, plan in option.plans.items():
-        owner = by_storage[storage][0]
-        change += planned_bytes(owner, plan) - planned_bytes(owner, owner_plans[storage])
         owner_plans[storage] = dataclasses.replace(plan, reason=f"{plan.reason} (memory_budget)")
         if plan.action is Action.CHECKPOINT:
             spending.recomputed.add(storage)
@@ -242,25 +183,7 @@ def _checkpoint(option: BlockOption, parts: _BlockParts, by_storage: dict[str, l
     for storage in parts.sources.keys() & by_storage.keys():
         spending.floors[storage] = max(spending.floors.get(storage, 0), floor)
     spending.added |= option.added.keys()
-    spending.checkpointed.add(option.block)
-    return change
-
-
-def _next_move(storage: str, analysis: Analysis, by_storage: dict[str, list[SavedTensor]],
-               owner_plans: dict[str, Plan], config: Config, tables_saved: set[str],
-               spending: _Spending) -> tuple[tuple[int, float, int], Option] | None:
-    """The best option ``storage`` can move to now that saves device bytes, with its key, or None."""
-    owner, plan = by_storage[storage][0], owner_plans[storage]
-    before = planned_bytes(owner, plan)
-    best = None
-    for option in budget_options(owner, by_storage, analysis, owner_plans, config, tables_saved, spending):
-        saved = before - planned_bytes(owner, option.plan)
-        if saved <= 0:
-            continue
-        key = (option.error, (option.plan.seconds - plan.seconds) / saved, -saved)
-        if best is None or key < best[0]:
-            best = key, option
-    return best
+    spending.checkpointed.add(option.unit)
 
 
 def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], analysis: Analysis,
@@ -276,18 +199,24 @@ def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
     plan = owner_plans[storage]
     if plan.action not in (Action.KEEP, Action.QUANTIZE, Action.LOWRANK) or plan.host:
         return []
+    before = planned_bytes(owner, plan)
+
+    def moved(to: Plan, tables: frozenset[str] = frozenset()) -> Option:
+        return Option(storage, before - planned_bytes(owner, to), to.seconds - plan.seconds, error_class(owner, to),
+                      {storage: to}, tables=tables)
+
     options = []
     if storage not in spending.read_by_recompute:
         recompute = recompute_plan(owner, by_storage, owner_plans)
         # not the experts' products: this solver holds no floor under what they replay from
         if (recompute is not None and not replays_product(recompute.chain)
                 and not spending.recomputed & {n.name for n in rebuild_inputs(recompute.chain)}):
-            options.append(Option(storage, recompute, EXACT_ERROR))
+            options.append(moved(recompute))
         replay = _replay_plan(owner, by_storage, owner_plans, config)
         if replay is not None and replay_source_storage(owner, by_storage) not in spending.recomputed:
-            options.append(Option(storage, replay, EXACT_ERROR))
+            options.append(moved(replay))
     if config.block_offload and offloadable(owner, group, plan, analysis) and _host_apart(owner):
-        options.append(Option(storage, offloaded(owner, plan), _error(owner, plan)))
+        options.append(moved(offloaded(owner, plan)))
     if plan.action is Action.LOWRANK:
         return options
     # the RoPE tables a quantized plan pays for stay saved with what replaces it: they stay in its bytes
@@ -296,20 +225,21 @@ def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
     lower = []
     if quantizable(group, config):
         floor = max(lowest_bits(owner), spending.floors.get(storage, 0))
-        lower = [bits for bits, sensitivity in BUDGET_STAGES if sensitivity == _sensitivity(owner)
+        owner_sensitivity = sensitivity(owner)
+        lower = [bits for bits, sensitivity in BUDGET_STAGES if sensitivity == owner_sensitivity
                  and bits >= floor and (plan.action is Action.KEEP or bits < plan.bits)]
     for bits in lower:
         tables = set(tables_saved)
         lowered = quantized_plan(owner, group, analysis, config, tables, bits)
         if lowered.action is Action.QUANTIZE:
-            options.append(Option(storage, dataclasses.replace(lowered, nbytes=lowered.nbytes + held_tables),
-                                  _error(owner, lowered), frozenset(tables - tables_saved)))
+            options.append(moved(dataclasses.replace(lowered, nbytes=lowered.nbytes + held_tables),
+                                 frozenset(tables - tables_saved)))
     if config.lowrank is not None and storage not in spending.floors:
         tables = set(tables_saved)
         factored = propose_lowrank(owner, group, analysis, config, tables)
         if factored is not None and factored.action is Action.LOWRANK:
-            options.append(Option(storage, dataclasses.replace(factored, nbytes=factored.nbytes + held_tables),
-                                  LOWRANK_ERROR, frozenset(tables - tables_saved)))
+            options.append(moved(dataclasses.replace(factored, nbytes=factored.nbytes + held_tables),
+                                 frozenset(tables - tables_saved)))
     return options
 
 
@@ -317,13 +247,6 @@ def _host_apart(owner: SavedTensor) -> bool:
     """Whether host memory is apart from the memory ``owner`` lives in: on a CPU it is the same, and offloading
     saves nothing."""
     return tensor_val(owner.base).device.type != "cpu"
-
-
-def _error(owner: SavedTensor, plan: Plan) -> int:
-    """``plan``'s error class under memory_budget."""
-    if plan.action is Action.QUANTIZE:
-        return 1 + BUDGET_STAGES.index((plan.bits, _sensitivity(owner)))
-    return LOWRANK_ERROR if plan.action is Action.LOWRANK else EXACT_ERROR
 
 
 def _replay_plan(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
@@ -346,14 +269,6 @@ def budget_bytes(analysis: Analysis, config: Config) -> float:
         return config.memory_budget
     reference = analysis.exact_bytes if analysis.exact_bytes is not None else sum(s.nbytes for s in analysis.saved)
     return config.memory_budget * reference
-
-
-def _sensitivity(owner: SavedTensor) -> int:
-    if (owner.feeds_attention or owner.reaches_attention) is not None:
-        return 3
-    if Role.LINEAR_INPUT in (owner.role, *owner.also):
-        return 2
-    return 1 if owner.role is Role.NORM_INPUT else 0
 
 
 def budget_note(analysis: Analysis, plans: list[Plan], config: Config) -> tuple[str, bool] | None:

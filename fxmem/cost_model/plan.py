@@ -35,6 +35,14 @@ class Action(str, Enum):
         return format(self.value, spec)
 
 
+class RaisedFor(Enum):
+    """What backward rebuilds from a storage an option raises to REBUILD_SOURCE_BITS (cost_model/options.py); the
+    value as its reason names it, the X W where it serves both."""
+
+    REPLAYED_X_W = "an X W"
+    NORM_INPUT = "its norm's input"
+
+
 # Graph references: left out of comparisons (plans of two compilations of one model compare equal), of the record the
 # report keeps (they would keep the region's graphs and fake tensors alive) and of to_dict.
 _GRAPH_REFERENCES = ("replay", "norm", "chain")

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
 from fxmem.analysis import Analysis, Role, SavedTensor
@@ -14,6 +11,7 @@ from fxmem.analysis.norm import NormUnit
 from fxmem.analysis.recompute import copies_values, rebuild_inputs, replays_product
 from fxmem.config import BITS_CHOICES, Config
 from fxmem.cost_model.budget import fit_budget
+from fxmem.cost_model.error import error_class
 from fxmem.cost_model.memory import stored_bytes
 from fxmem.cost_model.options import (
     REBUILD_SOURCE_BITS,
@@ -31,7 +29,8 @@ from fxmem.cost_model.options import (
     replayed_plan,
     stored_as,
 )
-from fxmem.cost_model.plan import Action, Keep, LowRank, Plan, Quantize
+from fxmem.cost_model.plan import Action, Keep, LowRank, Plan, Quantize, RaisedFor, RebuildNormInput
+from fxmem.cost_model.solve import Ceilings, Option, solve
 
 
 class TechniqueHooks(Protocol):
@@ -151,43 +150,12 @@ def less_lossy(config: Config) -> Config | None:
     return config.replace(**changes)
 
 
-# A preset's error tiers (fit_ceilings). Its widths are configured, so what is left to choose is whether a storage
-# is held exact or at the 8 bits backward rebuilds from (REBUILD_SOURCE_BITS), rounded coarser, or factored.
-EXACT_TIER, ROUNDED_TIER, FACTORED_TIER = 0, 1, 2
-
-
-def _tier(plan: Plan) -> int:
-    if plan.action is Action.LOWRANK or (plan.action is Action.PRENORM and plan.bits is None):
-        return FACTORED_TIER
-    coarse_codes = plan.action in (Action.QUANTIZE, Action.PRENORM) and plan.bits < REBUILD_SOURCE_BITS
-    if plan.action is Action.SPARSIFY or coarse_codes:
-        return ROUNDED_TIER
-    return EXACT_TIER
-
-
-@dataclass(frozen=True)
-class _Choice:
-    """A preset's option for one storage: its plan, and the storages whose x it makes a rebuild source (raised to
-    REBUILD_SOURCE_BITS: rebuild_source), each with what backward rebuilds from it."""
-
-    plan: Plan
-    raises: tuple[tuple[str, RaisedFor], ...] = ()
-
-
-class RaisedFor(Enum):
-    """What backward rebuilds from a source an option raises to REBUILD_SOURCE_BITS (the value: as its reason names
-    it, the X W where it serves both)."""
-
-    REPLAYED_X_W = "an X W"
-    NORM_INPUT = "its norm's input"
-
-
 def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], held: dict[str, Plan | None],
                  config: Config, tables_saved: set[str], techniques: Sequence[TechniqueHooks],
                  demoted: Mapping[str, int] | None = None) -> dict[str, Plan]:
     """Without memory_budget, each storage's target is its ceiling: the bytes of the compression the config asks of it
     (_configured_plan), or of a norm input rebuilt from its output's factors with ``prenorm_sharing``. Its options
-    (_choices): that compression, at REBUILD_SOURCE_BITS or more where backward rebuilds something from it;
+    (_options): that compression, at REBUILD_SOURCE_BITS or more where backward rebuilds something from it;
     with ``rebuild_from_x`` the experts' products replayed from what is held at REBUILD_SOURCE_BITS or more;
     recomputed element-wise from storages the config keeps exact (from a quantized one it would carry that error
     rather than its own, which is not less: a norm's output rebuilt from its input quantized per row bent q_proj's
@@ -195,13 +163,13 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
     x where its codes are coarser than 8 bits; a norm's input rebuilt from its output's factors (``prenorm_sharing``)
     or, with ``rebuild_from_x``, from its output's codes at 8 bits.
 
-    One rule chooses, the one memory_budget spends by (fit_budget) against a target per storage instead of per
-    region: among the options within the ceiling, the least error tier (_tier), then the fewest seconds per byte
-    saved, then the most bytes saved; where none is within it, the fewest bytes. A storage the config keeps is not
-    moved. The X W replayed from one x are weighed with x (_replayable). The bytes a rebuilt norm input adds to its
-    output, raised to 8 bits, count against no ceiling: ``rebuild_from_x`` asks for them (at 2 bits a norm's input
-    bends the gradient far more than one rebuilt from its output at 8; measured: docs/quantization.md). A storage
-    is chosen again when a plan it reads changes (its x, its norm's output) or an option raises it.
+    The one solver chooses (cost_model/solve.py), by the rule memory_budget spends by (fit_budget), against a target
+    per storage instead of per region: among the options within the ceiling, the least error class, then the fewest
+    seconds per byte saved, then the most bytes saved; where none is within it, the fewest bytes. A storage the config
+    keeps is not moved. The X W replayed from one x are weighed with x (_replayable). The bytes a rebuilt norm input
+    adds to its output, raised to 8 bits, count against no ceiling: ``rebuild_from_x`` asks for them (at 2 bits a
+    norm's input bends the gradient far more than one rebuilt from its output at 8; measured: docs/quantization.md).
+    A storage is chosen again when a plan it reads changes (its x, its norm's output) or an option raises it.
     ``block_offload`` then puts a checkpointed block's input in host memory, as its plan stores it. A storage the
     guard ``demoted`` (storage -> steps) has that many steps less lossy a compression configured (_demoted_plan)."""
     demoted = demoted or {}
@@ -219,53 +187,40 @@ def fit_ceilings(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], h
             readers.setdefault(group[0].norm.output.name, set()).add(storage)
         for leaf in rebuild_inputs(group[0].recompute) if group[0].recompute is not None else ():
             readers.setdefault(leaf.name, set()).add(storage)  # its recomputation may read it as planned
-    pending = [storage for storage, plan in configured.items() if plan.action is not Action.KEEP]
-    # what the config asks of each: fixed by it, whatever the others choose
-    ceilings = {storage: _ceiling(by_storage[storage][0], by_storage[storage], configured[storage], analysis, config,
-                                  tables_saved) for storage in pending}
-    while pending:
-        storage = pending.pop(0)
+    # what the config asks of each, as the bytes it must free: fixed by it, whatever the others choose
+    least_saves = {storage: by_storage[storage][0].nbytes - _ceiling(by_storage[storage][0], by_storage[storage], plan,
+                                                                     analysis, config, tables_saved)
+                   for storage, plan in configured.items() if plan.action is not Action.KEEP}
+
+    def price(storage: str) -> list[Option]:
         if configured[storage].action is Action.KEEP:  # kept by the config, a source raised or not
-            continue
-        choice = _choose(storage, by_storage, configured, plans, raised, replayable, ceilings[storage], analysis,
-                         config, tables_saved)
-        changed = choice.plan != plans[storage]
-        plans[storage] = choice.plan
-        for source, purpose in choice.raises:
+            return []
+        return _options(by_storage[storage][0], by_storage, configured, plans, raised, replayable, analysis, config,
+                        tables_saved)
+
+    def apply(option: Option) -> set[str]:
+        storage = option.unit
+        again = set()
+        for source, purpose in option.raises:
             if purpose not in raised.setdefault(source, []):
                 raised[source].append(purpose)
-                pending.append(source)
-        if changed:
-            pending.extend(readers.get(storage, ()))
+                again.add(source)
+        if option.plans[storage] != plans[storage]:
+            again |= readers.get(storage, set())
+        plans[storage] = option.plans[storage]
+        return again
+
+    solve(Ceilings(least_saves), list(by_storage), price, apply)
     for storage, group in by_storage.items():
         if config.block_offload and offloadable(group[0], group, plans[storage], analysis):
             plans[storage] = offloaded(group[0], plans[storage])
     return plans
 
 
-def _choose(storage: str, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
-            plans: dict[str, Plan], raised: dict[str, list[RaisedFor]], replayable: dict[str, str], ceiling: int,
-            analysis: Analysis, config: Config, tables_saved: set[str]) -> _Choice:
-    """fit_ceilings' rule for one storage, from the plans now; ``ceiling``: what the config asks of it
-    (_ceiling)."""
-    owner = by_storage[storage][0]
-    choices = _choices(owner, by_storage, configured, plans, raised, replayable, analysis, config, tables_saved)
-    factored_prenorm = [c.plan.nbytes for c in choices if c.plan.action is Action.PRENORM and c.plan.bits is None]
-    ceiling = min([ceiling, *factored_prenorm])
-    within = [c for c in choices if stored_bytes(owner, c.plan) <= ceiling]
-    if not within:
-        return min(choices, key=lambda c: stored_bytes(owner, c.plan))
-
-    def key(choice: _Choice) -> tuple[int, float, int]:
-        saved = owner.nbytes - stored_bytes(owner, choice.plan)
-        return _tier(choice.plan), choice.plan.seconds / saved if saved > 0 else math.inf, -saved
-
-    best = min(within, key=key)
-    if best is choices[0]:
-        return best
-    base = choices[0].plan
-    return dataclasses.replace(best, plan=dataclasses.replace(
-        best.plan, reason=f"{best.plan.reason}, against {base.seconds * 1e3:.3g} ms for its {stored_as(base)}"))
+def _option(owner: SavedTensor, plan: Plan, raises: tuple[tuple[str, RaisedFor], ...] = ()) -> Option:
+    """A preset's option for a storage, priced against keeping it exact."""
+    return Option(owner.storage, owner.nbytes - stored_bytes(owner, plan), plan.seconds, error_class(owner, plan),
+                  {owner.storage: plan}, raises)
 
 
 def _replayable(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
@@ -313,27 +268,34 @@ def _ceiling(owner: SavedTensor, group: list[SavedTensor], plan: Plan, analysis:
     return stored_bytes(owner, plan)
 
 
-def _choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
+def _options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], configured: dict[str, Plan],
              plans: dict[str, Plan], raised: dict[str, list[RaisedFor]], replayable: dict[str, str], analysis: Analysis,
-             config: Config, tables_saved: set[str]) -> list[_Choice]:
-    """fit_ceilings' options for a storage the config compresses, its configured compression first."""
+             config: Config, tables_saved: set[str]) -> list[Option]:
+    """fit_ceilings' options for a storage the config compresses, from the plans now: its configured compression
+    first, each other option's reason naming that one's price."""
     storage, group = owner.storage, by_storage[owner.storage]
     base = configured[storage]
     if storage in raised and base.action is Action.QUANTIZE:
         purpose = RaisedFor.REPLAYED_X_W if RaisedFor.REPLAYED_X_W in raised[storage] else raised[storage][0]
         base = rebuild_source(owner, group, analysis, config, set(tables_saved), purpose.value)
-    choices = [_Choice(base)]
+    others: list[tuple[Plan, tuple[tuple[str, RaisedFor], ...]]] = []
     leaves = [n.name for n in rebuild_inputs(owner.recompute)] if owner.recompute is not None else []
     if all(_rebuildable_from(leaf, owner, base, configured, plans, config) for leaf in leaves):
         recompute = recompute_plan(owner, by_storage, plans)
         if recompute is not None:
-            choices.append(_Choice(dataclasses.replace(
-                recompute, reason=f"{recompute.reason}, {recompute.seconds * 1e3:.3g} ms")))
+            priced = f"{recompute.reason}, {recompute.seconds * 1e3:.3g} ms"
+            others.append((dataclasses.replace(recompute, reason=priced), ()))
     source = replayable.get(storage)
     if source is not None and plans[source].action in (Action.KEEP, Action.QUANTIZE):
-        choices.append(_Choice(replayed_plan(owner, source), ((source, RaisedFor.REPLAYED_X_W),)))
-    choices.extend(_prenorm_choices(owner, by_storage, plans, analysis, config, tables_saved))
-    return choices
+        others.append((replayed_plan(owner, source), ((source, RaisedFor.REPLAYED_X_W),)))
+    others.extend(_prenorm_options(owner, by_storage, plans, analysis, config, tables_saved))
+    # a norm input rebuilt from its output's factors caps its ceiling: what stores more is not weighed
+    factored = [plan.nbytes for plan, _ in others if isinstance(plan, RebuildNormInput) and plan.bits is None]
+    cap = min(factored, default=None)
+    against = f", against {base.seconds * 1e3:.3g} ms for its {stored_as(base)}"
+    options = [_option(owner, base), *(_option(owner, dataclasses.replace(plan, reason=plan.reason + against), raises)
+                                       for plan, raises in others)]
+    return [o for o in options if cap is None or stored_bytes(owner, o.plans[storage]) <= cap]
 
 
 def replay_sources(recomputed: list[tuple[SavedTensor, Plan]]) -> frozenset[str]:
@@ -380,8 +342,9 @@ def _held_at_source_bits(storage: str, plans: dict[str, Plan]) -> bool:
     return plan.action is Action.KEEP or (plan.action is Action.QUANTIZE and plan.bits >= REBUILD_SOURCE_BITS)
 
 
-def _prenorm_choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], plans: dict[str, Plan],
-                     analysis: Analysis, config: Config, tables_saved: set[str]) -> list[_Choice]:
+def _prenorm_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]], plans: dict[str, Plan],
+                     analysis: Analysis, config: Config, tables_saved: set[str]
+                     ) -> list[tuple[Plan, tuple[tuple[str, RaisedFor], ...]]]:
     """A norm's saved input (RMSNorm's input, LayerNorm's x_hat or x) rebuilt from its output: from the output's factors
     with ``prenorm_sharing`` (LoRAct's pre-norm sharing); with ``rebuild_from_x`` from the output's codes at
     REBUILD_SOURCE_BITS, the output raised to them where it is a linear's input (as rebuild_from_x holds every x)."""
@@ -392,16 +355,16 @@ def _prenorm_choices(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]
     output = unit.output.name
     choices = []
     if config.prenorm_sharing and output_plan.action is Action.LOWRANK:
-        choices.append(_Choice(prenorm_plan(owner, analysis, output, output_plan)))
+        choices.append((prenorm_plan(owner, analysis, output, output_plan), ()))
     if rebuilds_from_x(config) and output_plan.action is Action.QUANTIZE:
         if output_plan.bits >= REBUILD_SOURCE_BITS:
-            choices.append(_Choice(prenorm_plan(owner, analysis, output, output_plan)))
+            choices.append((prenorm_plan(owner, analysis, output, output_plan), ()))
         elif any(Role.LINEAR_INPUT in (s.role, *s.also) for s in by_storage[output]):
             group = by_storage[output]
             purpose = RaisedFor.NORM_INPUT
             raised = rebuild_source(group[0], group, analysis, config, set(tables_saved), purpose.value)
             if raised.action is Action.QUANTIZE:
-                choices.append(_Choice(prenorm_plan(owner, analysis, output, raised), ((output, purpose),)))
+                choices.append((prenorm_plan(owner, analysis, output, raised), ((output, purpose),)))
     return choices
 
 

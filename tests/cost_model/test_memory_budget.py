@@ -2,6 +2,7 @@
 rule for all (cost_model.budget.fit_budget): the least error class first (exact: recompute, replay, offload; then
 quantization, least sensitive tensors first; then low-rank factors), the fewest seconds per byte saved within it."""
 
+import importlib
 import re
 
 import pytest
@@ -79,7 +80,7 @@ def test_an_unreachable_budget_takes_every_quantizable_tensor_to_2_bits_warns_an
 
 
 def test_the_ladder_finishes_each_stage_before_the_next_and_lowers_q_k_v_last():
-    from fxmem.cost_model.budget import BUDGET_STAGES
+    from fxmem.cost_model.error import BUDGET_STAGES
     _, _, region = _budget_run(fxmem.Config(memory_budget=LADDER_BUDGET))  # reaches q, k, v at 4 bits here
     sensitivity = {Role.ATTN_QKV: 3, Role.LINEAR_INPUT: 2, Role.NORM_INPUT: 1}  # no lora_reorder: no X W here
     bits = {s.name: (p.bits, sensitivity.get(s.role, 0)) for s, p in _quantized(region)}
@@ -272,7 +273,7 @@ def test_a_first_plan_that_fails_is_reported_and_the_region_planned_with_every_p
     def fail(*args, **kwargs):
         raise RuntimeError("a planner bug")
 
-    monkeypatch.setattr(fxmem.cost_model.budget, "_block_move", fail)
+    monkeypatch.setattr(importlib.import_module("fxmem.cost_model.budget"), "_block_options", fail)
     with pytest.warns(fxmem.FallbackWarning, match=r"memory_budget's first plan failed \(RuntimeError: a planner bug"):
         _, grads, region = _budget_run(fxmem.Config(block_checkpoint=True, memory_budget=0.5))
     assert any(n.startswith("memory_budget's first plan failed") for n in region.notes)

@@ -1,6 +1,7 @@
 """Without memory_budget, one rule chooses each storage's plan among typed options against its ceiling, the bytes of
-the compression the config asks of it (cost_model.planner.fit_ceilings): the least error tier first (exact or 8
-bits; rounded coarser; factored), then the fewest seconds per byte saved."""
+the compression the config asks of it (cost_model.planner.fit_ceilings): the one solver's rule (cost_model/solve.py),
+memory_budget's too: the least error class first (exact; codes by width and sensitivity; factored), then the fewest
+seconds per byte saved."""
 
 import importlib
 
@@ -33,10 +34,10 @@ def dear_recompute(monkeypatch):
     monkeypatch.setattr(options, "recompute_seconds", lambda read, device="cpu": 1.0)
 
 
-def test_within_a_tier_the_fewest_seconds_per_byte_wins(dear_recompute):
-    # q, k and v at qkv_bits=8: their codes and their recomputation are one tier, so the price decides
-    priced = _per_head_copies(fxmem.Config(bits=4))
-    assert len(priced) == 6 and all(p.action is Action.QUANTIZE and p.bits == 8 for p in priced.values())
+def test_an_exact_option_beats_8_bit_codes_whatever_it_costs(dear_recompute):
+    # q, k and v at qkv_bits=8: their codes are a class above recomputing them exactly, as under memory_budget
+    recomputed = _per_head_copies(fxmem.Config(bits=4))
+    assert len(recomputed) == 6 and all(p.action is Action.RECOMPUTE and p.seconds == 1.0 for p in recomputed.values())
 
 
 def test_the_cheaper_exact_option_is_taken():
