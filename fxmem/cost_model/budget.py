@@ -70,9 +70,9 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
     """memory_budget: one rule over every typed option (``budget_options``, and a block checkpoint per block the
     analysis offers, ``_block_options``), applied by the one solver (cost_model/solve.py). From the exact plan, each
     step takes the option of the least error class, the fewest seconds per byte it saves within it (the most bytes
-    saved on a tie), among every option that saves device bytes; until the region fits its target or no option is left (budget_note then says the target is not
-    met). A move that changes another storage's options (a RoPE table paid, a storage a recomputation reads moved)
-    prices that storage, and the blocks holding it, again. The ``frozen`` storages (the guard's) are not moved."""
+    saved on a tie), among every option that saves device bytes; until the region fits its target or no option is
+    left (budget_note then says the target is not met). A move that changes another storage's options (a RoPE table
+    paid, a storage a recomputation reads moved) prices that storage, and the blocks holding it, again. The ``frozen`` storages (the guard's) are not moved."""
     target = budget_bytes(analysis, config)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
     free = [storage for storage, group in by_storage.items()
@@ -154,7 +154,8 @@ def _block_options(parts: _BlockParts, by_storage: dict[str, list[SavedTensor]],
     device = next(str(v.device) for v in map(tensor_val, parts.block.nodes) if v is not None)
     forward = forward_seconds(parts.block.nodes, device)
     seconds = forward + sum(p.seconds - owner_plans[s].seconds for s, p in changed.items())
-    error = max((error_class(by_storage[s][0], changed.get(s, owner_plans[s])) for s in parts.sources if s in by_storage),
+    error = max((error_class(by_storage[s][0], changed.get(s, owner_plans[s]))
+                 for s in parts.sources if s in by_storage),
                 default=EXACT_ERROR)
     price = f"a {forward * 1e3:.3g} ms forward for {saved / 2**20:.2f} MiB"
     checkpointed = Checkpoint(f"recomputed in backward with its block, {name}: {price}", block=name, price=price,
