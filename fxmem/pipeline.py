@@ -14,7 +14,7 @@ import functools
 import pathlib
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -157,7 +157,8 @@ class Partitioner(CustomPartitionerFn):
         the blocks) and those blocks checkpointed."""
         region, config = self.region, self.region.config
         first = self._partition(copy_graph_module(joint), joint_inputs, kwargs, exact_bytes,
-                                deferred=_DEFERRED_UNDER_BUDGET, offer_blocks=config.block_checkpoint)
+                                deferred=_DEFERRED_UNDER_BUDGET, offer_blocks=config.block_checkpoint,
+                                partitioned_again=_partitioned_again)
         if first.failure is not None:
             note = (f"memory_budget's first plan failed ({first.failure}); the region is planned again with every "
                     "enabled pass run")
@@ -170,10 +171,10 @@ class Partitioner(CustomPartitionerFn):
                     f"numbers ({', '.join(left)})")
             unsupported(f"fxmem region {region.index}: {note}", config)
             region.notes.append(note)
+        if not _partitioned_again(first):
+            return first
         blocks = first.checkpointed_blocks()
         layers = first.compressed_attention_layers()
-        if not blocks and not layers:
-            return first
         if blocks:
             region.notes.append("memory_budget checkpoints " + "; ".join(sorted(blocks.values())))
         chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes, attention_layers=layers,
@@ -193,11 +194,13 @@ class Partitioner(CustomPartitionerFn):
     def _partition(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
                    exact_bytes: int | None, deferred: Mapping[str, str] | None = None,
                    attention_layers: frozenset[str] | None = None, blocks: frozenset[str] | None = None,
-                   offer_blocks: bool = False) -> Partition:
+                   offer_blocks: bool = False, partitioned_again: Callable[[Partition], bool] | None = None
+                   ) -> Partition:
         """The joint passes but ``deferred`` (recompute_attention in ``attention_layers`` only, checkpoint_blocks in
         ``blocks`` only, where given), torch's min-cut, the analysis and the plan (with a second min-cut for the
-        planner's recomputations). With ``offer_blocks`` the plan may checkpoint blocks: it is then returned as it
-        is, to be partitioned again with them."""
+        planner's recomputations). With ``offer_blocks`` the plan may checkpoint blocks. Where
+        ``partitioned_again`` says the caller partitions the region again from this plan, it is returned as it is:
+        a second min-cut for its recomputations would be thrown away."""
         config = self.region.config
         state = PipelineState(config=config, joint=joint, joint_inputs=joint_inputs,
                               num_fwd_outputs=kwargs["num_fwd_outputs"], probes=[] if self.fidelity_probes else None,
@@ -214,9 +217,9 @@ class Partitioner(CustomPartitionerFn):
             demoted = {s.key: self.demotions[s.key] for s in state.analysis.saved if s.key in self.demotions}
             recomputed = [(s, p) for s, p in zip(state.analysis.saved, state.plans, strict=True)
                           if p.action is Action.RECOMPUTE]
-            # partition again, those tensors' chains tagged, and plan what is saved then (not where blocks are
-            # checkpointed: the backend partitions again with them)
-            if recomputed and not any(p.action is Action.CHECKPOINT for p in state.plans):
+            # partition again, those tensors' chains tagged, and plan what is saved then
+            final = partitioned_again is None or not partitioned_again(Partition(state, records))
+            if recomputed and final:
                 names = {node.name for _, plan in recomputed for node in plan.chain}
                 tag_must_recompute(n for n in joint_for_recompute.graph.nodes if n.name in names)
                 state.fw, state.bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)
@@ -257,6 +260,12 @@ class Partitioner(CustomPartitionerFn):
 def _source_hash() -> str:
     files = sorted(str(p) for p in pathlib.Path(__file__).parent.rglob("*.py"))
     return get_hash_for_files(tuple(files)).hex()
+
+
+def _partitioned_again(first: Partition) -> bool:
+    """Whether memory_budget's first plan is partitioned again (Partitioner._budgeted): it checkpoints blocks, or
+    compresses q, k or v, whose attention is then recomputed."""
+    return bool(first.checkpointed_blocks() or first.compressed_attention_layers())
 
 
 def pinned_notes(held: Pinned) -> list[str]:
