@@ -2,9 +2,13 @@
 ``Partitioner`` as inductor's ``custom_partitioner_fn``): the joint passes, torch's min-cut, the saved-tensor
 analysis and the plan, min-cut again for the planner's recomputations, then the partitioned passes.
 
-Min-cut runs at most twice per plan: once on the joint graph, once more with the plan's recomputations tagged.
-Under memory_budget a fraction is of torch's own partition (one more min-cut, unplanned), and a first plan may ask
-for a second one with attention recomputed in the layers it compresses and the blocks it chose checkpointed.
+Min-cut runs at most twice per region for a preset: once on the joint graph, once more with the plan's
+recomputations tagged (the plan reads what min-cut saves, and what min-cut saves follows from what the plan
+recomputes). Under memory_budget at most three times: a fraction is of torch's own partition (one min-cut,
+unplanned: fxmem's joint passes change what is saved, so no other partition measures it); where the first plan
+compresses q, k or v or checkpoints blocks, the region is partitioned again with attention recomputed in those layers
+and those blocks checkpointed, the first plan's recomputations tagged before that one min-cut
+(tests/test_pipeline.py counts them).
 """
 
 from __future__ import annotations
@@ -178,7 +182,8 @@ class Partitioner(CustomPartitionerFn):
         if blocks:
             region.notes.append("memory_budget checkpoints " + "; ".join(sorted(blocks.values())))
         chosen = self._partition(joint, joint_inputs, kwargs, exact_bytes, attention_layers=layers,
-                                 deferred=None if blocks else _NO_BLOCK_CHECKPOINT, blocks=frozenset(blocks) or None)
+                                 deferred=None if blocks else _NO_BLOCK_CHECKPOINT, blocks=frozenset(blocks) or None,
+                                 carried=first.recomputed)
         if chosen.failure is None:
             chosen.keep_attention_inputs_outside(layers)
         return chosen
@@ -194,27 +199,33 @@ class Partitioner(CustomPartitionerFn):
     def _partition(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
                    exact_bytes: int | None, deferred: Mapping[str, str] | None = None,
                    attention_layers: frozenset[str] | None = None, blocks: frozenset[str] | None = None,
-                   offer_blocks: bool = False, partitioned_again: Callable[[Partition], bool] | None = None
-                   ) -> Partition:
+                   offer_blocks: bool = False, partitioned_again: Callable[[Partition], bool] | None = None,
+                   carried: list[tuple[SavedTensor, Plan]] | None = None) -> Partition:
         """The joint passes but ``deferred`` (recompute_attention in ``attention_layers`` only, checkpoint_blocks in
         ``blocks`` only, where given), torch's min-cut, the analysis and the plan (with a second min-cut for the
         planner's recomputations). With ``offer_blocks`` the plan may checkpoint blocks. Where
         ``partitioned_again`` says the caller partitions the region again from this plan, it is returned as it is:
-        a second min-cut for its recomputations would be thrown away."""
+        a second min-cut for its recomputations would be thrown away. ``carried``: that earlier plan's
+        recomputations, tagged before the one min-cut here and not offered again."""
         config = self.region.config
         state = PipelineState(config=config, joint=joint, joint_inputs=joint_inputs,
                               num_fwd_outputs=kwargs["num_fwd_outputs"], probes=[] if self.fidelity_probes else None,
                               attention_layers=attention_layers, blocks=blocks)
         records = self.passes.run("joint", state, skip=deferred)
         offered = tuple(find_blocks(state.joint.graph)) if offer_blocks else ()
+        tagged = self._tag_carried(state.joint, carried) if carried is not None else None
         # min-cut marks the graph it partitions: a copy to partition again with the planner's recomputations
-        joint_for_recompute = copy_graph_module(state.joint) if config.compresses else None
+        joint_for_recompute = copy_graph_module(state.joint) if config.compresses and tagged is None else None
         state.fw, state.bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
         try:
-            state.analysis = dataclasses.replace(self._analyze(state.fw, state.bw, kwargs, exact_bytes),
-                                                 blocks=offered)
+            analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=tagged is None)
+            sources = replay_sources(tagged) if tagged else frozenset()
+            state.analysis = dataclasses.replace(analysis, blocks=offered,
+                                                 rebuild_sources=analysis.rebuild_sources | sources)
             state.plans = plan_region(state.analysis, config, enabled_techniques(config), self.demotions)
             demoted = {s.key: self.demotions[s.key] for s in state.analysis.saved if s.key in self.demotions}
+            if tagged is not None:
+                return Partition(state, records, tagged, demoted=demoted)
             recomputed = [(s, p) for s, p in zip(state.analysis.saved, state.plans, strict=True)
                           if p.action is Action.RECOMPUTE]
             # partition again, those tensors' chains tagged, and plan what is saved then
@@ -230,6 +241,18 @@ class Partitioner(CustomPartitionerFn):
         except Exception as error:  # reported, and the region compiles as plain inductor
             return Partition(state, records, failure=f"{type(error).__name__}: {error}")
         return Partition(state, records, recomputed, demoted=demoted)
+
+    @staticmethod
+    def _tag_carried(joint: GraphModule, carried: list[tuple[SavedTensor, Plan]]
+                     ) -> list[tuple[SavedTensor, Plan]] | None:
+        """The first plan's recomputations tagged on ``joint`` before its one min-cut, where every node of their
+        chains is in it (else None: the plan offers recomputation again, and min-cut runs twice)."""
+        names = {node.name for _, plan in carried for node in plan.chain}
+        nodes = [n for n in joint.graph.nodes if n.name in names]
+        if len(nodes) != len(names):
+            return None
+        tag_must_recompute(nodes)
+        return carried
 
     @staticmethod
     def _analyze(fw: GraphModule, bw: GraphModule, kwargs: dict[str, Any], exact_bytes: int | None = None, *,
