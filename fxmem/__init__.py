@@ -15,10 +15,9 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 from fxmem.config import PRESETS, Config  # imports no torch
 from fxmem.fallback import FallbackError, FallbackWarning  # nor this
+from fxmem.version import __version__
 
 if TYPE_CHECKING:
     from fxmem import measure

@@ -12,7 +12,7 @@ import torch
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
-from fxmem import __version__
+from fxmem.version import __version__
 from fxmem.analysis import ROLE_DESCRIPTIONS, Role, SavedRecord
 from fxmem.cost_model import host_bytes, planned_bytes
 from fxmem.cost_model.plan import Action, Plan
