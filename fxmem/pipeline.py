@@ -5,10 +5,13 @@ analysis and the plan, min-cut again for the planner's recomputations, then the 
 Min-cut runs at most twice per region for a preset: once on the joint graph, once more with the plan's
 recomputations tagged (the plan reads what min-cut saves, and what min-cut saves follows from what the plan
 recomputes). Under memory_budget at most three times: a fraction is of torch's own partition (one min-cut,
-unplanned: fxmem's joint passes change what is saved, so no other partition measures it); where the first plan
-compresses q, k or v or checkpoints blocks, the region is partitioned again with attention recomputed in those layers
-and those blocks checkpointed, the first plan's recomputations tagged before that one min-cut
-(tests/test_pipeline.py counts them).
+unplanned: fxmem's joint passes change what is saved, so no other partition measures it); the first plan's; then
+either its recomputations tagged, or, where it compresses q, k or v or checkpoints blocks, the region partitioned
+again with attention recomputed in those layers and those blocks checkpointed, the first plan's recomputations
+tagged before that one min-cut and none offered again (tests/test_pipeline.py counts them). One more where the
+first plan's own re-plan compresses q, k or v (attention must then be recomputed beside them), where a carried
+chain cannot be tagged (its nodes not all in the second joint graph, or one a joint pass must save), or where the
+first plan fails.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from typing import Any
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.fx import GraphModule
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis import Analysis, SavedTensor, analyze
 from fxmem.analysis.blocks import find_blocks
 from fxmem.analysis.liveness import compiled_liveness, graph_liveness
+from fxmem.analysis.meta import RECOMPUTE
 from fxmem.analysis.pinned import Pinned, pinned
 from fxmem.cost_model.budget import budget_bytes, budget_note
 from fxmem.cost_model.memory import op_workspace_bytes
@@ -246,10 +251,12 @@ class Partitioner(CustomPartitionerFn):
     def _tag_carried(joint: GraphModule, carried: list[tuple[SavedTensor, Plan]]
                      ) -> list[tuple[SavedTensor, Plan]] | None:
         """The first plan's recomputations tagged on ``joint`` before its one min-cut, where every node of their
-        chains is in it (else None: the plan offers recomputation again, and min-cut runs twice)."""
+        chains is in it and none is one a joint pass must save (else None: the plan offers recomputation again, and
+        min-cut runs twice)."""
         names = {node.name for _, plan in carried for node in plan.chain}
         nodes = [n for n in joint.graph.nodes if n.name in names]
-        if len(nodes) != len(names):
+        # a chain through what a joint pass must save (checkpoint_blocks' block inputs, its tags the last word)
+        if len(nodes) != len(names) or any(n.meta.get(RECOMPUTE) is CheckpointPolicy.MUST_SAVE for n in nodes):
             return None
         tag_must_recompute(nodes)
         return carried

@@ -3,10 +3,14 @@ memory_budget fraction: each run is one the region's plan needs."""
 
 import pytest
 import torch
+from torch.utils.checkpoint import CheckpointPolicy
 
 import fxmem
 from fxmem import pipeline
 from fxmem.cost_model.plan import Action
+from fxmem.analysis.meta import RECOMPUTE
+from fxmem.cost_model.plan import Recompute
+from fxmem.passes.manager import copy_graph_module
 from tests.conftest import pass_summary, tiny_model
 
 
@@ -56,5 +60,31 @@ def test_a_budget_partitions_torchs_way_then_twice_and_carries_the_first_plans_r
     assert len(min_cuts) == 3
     exact, first, second = min_cuts
     [chains] = carried
-    assert chains and chains <= set(second) and not chains & set(first)
+    assert chains and not chains & set(first)  # the first plan's chains, not tagged by any joint pass
     assert not exact  # torch's own partition, the fraction's reference: no fxmem pass ran on it
+
+
+def _carried_chain():
+    """A traced graph, a copy of it (the second partition's joint), and a recomputation planned on the first."""
+    traced = torch.fx.symbolic_trace(lambda x: (x.sin() * 2).cos())
+    chain = [n for n in traced.graph.nodes if n.op == "call_method" and n.target == "sin"]
+    return copy_graph_module(traced), [(None, Recompute("planned on the first partition", chain=chain))]
+
+
+def test_carried_chains_are_tagged_on_the_second_joint_by_name():
+    joint, carried = _carried_chain()
+    assert pipeline.Partitioner._tag_carried(joint, carried) is carried
+    tagged = [n.name for n in joint.graph.nodes if n.meta.get(RECOMPUTE) is CheckpointPolicy.MUST_RECOMPUTE]
+    assert tagged == ["sin"]
+
+
+def test_a_chain_missing_from_the_second_joint_or_through_what_it_must_save_is_not_carried():
+    joint, carried = _carried_chain()
+    [sin] = [n for n in joint.graph.nodes if n.name == "sin"]
+    sin.meta[RECOMPUTE] = CheckpointPolicy.MUST_SAVE  # checkpoint_blocks' block input: its tag stands
+    assert pipeline.Partitioner._tag_carried(joint, carried) is None
+    assert sin.meta[RECOMPUTE] is CheckpointPolicy.MUST_SAVE
+    del sin.meta[RECOMPUTE]
+    sin.name = "sin_renamed"
+    assert pipeline.Partitioner._tag_carried(joint, carried) is None
+    assert all(RECOMPUTE not in n.meta for n in joint.graph.nodes)

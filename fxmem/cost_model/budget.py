@@ -72,7 +72,8 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
     step takes the option of the least error class, the fewest seconds per byte it saves within it (the most bytes
     saved on a tie), among every option that saves device bytes; until the region fits its target or no option is
     left (budget_note then says the target is not met). A move that changes another storage's options (a RoPE table
-    paid, a storage a recomputation reads moved) prices that storage, and the blocks holding it, again. The ``frozen`` storages (the guard's) are not moved."""
+    paid, a storage a recomputation reads moved) prices that storage, and the blocks holding it, again. The ``frozen``
+    storages (the guard's) are not moved."""
     target = budget_bytes(analysis, config)
     total = sum(planned_bytes(group[0], owner_plans[storage]) for storage, group in by_storage.items())
     free = [storage for storage, group in by_storage.items()
@@ -123,7 +124,6 @@ def fit_budget(analysis: Analysis, by_storage: dict[str, list[SavedTensor]], own
     solve(Budget(total, target), [*free, *blocks], price, apply)
 
 
-
 def _block_options(parts: _BlockParts, by_storage: dict[str, list[SavedTensor]], owner_plans: dict[str, Plan],
                    config: Config, spending: _Spending) -> list[Option]:
     """Checkpointing a block from the plans now, or nothing where it saves no device bytes or cannot be
@@ -151,12 +151,13 @@ def _block_options(parts: _BlockParts, by_storage: dict[str, list[SavedTensor]],
     changed = plans | freed
     saved = sum(planned_bytes(by_storage[s][0], owner_plans[s]) - planned_bytes(by_storage[s][0], p)
                 for s, p in changed.items()) - sum(added.values())
+    if saved <= 0:
+        return []
     device = next(str(v.device) for v in map(tensor_val, parts.block.nodes) if v is not None)
     forward = forward_seconds(parts.block.nodes, device)
     seconds = forward + sum(p.seconds - owner_plans[s].seconds for s, p in changed.items())
     error = max((error_class(by_storage[s][0], changed.get(s, owner_plans[s]))
-                 for s in parts.sources if s in by_storage),
-                default=EXACT_ERROR)
+                 for s in parts.sources if s in by_storage), default=EXACT_ERROR)
     price = f"a {forward * 1e3:.3g} ms forward for {saved / 2**20:.2f} MiB"
     checkpointed = Checkpoint(f"recomputed in backward with its block, {name}: {price}", block=name, price=price,
                               nbytes=0)
@@ -227,7 +228,7 @@ def budget_options(owner: SavedTensor, by_storage: dict[str, list[SavedTensor]],
     if quantizable(group, config):
         floor = max(lowest_bits(owner), spending.floors.get(storage, 0))
         owner_sensitivity = sensitivity(owner)
-        lower = [bits for bits, sensitivity in BUDGET_STAGES if sensitivity == owner_sensitivity
+        lower = [bits for bits, stage_sensitivity in BUDGET_STAGES if stage_sensitivity == owner_sensitivity
                  and bits >= floor and (plan.action is Action.KEEP or bits < plan.bits)]
     for bits in lower:
         tables = set(tables_saved)

@@ -110,11 +110,11 @@ def _fit_total(target: Budget, units: Sequence[str], price: Callable[[str], list
     total = target.total
     push(units)
     while total > target.target and heap:
-        key, _, option = heapq.heappop(heap)
+        _, _, option = heapq.heappop(heap)
         fresh = best(option.unit)
         if fresh is None:
             continue
-        if option_key(fresh) != key or fresh != option:  # another move changed what this one reads: priced again
+        if fresh != option:  # another move changed what this one reads: priced again
             push([option.unit])
             continue
         total -= option.saves
