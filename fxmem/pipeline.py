@@ -21,16 +21,16 @@ import functools
 import pathlib
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmem.analysis import Analysis, SavedTensor, analyze
-from fxmem.analysis.blocks import find_blocks
+from fxmem.analysis.blocks import Block, find_blocks
 from fxmem.analysis.liveness import compiled_liveness, graph_liveness
 from fxmem.analysis.meta import RECOMPUTE
 from fxmem.analysis.pinned import Pinned, pinned
@@ -167,7 +167,7 @@ class Partitioner(CustomPartitionerFn):
         region, config = self.region, self.region.config
         first = self._partition(copy_graph_module(joint), joint_inputs, kwargs, exact_bytes,
                                 deferred=_DEFERRED_UNDER_BUDGET, offer_blocks=config.block_checkpoint,
-                                partitioned_again=_partitioned_again)
+                                may_partition_again=True)
         if first.failure is not None:
             note = (f"memory_budget's first plan failed ({first.failure}); the region is planned again with every "
                     "enabled pass run")
@@ -204,14 +204,14 @@ class Partitioner(CustomPartitionerFn):
     def _partition(self, joint: GraphModule, joint_inputs: Sequence[Any], kwargs: dict[str, Any],
                    exact_bytes: int | None, deferred: Mapping[str, str] | None = None,
                    attention_layers: frozenset[str] | None = None, blocks: frozenset[str] | None = None,
-                   offer_blocks: bool = False, partitioned_again: Callable[[Partition], bool] | None = None,
+                   offer_blocks: bool = False, may_partition_again: bool = False,
                    carried: list[tuple[SavedTensor, Plan]] | None = None) -> Partition:
         """The joint passes but ``deferred`` (recompute_attention in ``attention_layers`` only, checkpoint_blocks in
         ``blocks`` only, where given), torch's min-cut, the analysis and the plan (with a second min-cut for the
-        planner's recomputations). With ``offer_blocks`` the plan may checkpoint blocks. Where
-        ``partitioned_again`` says the caller partitions the region again from this plan, it is returned as it is:
-        a second min-cut for its recomputations would be thrown away. ``carried``: that earlier plan's
-        recomputations, tagged before the one min-cut here and not offered again."""
+        planner's recomputations). With ``offer_blocks`` the plan may checkpoint blocks. With
+        ``may_partition_again`` (memory_budget's first plan), a plan the caller partitions again
+        (_partitioned_again) is returned as it is: a second min-cut for its recomputations would be thrown away.
+        ``carried``: that earlier plan's recomputations, tagged before the one min-cut here and not offered again."""
         config = self.region.config
         state = PipelineState(config=config, joint=joint, joint_inputs=joint_inputs,
                               num_fwd_outputs=kwargs["num_fwd_outputs"], probes=[] if self.fidelity_probes else None,
@@ -223,26 +223,22 @@ class Partitioner(CustomPartitionerFn):
         joint_for_recompute = copy_graph_module(state.joint) if config.compresses and tagged is None else None
         state.fw, state.bw = min_cut_rematerialization_partition(state.joint, joint_inputs, **kwargs)
         try:
-            analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=tagged is None)
-            sources = replay_sources(tagged) if tagged else frozenset()
-            state.analysis = dataclasses.replace(analysis, blocks=offered,
-                                                 rebuild_sources=analysis.rebuild_sources | sources)
-            state.plans = plan_region(state.analysis, config, enabled_techniques(config), self.demotions)
+            if tagged is None:
+                state.analysis = dataclasses.replace(self._analyze(state.fw, state.bw, kwargs, exact_bytes),
+                                                     blocks=offered)
+                state.plans = plan_region(state.analysis, config, enabled_techniques(config), self.demotions)
+            else:
+                self._plan_recomputed(state, kwargs, exact_bytes, tagged, blocks=offered)
             demoted = {s.key: self.demotions[s.key] for s in state.analysis.saved if s.key in self.demotions}
             if tagged is not None:
                 return Partition(state, records, tagged, demoted=demoted)
             recomputed = [(s, p) for s, p in zip(state.analysis.saved, state.plans, strict=True)
                           if p.action is Action.RECOMPUTE]
             # partition again, those tensors' chains tagged, and plan what is saved then
-            final = partitioned_again is None or not partitioned_again(Partition(state, records))
-            if recomputed and final:
-                names = {node.name for _, plan in recomputed for node in plan.chain}
-                tag_must_recompute(n for n in joint_for_recompute.graph.nodes if n.name in names)
+            if recomputed and not (may_partition_again and _partitioned_again(Partition(state, records))):
+                tag_must_recompute(_chain_nodes(joint_for_recompute, recomputed))
                 state.fw, state.bw = min_cut_rematerialization_partition(joint_for_recompute, joint_inputs, **kwargs)
-                sources = replay_sources(recomputed)
-                analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=False)
-                state.analysis = dataclasses.replace(analysis, rebuild_sources=analysis.rebuild_sources | sources)
-                state.plans = plan_region(state.analysis, config, enabled_techniques(config), self.demotions)
+                self._plan_recomputed(state, kwargs, exact_bytes, recomputed)
         except Exception as error:  # reported, and the region compiles as plain inductor
             return Partition(state, records, failure=f"{type(error).__name__}: {error}")
         return Partition(state, records, recomputed, demoted=demoted)
@@ -253,13 +249,22 @@ class Partitioner(CustomPartitionerFn):
         """The first plan's recomputations tagged on ``joint`` before its one min-cut, where every node of their
         chains is in it and none is one a joint pass must save (else None: the plan offers recomputation again, and
         min-cut runs twice)."""
-        names = {node.name for _, plan in carried for node in plan.chain}
-        nodes = [n for n in joint.graph.nodes if n.name in names]
+        nodes = _chain_nodes(joint, carried)
         # a chain through what a joint pass must save (checkpoint_blocks' block inputs, its tags the last word)
-        if len(nodes) != len(names) or any(n.meta.get(RECOMPUTE) is CheckpointPolicy.MUST_SAVE for n in nodes):
+        if len(nodes) != len({n.name for _, plan in carried for n in plan.chain}) or any(
+                n.meta.get(RECOMPUTE) is CheckpointPolicy.MUST_SAVE for n in nodes):
             return None
         tag_must_recompute(nodes)
         return carried
+
+    def _plan_recomputed(self, state: PipelineState, kwargs: dict[str, Any], exact_bytes: int | None,
+                         recomputed: list[tuple[SavedTensor, Plan]], blocks: tuple[Block, ...] = ()) -> None:
+        """The analysis and plan of a partition with ``recomputed``'s chains tagged: none is offered recomputation
+        again, and what they replay from is held as a rebuild source."""
+        analysis = self._analyze(state.fw, state.bw, kwargs, exact_bytes, recompute=False)
+        state.analysis = dataclasses.replace(analysis, blocks=blocks,
+                                             rebuild_sources=analysis.rebuild_sources | replay_sources(recomputed))
+        state.plans = plan_region(state.analysis, self.config, enabled_techniques(self.config), self.demotions)
 
     @staticmethod
     def _analyze(fw: GraphModule, bw: GraphModule, kwargs: dict[str, Any], exact_bytes: int | None = None, *,
@@ -290,6 +295,12 @@ class Partitioner(CustomPartitionerFn):
 def _source_hash() -> str:
     files = sorted(str(p) for p in pathlib.Path(__file__).parent.rglob("*.py"))
     return get_hash_for_files(tuple(files)).hex()
+
+
+def _chain_nodes(joint: GraphModule, recomputed: list[tuple[SavedTensor, Plan]]) -> list[Node]:
+    """The nodes of ``joint`` that the recomputations' chains name (planned on another copy of it)."""
+    names = {node.name for _, plan in recomputed for node in plan.chain}
+    return [n for n in joint.graph.nodes if n.name in names]
 
 
 def _partitioned_again(first: Partition) -> bool:
